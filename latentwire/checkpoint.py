@@ -1,0 +1,98 @@
+"""Checkpoints: `checkpoints/step_<8 digits>/` holds
+
+- `trainable.safetensors`: encoder + adapters, plain tensor names, loadable with safetensors alone;
+- `train_state.pt`: optimizer, LR schedule, grad scaler, data position and step;
+- `rng_rank<R>.pt`: each rank's RNG states (python, numpy, torch, CUDA);
+- `meta.json`: profile, resolved configuration, library versions.
+
+A checkpoint is written into a temporary directory, fsynced and renamed, so it is either complete
+or absent: a job killed mid-save never leaves a half checkpoint under a `step_` name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STEP_PREFIX = "step_"
+WEIGHTS = "trainable.safetensors"
+TRAIN_STATE = "train_state.pt"
+META = "meta.json"
+
+
+def checkpoint_dir(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / "checkpoints" / f"{STEP_PREFIX}{step:08d}"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def versions() -> dict:
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "numpy": np.__version__}
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new files, a rename) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, meta: dict, rank: int) -> Path:
+    """Collective: every rank calls it. Rank 0 writes the shared state, each rank its RNG."""
+    from safetensors.torch import save_file
+
+    final = checkpoint_dir(out_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a job killed mid-save
+        tmp.mkdir(parents=True)
+    _barrier()
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
+        torch.save(train_state, tmp / TRAIN_STATE)
+        (tmp / META).write_text(json.dumps({**meta, "step": step, "versions": versions()}, indent=2))
+    _barrier()
+    if rank == 0:
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    _barrier()
+    return final
+
+
+def list_checkpoints(out_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary directories are not listed)."""
+    root = Path(out_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
+
+
+def prune_checkpoints(out_dir: Path, keep: int) -> None:
+    for old in list_checkpoints(out_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

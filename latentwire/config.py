@@ -1,0 +1,264 @@
+"""Hardware profiles and the resolved run configuration.
+
+A profile is one key of `hw_profiles.json`. It may `extend` another profile and override
+some of its fields. Every field is checked against `FIELDS` (name, type, allowed values) so
+that a typo in the JSON or on the command line is a one-line error naming the field, not a
+KeyError deep inside the loop. Every field is also a command-line flag of the same name with
+dashes (`micro_batch_size` -> `--micro-batch-size`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
+
+
+class UserError(Exception):
+    """Bad input from the user: reported as one `error: ...` line and a non-zero exit."""
+
+
+@dataclass(frozen=True)
+class Field:
+    kind: type  # int, float, bool or str
+    help: str
+    choices: tuple = ()
+    nullable: bool = False
+    positive: bool = False  # > 0 (numbers only)
+    non_negative: bool = False  # >= 0 (numbers only)
+
+
+FIELDS: dict[str, Field] = {
+    # --- the card -------------------------------------------------------------------------
+    "description": Field(str, "what this profile is for"),
+    "device": Field(str, "cuda or cpu", choices=("cuda", "cpu")),
+    "memory_gb": Field(float, "memory of one device in GB (GiB for CUDA cards)", positive=True),
+    "supports_bf16": Field(bool, "whether the card has bf16 tensor cores"),
+    "peak_tflops_bf16": Field(float, "dense bf16 peak TFLOP/s of one device", nullable=True, positive=True),
+    "peak_tflops_fp16": Field(float, "dense fp16 peak TFLOP/s of one device", nullable=True, positive=True),
+    "peak_tflops_fp32": Field(float, "dense fp32 (TF32 on Ampere+) peak TFLOP/s", nullable=True, positive=True),
+    # --- numerics -------------------------------------------------------------------------
+    "precision": Field(str, "autocast dtype", choices=("bf16", "fp16", "fp32")),
+    "compile": Field(bool, "torch.compile the forward pass"),
+    "compile_mode": Field(str, "torch.compile mode",
+                          choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
+    "activation_checkpointing": Field(bool, "recompute the frozen LLMs' decoder layers in backward"),
+    # --- batch and schedule ---------------------------------------------------------------
+    "micro_batch_size": Field(int, "examples per rank per forward pass", positive=True),
+    "grad_accum_steps": Field(int, "micro-batches per optimizer step", positive=True),
+    "max_steps": Field(int, "optimizer steps", positive=True),
+    "lr": Field(float, "peak learning rate of OneCycle", positive=True),
+    "weight_decay": Field(float, "AdamW weight decay", non_negative=True),
+    "adam_beta1": Field(float, "AdamW beta1", non_negative=True),
+    "adam_beta2": Field(float, "AdamW beta2", non_negative=True),
+    "max_grad_norm": Field(float, "clip the global gradient norm to this", positive=True),
+    "pct_start": Field(float, "fraction of steps spent warming up", positive=True),
+    "anneal_strategy": Field(str, "OneCycle annealing", choices=("cos", "linear")),
+    "div_factor": Field(float, "initial lr = lr / div_factor", positive=True),
+    "final_div_factor": Field(float, "final lr = initial lr / final_div_factor", positive=True),
+    "seed": Field(int, "seed of model init, data order and dropout", non_negative=True),
+    # --- model ----------------------------------------------------------------------------
+    "llama": Field(str, "Llama-family LLM: hub id, local directory, or 'tiny'"),
+    "qwen": Field(str, "Qwen-family LLM: hub id, local directory, or 'tiny'"),
+    "num_latents": Field(int, "M, the number of soft tokens on the wire", positive=True),
+    "d_z": Field(int, "width of one wire token", positive=True),
+    "encoder_dim": Field(int, "width of the byte encoder", positive=True),
+    "encoder_layers": Field(int, "transformer layers of the byte encoder", positive=True),
+    "encoder_heads": Field(int, "attention heads of the byte encoder", positive=True),
+    "dropout": Field(float, "dropout in the encoder and adapters", non_negative=True),
+    # --- data -----------------------------------------------------------------------------
+    "dataset": Field(str, "'synthetic', 'squad', 'hotpot_qa' or a local .json/.jsonl/.parquet"),
+    "num_examples": Field(int, "size of the synthetic training set", positive=True),
+    "max_prompt_bytes": Field(int, "prompts are cut to this many UTF-8 bytes", positive=True),
+    "max_answer_tokens": Field(int, "answers are cut to this many tokens", positive=True),
+    "pad_multiple": Field(int, "pad lengths to a multiple of this (few shapes for compile)", positive=True),
+    "num_workers": Field(int, "DataLoader worker processes per rank", non_negative=True),
+    "prefetch_factor": Field(int, "batches each worker loads ahead", positive=True),
+    # --- run ------------------------------------------------------------------------------
+    "out_dir": Field(str, "where metrics, traces and checkpoints go"),
+    "log_every": Field(int, "log every N optimizer steps", positive=True),
+    "checkpoint_every": Field(int, "checkpoint every N steps (0: only at the end)", non_negative=True),
+    "keep_checkpoints": Field(int, "keep the newest K checkpoints", positive=True),
+    "dist_timeout_s": Field(int, "collective timeout of the process group", positive=True),
+    "profiler": Field(bool, "run torch.profiler and write traces under out_dir"),
+    "profiler_wait": Field(int, "profiler schedule: steps skipped", non_negative=True),
+    "profiler_warmup": Field(int, "profiler schedule: steps traced but discarded", non_negative=True),
+    "profiler_active": Field(int, "profiler schedule: steps recorded", positive=True),
+}
+
+
+@dataclass(frozen=True)
+class RunFlags:
+    """Flags that describe this invocation rather than the hardware."""
+    profile: str
+    resume: bool = False
+    overwrite: bool = False
+    stop_at_step: int | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The resolved configuration: a profile plus command-line overrides, validated."""
+    values: dict
+    run: RunFlags
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def replace(self, **changes) -> "Config":
+        return Config({**self.values, **changes}, self.run)
+
+    def to_dict(self) -> dict:
+        return {"profile": self.run.profile, **self.values}
+
+
+# --- loading hw_profiles.json -----------------------------------------------------------------
+
+def read_profiles(path: Path = DEFAULT_PROFILES) -> dict:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"hardware profile file {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise UserError(f"{path} must map profile keys to objects of fields")
+    return raw
+
+
+def resolve_profile(profiles: dict, key: str, path: Path = DEFAULT_PROFILES) -> dict:
+    """The profile `key` with its `extends` chain applied, every field checked."""
+    if key not in profiles:
+        raise UserError(f"unknown profile {key!r}; valid profiles: {', '.join(sorted(profiles))}")
+    chain, cur = [], key
+    while cur is not None:
+        if cur in chain:
+            raise UserError(f"profile {key!r} in {path}: 'extends' forms a cycle through {cur!r}")
+        if cur not in profiles:
+            raise UserError(f"profile {chain[-1]!r} in {path}: field 'extends' names unknown profile {cur!r}")
+        chain.append(cur)
+        cur = profiles[cur].get("extends")
+        if cur is not None and not isinstance(cur, str):
+            raise UserError(f"profile {chain[-1]!r} in {path}: field 'extends' must be a profile key")
+    merged: dict = {}
+    for name in reversed(chain):
+        merged.update({k: v for k, v in profiles[name].items() if k != "extends"})
+    for name in chain:
+        for field in profiles[name]:
+            if field != "extends" and field not in FIELDS:
+                raise UserError(f"profile {name!r} in {path}: unknown field {field!r}")
+    missing = [f for f in FIELDS if f not in merged]
+    if missing:
+        raise UserError(f"profile {key!r} in {path}: missing field {missing[0]!r}")
+    for field, value in merged.items():
+        merged[field] = check_value(field, value, where=f"profile {key!r} in {path}")
+    check_consistency(merged, where=f"profile {key!r}")
+    return merged
+
+
+def check_value(field: str, value, where: str):
+    spec = FIELDS[field]
+    if value is None:
+        if spec.nullable:
+            return None
+        raise UserError(f"{where}: field {field!r} must not be null")
+    if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not spec.kind:
+        raise UserError(f"{where}: field {field!r} must be {spec.kind.__name__}, got {value!r}")
+    if spec.choices and value not in spec.choices:
+        raise UserError(f"{where}: field {field!r} must be one of {', '.join(spec.choices)}, got {value!r}")
+    if spec.positive and not value > 0:
+        raise UserError(f"{where}: field {field!r} must be > 0, got {value!r}")
+    if spec.non_negative and not value >= 0:
+        raise UserError(f"{where}: field {field!r} must be >= 0, got {value!r}")
+    return value
+
+
+def check_consistency(v: dict, where: str) -> None:
+    """Rules that tie fields together."""
+    if v["precision"] == "bf16" and not v["supports_bf16"]:
+        raise UserError(f"{where}: precision bf16 on a card without bf16 support; use fp16 or fp32")
+    if not 0 < v["pct_start"] < 1:
+        raise UserError(f"{where}: field 'pct_start' must be between 0 and 1, got {v['pct_start']}")
+    if v["dropout"] >= 1:
+        raise UserError(f"{where}: field 'dropout' must be below 1, got {v['dropout']}")
+    for beta in ("adam_beta1", "adam_beta2"):
+        if v[beta] >= 1:
+            raise UserError(f"{where}: field {beta!r} must be below 1, got {v[beta]}")
+    for dim in ("encoder_dim", "d_z"):
+        if v[dim] % v["encoder_heads"]:
+            raise UserError(f"{where}: field {dim!r} ({v[dim]}) must be divisible by encoder_heads "
+                            f"({v['encoder_heads']})")
+
+
+# --- the command line -------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and exits 2; we want one line
+        raise UserError(message)
+
+
+def parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _flag_type(spec: Field):
+    if spec.kind is bool:
+        return parse_bool
+    if spec.nullable:
+        return lambda s: None if s.lower() in ("null", "none") else spec.kind(s)
+    return spec.kind
+
+
+def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Train LatentWire from a hardware profile.")
+    p.add_argument("--profile", required=True, help="a key of hw_profiles.json")
+    p.add_argument("--hw-profiles", default=str(DEFAULT_PROFILES), help="the profile file")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="start afresh in an out_dir that holds a run")
+    p.add_argument("--stop-at-step", type=int, default=None,
+                   help="save and exit 0 after this optimizer step (the schedule is unchanged)")
+    for name, spec in FIELDS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=_flag_type(spec), default=None,
+                       help=spec.help)
+    return p
+
+
+def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config:
+    """Parse the command line and return the validated configuration."""
+    args = build_parser(prog).parse_args(argv)
+    path = Path(args.hw_profiles)
+    values = resolve_profile(read_profiles(path), args.profile, path)
+    for name in FIELDS:
+        flag = getattr(args, name)
+        if flag is not None:
+            values[name] = check_value(name, flag, where="--" + name.replace("_", "-"))
+    check_consistency(values, where="the resolved configuration")
+    if args.stop_at_step is not None and args.stop_at_step <= 0:
+        raise UserError(f"--stop-at-step must be > 0, got {args.stop_at_step}")
+    run = RunFlags(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
+                   stop_at_step=args.stop_at_step)
+    return Config(values, run)
+
+
+def main_guard(main):
+    """Run `main()`; bad input becomes `error: ...` on stderr and exit code 2, no traceback."""
+    import sys
+    try:
+        return main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

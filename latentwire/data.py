@@ -1,0 +1,318 @@
+"""Examples, prompts and batches.
+
+An example is a dict in SQuAD's field layout: `{"context", "question", "answers": {"text": [...]}}`.
+It comes from the built-in synthetic set, a hub dataset (`squad`, `hotpot_qa`), or a local
+`.json` / `.jsonl` / `.parquet` file; every record is checked so that a bad file is a one-line
+`UserError` naming the file and the field, not a KeyError inside a DataLoader worker.
+
+The encoder reads the prompt as raw UTF-8 bytes; each frozen LLM reads only the answer tokens
+of its own tokenizer. `Collator` builds both, padded to few distinct shapes.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import UserError
+
+PAD_BYTE = 256  # byte values are 0..255, so the encoder's byte embedding has 257 rows
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index
+ANSWER_PAD_MULTIPLE = 8
+HELD_OUT_SEED_OFFSET = 1_000_003
+HUB_DATASETS = ("squad", "hotpot_qa")
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+# --- the built-in synthetic reading-comprehension set -------------------------------------
+
+@dataclass(frozen=True)
+class _Attribute:
+    statement: str  # one context sentence, formatted with name and value
+    question: str  # formatted with name
+    values: tuple[str, ...]
+
+
+NAMES = (
+    "Maria", "James", "Aisha", "Chen", "Olga", "Pedro", "Fatima", "Liam", "Yuki", "Omar",
+    "Sofia", "Ivan", "Priya", "Lucas", "Amara", "Noah", "Elena", "Hassan", "Mia", "Diego",
+    "Hana", "Felix", "Zara", "Mateo", "Ingrid", "Kofi", "Lena", "Ravi", "Chloe", "Tariq",
+    "Nina", "Oscar", "Leila", "Hugo", "Sara", "Arjun", "Greta", "Jonas", "Rosa", "Malik",
+)
+
+# Small vocabularies and one fixed sentence per attribute keep the task learnable by a tiny
+# model in a few hundred steps; the answer still depends on which person and which attribute
+# the question names, so the prompt really matters.
+ATTRIBUTES = (
+    _Attribute("{name} lives in {value}.", "Which city does {name} live in?",
+               ("Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Berlin", "Madrid", "Toronto", "Sydney",
+                "Nairobi", "Dublin", "Seoul", "Lisbon", "Vienna", "Mumbai", "Chicago", "Prague",
+                "Denver", "Athens", "Bogota")),
+    _Attribute("{name}'s favourite colour is {value}.", "What is {name}'s favourite colour?",
+               ("red", "blue", "green", "yellow", "purple", "orange", "pink", "brown", "black",
+                "white", "grey", "gold", "silver", "teal")),
+    _Attribute("{name} has a pet {value}.", "What pet does {name} have?",
+               ("cat", "dog", "parrot", "rabbit", "hamster", "turtle", "goldfish", "horse", "snake",
+                "lizard", "ferret", "pony")),
+    _Attribute("{name} works as a {value}.", "What is {name}'s job?",
+               ("doctor", "teacher", "baker", "pilot", "nurse", "lawyer", "farmer", "chef", "dentist",
+                "painter", "plumber", "writer", "singer", "banker", "tailor", "carpenter", "sailor",
+                "judge", "barber", "librarian")),
+    _Attribute("{name} is {value} years old.", "How old is {name}?",
+               tuple(str(age) for age in range(20, 50))),
+    _Attribute("{name} plays {value}.", "Which sport does {name} play?",
+               ("tennis", "football", "golf", "hockey", "rugby", "cricket", "volleyball", "baseball",
+                "badminton", "squash")),
+)
+
+
+def _synthetic_example(rng: random.Random) -> dict:
+    people = rng.sample(NAMES, rng.randint(3, 4))
+    facts = [(name, attr, rng.choice(attr.values))
+             for name in people for attr in rng.sample(ATTRIBUTES, rng.randint(2, 3))]
+    rng.shuffle(facts)  # so the position of a person's facts says nothing about the answer
+    name, attr, value = rng.choice(facts)
+    return {
+        "context": " ".join(a.statement.format(name=n, value=v) for n, a, v in facts),
+        "question": attr.question.format(name=name),
+        "answers": {"text": [value]},
+    }
+
+
+def synthetic_examples(n: int, seed: int) -> list[dict]:
+    """`n` procedurally generated examples; the answer is always a span of the context."""
+    rng = random.Random(seed)
+    return [_synthetic_example(rng) for _ in range(n)]
+
+
+def synthetic_corpus_text(n: int = 2000, seed: int = 12345) -> list[str]:
+    """Plain text lines (contexts, questions, answers) to train the tiny local tokenizers on."""
+    return [line for ex in synthetic_examples(n, seed)
+            for line in (ex["context"], ex["question"], answer_text(ex))]
+
+
+# --- loading and checking examples --------------------------------------------------------
+
+def load_examples(dataset: str, split: str, num_examples: int, seed: int) -> list[dict]:
+    """Examples of `dataset` ('synthetic', 'squad', 'hotpot_qa' or a local file path).
+
+    `num_examples` is the size of the synthetic set and an upper bound for the others (a seeded
+    subset is taken when the dataset is larger). For local files `split` selects nothing: the
+    file is the split.
+    """
+    if dataset == "synthetic":
+        return synthetic_examples(num_examples, seed if split == "train" else seed + HELD_OUT_SEED_OFFSET)
+    if dataset in HUB_DATASETS:
+        records, source = _load_hub(dataset, split)
+    elif dataset.endswith(LOCAL_SUFFIXES):
+        records, source = _load_local(Path(dataset)), dataset
+    elif Path(dataset).exists():
+        raise UserError(f"dataset file {dataset} must end in {', '.join(LOCAL_SUFFIXES)}")
+    else:
+        raise UserError(f"unknown dataset {dataset!r}; use synthetic, {', '.join(HUB_DATASETS)} "
+                        f"or a path to a {'/'.join(LOCAL_SUFFIXES)} file")
+    if not records:
+        raise UserError(f"dataset {source} has no examples")
+    examples = [check_example(r, i, source) for i, r in enumerate(records)]
+    return _subset(examples, num_examples, seed)
+
+
+def _subset(examples: list[dict], n: int, seed: int) -> list[dict]:
+    # A seeded sample, not the first n: hub datasets are ordered by article.
+    if len(examples) <= n:
+        return examples
+    keep = sorted(random.Random(seed).sample(range(len(examples)), n))
+    return [examples[i] for i in keep]
+
+
+def _quiet_datasets():
+    # Imported only when a real dataset is named: the synthetic path stays light.
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _load_hub(name: str, split: str) -> tuple[list[dict], str]:
+    datasets = _quiet_datasets()
+    hub_split = "train" if split == "train" else "validation"
+    if name == "squad":
+        return datasets.load_dataset("rajpurkar/squad", split=hub_split).to_list(), f"squad ({hub_split})"
+    ds = datasets.load_dataset("hotpotqa/hotpot_qa", "distractor", split=hub_split)
+    return [hotpot_to_squad(r) for r in ds.to_list()], f"hotpot_qa ({hub_split})"
+
+
+def hotpot_to_squad(record: dict) -> dict:
+    """One HotpotQA record in SQuAD's layout; its paragraphs become the context."""
+    # HotpotQA sentences keep their leading spaces, so a paragraph is their plain concatenation.
+    paragraphs = ("".join(sentences).strip() for sentences in record["context"]["sentences"])
+    return {
+        "context": "\n".join(paragraphs),
+        "question": record["question"],
+        "answers": {"text": [record["answer"]]},
+    }
+
+
+def _load_local(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise UserError(f"dataset file {path} does not exist")
+    try:
+        return _read_local(path)
+    except UserError:
+        raise
+    except Exception as e:  # json, datasets and pyarrow raise many types for one cause: a bad file
+        raise UserError(f"could not read dataset file {path}: {_first_line(e)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _read_local(path: Path) -> list[dict]:
+    if path.suffix == ".json":
+        records = _read_json_document(path)
+        if records is not None:
+            return records
+    if _has_no_rows(path):
+        return []  # datasets cannot build a split from a file without rows, and says so obscurely
+    datasets = _quiet_datasets()
+    builder = "parquet" if path.suffix == ".parquet" else "json"
+    return datasets.load_dataset(builder, data_files=str(path), split="train").to_list()
+
+
+def _read_json_document(path: Path) -> list[dict] | None:
+    """Records of a .json file holding one JSON document, or None for JSON Lines."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+    if isinstance(doc, dict) and "data" in doc:
+        return _flatten_nested_squad(doc, path)
+    return doc if isinstance(doc, list) else [doc]
+
+
+def _flatten_nested_squad(doc: dict, path: Path) -> list[dict]:
+    """One record per question of an original SQuAD v1.1 file (`{"data": [...]}`)."""
+    try:
+        return [{"context": paragraph.get("context"), "question": qa.get("question"),
+                 "answers": {"text": [a.get("text") for a in qa.get("answers", [])]}}
+                for article in doc["data"] for paragraph in article["paragraphs"] for qa in paragraph["qas"]]
+    except (KeyError, TypeError, AttributeError):
+        raise UserError(f"{path}: nested SQuAD JSON must be data[].paragraphs[].qas[] "
+                        "with context, question and answers[].text") from None
+
+
+def _has_no_rows(path: Path) -> bool:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    with path.open(encoding="utf-8") as lines:
+        return not any(line.strip() for line in lines)
+
+
+def check_example(record: dict, index: int, source: str) -> dict:
+    """The example in canonical form, or a UserError naming the bad field and the source."""
+    where = f"{source}: example {index}"
+    if not isinstance(record, dict):
+        raise UserError(f"{where} is not an object with fields context, question and answers")
+    for field in ("context", "question"):
+        if record.get(field) is None:
+            raise UserError(f"{where} has no field {field!r}")
+        if not isinstance(record[field], str):
+            raise UserError(f"{where}: field {field!r} must be a string")
+    answers = record.get("answers")
+    texts = answers.get("text") if isinstance(answers, dict) else None
+    if texts is None:
+        raise UserError(f"{where} has no field 'answers.text'")
+    if not isinstance(texts, list) or not texts:
+        raise UserError(f"{where}: field 'answers.text' must be a non-empty list of answers")
+    if not isinstance(texts[0], str) or not texts[0].strip():
+        raise UserError(f"{where}: the first answer in 'answers.text' is blank")
+    return {"context": record["context"], "question": record["question"], "answers": {"text": list(texts)}}
+
+
+# --- prompts and batches ------------------------------------------------------------------
+
+def prompt_text(example: dict) -> str:
+    return f"question: {example['question']}\ncontext: {example['context']}"
+
+
+def answer_text(example: dict) -> str:
+    return example["answers"]["text"][0].strip()
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    def __init__(self, examples: list[dict]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict:
+        example = self.examples[index]
+        return {"prompt": prompt_text(example).encode("utf-8"), "answer": answer_text(example), "index": index}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class Collator:
+    """Pads prompt bytes for the encoder and answer tokens (with labels) for each LLM.
+
+    Label layout: the model feeds `[M soft tokens ; embed(input_ids)]` and keeps the last T+1
+    logits. The logit at the last soft token predicts input_ids[0], so labels[k] is the target
+    of position M-1+k: the BOS (if any) is never a target, and the EOS is the target of the last
+    answer token. Padding is on the right, so a causal LLM's real positions never attend to it,
+    and its labels are -100, so it never reaches the loss.
+    """
+
+    def __init__(self, tokenizers: dict, max_prompt_bytes: int, max_answer_tokens: int, pad_multiple: int):
+        for name, tok in tokenizers.items():
+            if tok.eos_token_id is None:
+                raise UserError(f"the {name} tokenizer has no EOS token")
+        self.tokenizers = tokenizers
+        self.max_prompt_bytes = max_prompt_bytes
+        self.max_answer_tokens = max_answer_tokens
+        self.pad_multiple = pad_multiple
+
+    def __call__(self, items: list[dict]) -> dict:
+        byte_ids, byte_mask = self._collate_bytes([item["prompt"] for item in items])
+        answers = [item["answer"] for item in items]
+        return {
+            "bytes": byte_ids,
+            "byte_mask": byte_mask,
+            "answers": {name: self._collate_answers(tok, answers) for name, tok in self.tokenizers.items()},
+            "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
+        }
+
+    def _collate_bytes(self, prompts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        # prompt_text is never empty, so every row has at least one real byte to attend to.
+        prompts = [p[:self.max_prompt_bytes] for p in prompts]
+        length = _round_up(max(len(p) for p in prompts), self.pad_multiple)
+        byte_ids = torch.full((len(prompts), length), PAD_BYTE, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            byte_ids[row, :len(prompt)] = torch.frombuffer(bytearray(prompt), dtype=torch.uint8)
+        return byte_ids, byte_ids != PAD_BYTE
+
+    def _collate_answers(self, tok, answers: list[str]) -> dict[str, torch.Tensor]:
+        prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        token_ids = [ids[:self.max_answer_tokens] for ids in tok(answers, add_special_tokens=False)["input_ids"]]
+        length = _round_up(max(len(prefix) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
+        input_ids = torch.full((len(answers), length), pad_id, dtype=torch.long)
+        labels = torch.full((len(answers), length + 1), IGNORE_INDEX, dtype=torch.long)
+        for row, ids in enumerate(token_ids):
+            inputs = prefix + ids
+            input_ids[row, :len(inputs)] = torch.tensor(inputs, dtype=torch.long)
+            labels[row, len(prefix):len(inputs) + 1] = torch.tensor(ids + [tok.eos_token_id], dtype=torch.long)
+        return {"input_ids": input_ids, "labels": labels}
+
+
+def count_answer_tokens(batch: dict) -> dict[str, int]:
+    """Supervised targets per LLM (answer tokens + EOS), the loss normaliser."""
+    return {name: int((a["labels"] != IGNORE_INDEX).sum()) for name, a in batch["answers"].items()}

@@ -1,0 +1,149 @@
+"""The trainable part of LatentWire: byte encoder -> latent pooler -> one adapter per LLM.
+
+Every attention here goes through `F.scaled_dot_product_attention`, which picks the flash or
+memory-efficient kernel on CUDA and a fused kernel on CPU. Padding is masked out of every
+attention (as keys), so a prompt padded to any length gives the same wire.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NUM_BYTE_IDS = 257  # 256 byte values + the padding id (data.PAD_BYTE)
+
+
+class Attention(nn.Module):
+    """Multi-head attention over keys with a padding mask. Self-attention when `kv` is `q`."""
+
+    def __init__(self, dim: int, heads: int, kv_dim: int | None = None, dropout: float = 0.0):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        # No bias on q and k: a key bias shifts every score of a query equally, so softmax cancels
+        # it and its gradient is pure rounding noise, which Adam would blow up into updates.
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(kv_dim or dim, dim, bias=False)
+        self.v = nn.Linear(kv_dim or dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, q_in: torch.Tensor, kv_in: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        b, lq, d = q_in.shape
+        q = self.q(q_in).view(b, lq, self.heads, -1).transpose(1, 2)
+        k = self.k(kv_in).view(b, kv_in.shape[1], self.heads, -1).transpose(1, 2)
+        v = self.v(kv_in).view(b, kv_in.shape[1], self.heads, -1).transpose(1, 2)
+        # key_mask [B, Lk] -> [B, 1, 1, Lk]: True keys are attended to, padding never is.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :],
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(b, lq, d))
+
+
+class MLP(nn.Sequential):
+    def __init__(self, dim: int, dropout: float):
+        super().__init__(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention (self or cross) then MLP, both residual."""
+
+    def __init__(self, dim: int, heads: int, dropout: float, kv_dim: int | None = None):
+        super().__init__()
+        self.norm_q = nn.LayerNorm(dim)
+        self.norm_kv = nn.LayerNorm(kv_dim) if kv_dim else None
+        self.attn = Attention(dim, heads, kv_dim, dropout)
+        self.norm_mlp = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, dropout)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, kv: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm_q(x)
+        kv = h if kv is None else self.norm_kv(kv)
+        x = x + self.drop(self.attn(h, kv, key_mask))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class ByteEncoder(nn.Module):
+    """UTF-8 bytes -> contextual byte features (learned positions, bidirectional, padding masked)."""
+
+    def __init__(self, dim: int, layers: int, heads: int, max_len: int, dropout: float):
+        super().__init__()
+        self.byte_embed = nn.Embedding(NUM_BYTE_IDS, dim)
+        self.pos_embed = nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, byte_ids: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(byte_ids.shape[1], device=byte_ids.device)
+        x = self.byte_embed(byte_ids) + self.pos_embed(pos)
+        for block in self.blocks:
+            x = block(x, byte_mask)
+        return self.norm(x)
+
+
+class LatentPooler(nn.Module):
+    """M learned queries cross-attend to the byte features: a prompt of any length becomes M tokens."""
+
+    def __init__(self, num_latents: int, d_z: int, enc_dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(num_latents, d_z) * d_z ** -0.5)
+        self.cross = Block(d_z, heads, dropout, kv_dim=enc_dim)
+        self.self_attn = Block(d_z, heads, dropout)
+        self.norm = nn.LayerNorm(d_z)
+
+    def forward(self, feats: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
+        z = self.queries.expand(feats.shape[0], -1, -1)
+        z = self.cross(z, byte_mask, kv=feats)
+        all_latents = torch.ones(z.shape[:2], dtype=torch.bool, device=z.device)
+        return self.norm(self.self_attn(z, all_latents))
+
+
+class Adapter(nn.Module):
+    """Wire (d_z) -> one LLM's input-embedding space, at the RMS of that LLM's embedding table."""
+
+    def __init__(self, d_z: int, hidden: int, embed_rms: float, dropout: float):
+        super().__init__()
+        self.proj = nn.Sequential(nn.Linear(d_z, 2 * d_z), nn.GELU(), nn.Dropout(dropout), nn.Linear(2 * d_z, hidden))
+        self.norm = nn.RMSNorm(hidden)
+        self.register_buffer("embed_rms", torch.tensor(embed_rms), persistent=False)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(z)) * self.embed_rms
+
+
+class WireEncoder(nn.Module):
+    """Everything that trains: prompt bytes -> the wire -> soft tokens for each LLM."""
+
+    def __init__(self, cfg, llm_dims: dict[str, tuple[int, float]]):
+        """`llm_dims` maps an LLM's name to (hidden size, input-embedding RMS)."""
+        super().__init__()
+        max_len = -(-cfg.max_prompt_bytes // cfg.pad_multiple) * cfg.pad_multiple  # collate rounds up
+        self.encoder = ByteEncoder(cfg.encoder_dim, cfg.encoder_layers, cfg.encoder_heads, max_len, cfg.dropout)
+        self.pooler = LatentPooler(cfg.num_latents, cfg.d_z, cfg.encoder_dim, cfg.encoder_heads, cfg.dropout)
+        self.adapters = nn.ModuleDict({name: Adapter(cfg.d_z, hidden, rms, cfg.dropout)
+                                       for name, (hidden, rms) in llm_dims.items()})
+
+    def wire(self, byte_ids: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
+        return self.pooler(self.encoder(byte_ids, byte_mask), byte_mask)
+
+    def forward(self, byte_ids: torch.Tensor, byte_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        z = self.wire(byte_ids, byte_mask)
+        return {name: adapter(z) for name, adapter in self.adapters.items()}
+
+
+def answer_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed (not averaged) next-token cross-entropy over answer tokens; the caller divides by the
+    token count of the whole global batch, which is what makes gradient accumulation exact."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def forward_ce_sums(wire_encoder: nn.Module, llms: dict, batch: dict) -> torch.Tensor:
+    """One micro-batch: the summed answer cross-entropy of each LLM, stacked in `llms` order."""
+    soft = wire_encoder(batch["bytes"], batch["byte_mask"])
+    sums = []
+    for name, llm in llms.items():
+        ans = batch["answers"][name]
+        sums.append(answer_ce_sum(llm.answer_logits(soft[name], ans["input_ids"]), ans["labels"]))
+    return torch.stack(sums)
+
+
+def count_parameters(module: nn.Module, trainable: bool) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad == trainable)

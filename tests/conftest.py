@@ -1,0 +1,80 @@
+"""Shared helpers: run train.py (one process or a real 2-process torchrun on gloo) and read what
+it wrote."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Small and quick, but the real loop: every test that trains starts from these.
+FAST = ["--num-examples", "512", "--num-workers", "0", "--log-every", "1"]
+# The reference numerics of the correctness rules.
+EXACT = ["--precision", "fp32", "--dropout", "0", "--compile", "false"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)
+
+
+def child_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    """train.py as users run it: `python train.py` for one process, `torchrun` for more."""
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / "train.py")]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "train.py")]
+    return subprocess.run(cmd + args, cwd=REPO, env=child_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_module(module: str, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    ckpts = sorted((Path(out_dir) / "checkpoints").glob("step_*"))
+    return load_file(str(ckpts[-1] / "trainable.safetensors"))
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest ||a - b|| / ||a|| over the tensors. Per tensor and in norm, because Adam's first
+    steps turn the rounding noise of a gradient element that is mathematically ~0 (a bias behind a
+    norm layer, a weight direction a norm cancels) into a full-size update of that one element."""
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / a[k].norm().clamp_min(1e-12)).item() for k in a)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """Non-zero exit, a single `error: ...` line on stderr and no traceback."""
+    assert proc.returncode != 0, proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]

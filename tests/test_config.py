@@ -1,0 +1,125 @@
+"""hw_profiles.json and the command line: every profile validates, bad input is one clear line."""
+import json
+
+import pytest
+
+from latentwire.config import DEFAULT_PROFILES, FIELDS, UserError, load_config, read_profiles, resolve_profile
+
+from conftest import assert_one_line_error, run_train
+
+PROFILES = read_profiles()
+REQUIRED_KEYS = {"cpu", "h100", "h100x4", "h200", "a100-80gb", "a100-40gb", "rtx6000ada", "v100"}
+
+
+def test_required_profiles_exist():
+    assert REQUIRED_KEYS <= set(PROFILES)
+
+
+@pytest.mark.parametrize("key", sorted(PROFILES))
+def test_every_profile_resolves_with_every_field(key):
+    values = resolve_profile(PROFILES, key)
+    assert set(values) == set(FIELDS)
+    for name, value in values.items():
+        assert value is None or type(value) is FIELDS[name].kind, name
+
+
+def test_cards_follow_their_hardware():
+    v100, h100, h200 = (resolve_profile(PROFILES, k) for k in ("v100", "h100", "h200"))
+    assert not v100["supports_bf16"] and v100["precision"] == "fp16"
+    assert h100["precision"] == "bf16" and h100["llama"] == "meta-llama/Llama-3.1-8B"
+    assert h100["qwen"] == "Qwen/Qwen2.5-7B"
+    assert h200["memory_gb"] > h100["memory_gb"] and h200["peak_tflops_bf16"] == h100["peak_tflops_bf16"]
+    cpu = resolve_profile(PROFILES, "cpu")
+    assert cpu["device"] == "cpu" and cpu["peak_tflops_bf16"] is None and cpu["llama"] == "tiny"
+
+
+def test_extends_overrides_only_what_it_names():
+    h100, h100x4 = resolve_profile(PROFILES, "h100"), resolve_profile(PROFILES, "h100x4")
+    differing = {k for k in FIELDS if h100[k] != h100x4[k]}
+    assert differing == set(PROFILES["h100x4"]) - {"extends"}
+
+
+def broken(tmp_path, mutate) -> str:
+    profiles = json.loads(DEFAULT_PROFILES.read_text())
+    mutate(profiles)
+    path = tmp_path / "hw_profiles.json"
+    path.write_text(json.dumps(profiles))
+    return str(path)
+
+
+@pytest.mark.parametrize("mutate, fragments", [
+    (lambda p: p["cpu"].pop("lr"), ["'cpu'", "missing field 'lr'"]),
+    (lambda p: p["cpu"].update(learning_rate=1.0), ["'cpu'", "unknown field 'learning_rate'"]),
+    (lambda p: p["cpu"].update(micro_batch_size="8"), ["'cpu'", "'micro_batch_size' must be int"]),
+    (lambda p: p["cpu"].update(micro_batch_size=0), ["'micro_batch_size' must be > 0"]),
+    (lambda p: p["cpu"].update(precision="fp8"), ["'precision' must be one of bf16, fp16, fp32"]),
+    (lambda p: p["cpu"].update(compile="yes"), ["'compile' must be bool"]),
+    (lambda p: p["cpu"].update(extends="nowhere"), ["'extends' names unknown profile 'nowhere'"]),
+    (lambda p: p["cpu"].update(supports_bf16=False, precision="bf16"), ["bf16 on a card without bf16"]),
+])
+def test_broken_profile_names_the_field(tmp_path, mutate, fragments):
+    path = broken(tmp_path, mutate)
+    with pytest.raises(UserError) as e:
+        load_config(["--profile", "cpu", "--hw-profiles", path])
+    for fragment in fragments:
+        assert fragment in str(e.value)
+
+
+def test_inherited_field_errors_name_the_profile(tmp_path):
+    path = broken(tmp_path, lambda p: p["h100"].update(lr=-1))
+    with pytest.raises(UserError, match="'h200'.*'lr' must be > 0"):
+        load_config(["--profile", "h200", "--hw-profiles", path])
+
+
+def test_flags_override_profile_fields():
+    cfg = load_config(["--profile", "cpu", "--micro-batch-size", "4", "--grad-accum-steps", "8", "--lr", "3e-4",
+                       "--compile", "true", "--out-dir", "runs/x", "--precision", "bf16", "--dropout", "0"])
+    assert (cfg.micro_batch_size, cfg.grad_accum_steps, cfg.lr, cfg.compile) == (4, 8, 3e-4, True)
+    assert (cfg.out_dir, cfg.precision, cfg.dropout) == ("runs/x", "bf16", 0.0)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--micro-batch-size", "0"], "--micro-batch-size: field 'micro_batch_size' must be > 0"),
+    (["--micro-batch-size", "-2"], "must be > 0"),
+    (["--grad-accum-steps", "0"], "'grad_accum_steps' must be > 0"),
+    (["--lr", "0"], "'lr' must be > 0"),
+    (["--lr", "fast"], "argument --lr: invalid"),
+    (["--precision", "fp64"], "'precision' must be one of"),
+    (["--compile", "maybe"], "expected true or false"),
+    (["--stop-at-step", "0"], "--stop-at-step must be > 0"),
+    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+])
+def test_bad_flag_values(flags, fragment):
+    with pytest.raises(UserError, match=fragment.replace("(", r"\(")):
+        load_config(["--profile", "cpu", *flags])
+
+
+def test_bf16_on_v100_is_refused():
+    with pytest.raises(UserError, match="bf16 on a card without bf16"):
+        load_config(["--profile", "v100", "--precision", "bf16"])
+
+
+# --- from the outside: exit code, one line, no traceback, nothing written ------------------------
+
+def test_unknown_profile_lists_valid_keys(tmp_path):
+    proc = run_train(["--profile", "h1000", "--out-dir", str(tmp_path / "run")])
+    line = assert_one_line_error(proc, "unknown profile 'h1000'", "valid profiles:")
+    assert all(key in line for key in REQUIRED_KEYS)
+    assert not (tmp_path / "run").exists()
+
+
+def test_malformed_json_is_one_line(tmp_path):
+    path = tmp_path / "hw_profiles.json"
+    path.write_text('{"cpu": {"device": "cpu",}}')
+    proc = run_train(["--profile", "cpu", "--hw-profiles", str(path)])
+    assert_one_line_error(proc, "is not valid JSON", "line 1")
+
+
+def test_bad_field_in_file_is_one_line(tmp_path):
+    proc = run_train(["--profile", "cpu", "--hw-profiles",
+                      broken(tmp_path, lambda p: p["cpu"].update(grad_accum_steps=0))])
+    assert_one_line_error(proc, "profile 'cpu'", "'grad_accum_steps' must be > 0")
+
+
+def test_bad_flag_is_one_line():
+    assert_one_line_error(run_train(["--profile", "cpu", "--micro-batch-size", "zero"]), "--micro-batch-size")

@@ -1,0 +1,130 @@
+"""The model's correctness rules, in-process on the cpu profile's tiny LLMs."""
+import pytest
+import torch
+
+from latentwire.config import load_config
+from latentwire.data import Collator, PromptDataset, count_answer_tokens, synthetic_examples
+from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
+from latentwire.model import WireEncoder, forward_ce_sums
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(["--profile", "cpu", "--dropout", "0"])
+
+
+def build(cfg, seed=0, dtype=torch.float32):
+    llms = {n: load_frozen_llm(n, "tiny", dtype, CPU) for n in ("llama", "qwen")}
+    torch.manual_seed(seed)
+    model = WireEncoder(cfg, {n: (l.hidden_size, l.embed_rms()) for n, l in llms.items()})
+    return model, llms
+
+
+def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None):
+    items = [PromptDataset(synthetic_examples(64, 3))[i] for i in range(n)]
+    collate = Collator({k: l.tokenizer for k, l in llms.items()}, cfg.max_prompt_bytes,
+                       max_answer_tokens or cfg.max_answer_tokens, pad_multiple or cfg.pad_multiple)
+    return collate(items)
+
+
+def pad_more(batch, extra_bytes, extra_tokens):
+    """The same examples with more padding on every padded axis."""
+    from latentwire.data import PAD_BYTE
+    bytes_ = torch.nn.functional.pad(batch["bytes"], (0, extra_bytes), value=PAD_BYTE)
+    out = {"bytes": bytes_, "byte_mask": bytes_ != PAD_BYTE, "answers": {}}
+    for name, a in batch["answers"].items():
+        out["answers"][name] = {"input_ids": torch.nn.functional.pad(a["input_ids"], (0, extra_tokens), value=0),
+                                "labels": torch.nn.functional.pad(a["labels"], (0, extra_tokens), value=-100)}
+    return out
+
+
+def test_padding_never_changes_the_loss(cfg):
+    model, llms = build(cfg)
+    batch = batch_of(cfg, llms)
+    longer = pad_more(batch, extra_bytes=96, extra_tokens=11)
+    assert count_answer_tokens(batch) == count_answer_tokens(longer)
+    short, long_ = forward_ce_sums(model, llms, batch), forward_ce_sums(model, llms, longer)
+    torch.testing.assert_close(long_, short, rtol=1e-5, atol=1e-5)
+
+
+def test_each_example_is_independent_of_its_batch_mates(cfg):
+    """Padding to the longest example of a batch must not change a short example's loss."""
+    model, llms = build(cfg)
+    batch = batch_of(cfg, llms)
+    together = forward_ce_sums(model, llms, batch)
+    alone = sum(forward_ce_sums(model, llms, slice_batch(batch, i)) for i in range(6))
+    torch.testing.assert_close(alone, together, rtol=1e-5, atol=1e-4)
+
+
+def slice_batch(batch, i):
+    from latentwire.data import PAD_BYTE
+    n = int(batch["byte_mask"][i].sum())
+    b = {"bytes": batch["bytes"][i:i + 1, :n], "byte_mask": batch["byte_mask"][i:i + 1, :n], "answers": {}}
+    for name, a in batch["answers"].items():
+        t = int((a["labels"][i] != -100).nonzero().max()) + 1  # up to and including the EOS target
+        b["answers"][name] = {"input_ids": a["input_ids"][i:i + 1, :t - 1], "labels": a["labels"][i:i + 1, :t]}
+    assert PAD_BYTE not in b["bytes"]
+    return b
+
+
+def test_frozen_llms_get_no_grads_but_pass_them_to_the_wire(cfg):
+    model, llms = build(cfg)
+    forward_ce_sums(model, llms, batch_of(cfg, llms)).sum().backward()
+    for llm in llms.values():
+        assert not llm.model.training
+        assert all(not p.requires_grad and p.grad is None for p in llm.model.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_adapters_emit_the_llm_embedding_scale(cfg):
+    model, llms = build(cfg)
+    batch = batch_of(cfg, llms)
+    soft = model(batch["bytes"], batch["byte_mask"])
+    for name, llm in llms.items():
+        assert soft[name].shape[-2:] == (cfg.num_latents, llm.hidden_size)
+        rms = soft[name].pow(2).mean().sqrt().item()
+        assert rms == pytest.approx(llm.embed_rms(), rel=1e-3)
+
+
+def test_tiny_llms_are_the_same_every_time_and_different_from_each_other():
+    a, b = load_frozen_llm("llama", "tiny", torch.float32, CPU), load_frozen_llm("llama", "tiny", torch.float32, CPU)
+    q = load_frozen_llm("qwen", "tiny", torch.float32, CPU)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    assert a.hidden_size != q.hidden_size and len(a.tokenizer) != len(q.tokenizer)
+    assert a.prefix_ids == [a.tokenizer.bos_token_id] and q.prefix_ids == []
+
+
+def test_activation_checkpointing_gives_the_same_gradients(cfg):
+    grads = []
+    for checkpointing in (False, True):
+        model, llms = build(cfg)
+        if checkpointing:
+            for llm in llms.values():
+                apply_activation_checkpointing(llm)
+        forward_ce_sums(model, llms, batch_of(cfg, llms)).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+
+
+def test_activation_checkpointing_wraps_every_decoder_layer(cfg):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    _, llms = build(cfg)
+    for llm in llms.values():
+        apply_activation_checkpointing(llm)
+        layers = llm.model.get_decoder().layers
+        assert len(layers) == llm.model.config.num_hidden_layers
+        assert all(isinstance(layer, CheckpointWrapper) for layer in layers)
+
+
+@pytest.mark.slow
+def test_hot_path_compiles_without_graph_breaks(cfg):
+    import torch._dynamo
+    model, llms = build(cfg)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(forward_ce_sums)(model, llms, batch_of(cfg, llms))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1

@@ -1,0 +1,278 @@
+"""Train LatentWire: a byte encoder + adapters feeding soft tokens to two frozen LLMs.
+
+    torchrun --nproc_per_node=4 train.py --profile h100     # one node, 4 GPUs
+    torchrun --nproc_per_node=2 train.py --profile cpu      # anywhere, 2 gloo processes
+    python train.py --profile cpu --max-steps 20            # one process
+
+One loop, top to bottom. Each optimization is a labelled block saying why it is there; the
+`latentwire` package holds the model, data, profiles, metrics and checkpoint helpers.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from latentwire.checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint
+from latentwire.config import UserError, load_config, main_guard
+from latentwire.data import Collator, PromptDataset, count_answer_tokens, load_examples
+from latentwire.distributed import all_reduce_sum, init_distributed, teardown_distributed
+from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
+from latentwire.metrics import FlopModel, MetricsLogger, Window, peak_flops_per_s, peak_memory_gb
+from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
+from latentwire.precision import autocast_for, enable_tf32, frozen_weight_dtype, grad_scaler_for, use_tf32
+from latentwire.profiling import make_profiler
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config(argv)
+    dist_info = init_distributed(cfg.device, cfg.dist_timeout_s)
+    try:
+        train(cfg, dist_info)
+    finally:
+        teardown_distributed()
+
+
+def train(cfg, di) -> None:
+    device, rank, world = di.device, di.rank, di.world_size
+    out_dir = Path(cfg.out_dir)
+    prepare_out_dir(out_dir, cfg.run, di.is_main)
+
+    # --- Seeds -------------------------------------------------------------------------------
+    # The same seed on every rank gives identical initial weights (DDP also broadcasts rank 0's);
+    # dropout is re-seeded per rank below so ranks do not drop the same units.
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    # --- Numerics: autocast, grad scaler, TF32 -----------------------------------------------
+    # bf16 autocast needs no loss scaling (fp32's exponent range); fp16 (V100) needs a GradScaler
+    # or small gradients underflow; fp32 is the reference. TF32 runs the fp32 matmuls left outside
+    # autocast on tensor cores (~8x IEEE fp32 on A100/H100), except in the fp32 reference.
+    autocast = autocast_for(cfg.precision, device)
+    scaler = grad_scaler_for(cfg.precision, device)
+    if use_tf32(cfg.precision, device):
+        enable_tf32()
+
+    # --- Frozen LLMs, stored in the autocast dtype -------------------------------------------
+    # No gradients and no optimizer state means no fp32 master copy is needed: bf16 weights take
+    # 16 GB instead of 32 GB for an 8B model.
+    llms = {name: load_frozen_llm(name, source, frozen_weight_dtype(cfg.precision), device)
+            for name, source in (("llama", cfg.llama), ("qwen", cfg.qwen))}
+
+    # --- Activation checkpointing of the frozen decoder layers -------------------------------
+    # Gradients flow through the frozen LLMs to the wire, so their activations are kept for
+    # backward even though their weights never change; recomputing them costs one more forward.
+    if cfg.activation_checkpointing:
+        for llm in llms.values():
+            apply_activation_checkpointing(llm)
+
+    # --- Trainable model, wrapped in DDP -----------------------------------------------------
+    # Only the encoder and adapters are DDP's: the frozen LLMs are neither broadcast nor bucketed.
+    model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()}).to(device)
+    torch.manual_seed(cfg.seed + rank)
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if di.is_distributed else model
+
+    # --- Data: a disjoint shard per rank -----------------------------------------------------
+    # DistributedSampler permutes with (seed + epoch) and deals every world_size-th index to each
+    # rank, so the global batch of a step is the same set of examples for any world size.
+    dataset = PromptDataset(load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed))
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    collate = Collator({n: llm.tokenizer for n, llm in llms.items()}, cfg.max_prompt_bytes,
+                       cfg.max_answer_tokens, cfg.pad_multiple)
+    # Workers tokenise and pad while the model computes; pinned host memory makes the
+    # host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a
+    # fork of every worker at each epoch.
+    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate,
+                        drop_last=True, num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
+                        persistent_workers=cfg.num_workers > 0,
+                        prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None)
+    steps_per_epoch = len(loader) // cfg.grad_accum_steps
+    if steps_per_epoch == 0:
+        raise UserError(f"dataset of {len(dataset)} examples is smaller than one global batch "
+                        f"({cfg.micro_batch_size} x {cfg.grad_accum_steps} x {world} ranks)")
+    batches = global_batches(loader, sampler, cfg.grad_accum_steps, steps_per_epoch)
+
+    # --- Optimizer: AdamW over the trainable parameters only, fused on CUDA ------------------
+    # Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter).
+    # The fused kernel updates every tensor in one launch instead of several per tensor.
+    # Weight decay on matrices only, not on biases and norm gains.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  fused=device.type == "cuda")
+
+    # --- Schedule: OneCycle, stepped once per optimizer step ---------------------------------
+    # Warm up from lr/div_factor to lr over pct_start of the run, then anneal to the final lr.
+    # Momentum is not cycled: beta1 stays what the profile says.
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=cfg.lr, total_steps=cfg.max_steps, pct_start=cfg.pct_start,
+        anneal_strategy=cfg.anneal_strategy, div_factor=cfg.div_factor,
+        final_div_factor=cfg.final_div_factor, cycle_momentum=False)
+
+    # --- torch.compile -----------------------------------------------------------------------
+    # Fuses the encoder's and the LLMs' elementwise ops and norms into few kernels; the
+    # collate pads to multiples of pad_multiple so only a handful of shapes are ever compiled.
+    forward = torch.compile(forward_ce_sums, mode=cfg.compile_mode, dynamic=True) if cfg.compile else forward_ce_sums
+
+    # --- Fused attention kernels -------------------------------------------------------------
+    # All attention goes through SDPA. On CUDA only flash / memory-efficient / cuDNN kernels are
+    # allowed, so a silent fallback to the O(L^2)-memory math kernel becomes an error instead.
+    sdpa_kernels = cuda_sdpa_kernels if device.type == "cuda" else nullcontext
+
+    flop_model = FlopModel(
+        llm_params={n: count_parameters(llm.model.get_decoder(), trainable=False) for n, llm in llms.items()},
+        llm_head_params={n: llm.model.get_output_embeddings().weight.numel() for n, llm in llms.items()},
+        encoder_params=count_parameters(model.encoder, trainable=True),
+        wire_params=count_parameters(model.pooler, True) + count_parameters(model.adapters, True))
+    peak_flops = peak_flops_per_s(cfg)
+    logger = MetricsLogger(out_dir, enabled=di.is_main)
+    if di.is_main:
+        print(f"profile {cfg.run.profile}: {world} x {device.type}, {cfg.precision}, "
+              f"global batch {cfg.micro_batch_size} x {cfg.grad_accum_steps} x {world} = "
+              f"{cfg.micro_batch_size * cfg.grad_accum_steps * world}, "
+              f"trainable {count_parameters(model, True) / 1e6:.2f}M, "
+              f"frozen {sum(count_parameters(l.model, False) for l in llms.values()) / 1e6:.1f}M", flush=True)
+
+    # --- The loop ----------------------------------------------------------------------------
+    model.train()
+    window = Window()
+    step = 0
+    with make_profiler(cfg, out_dir, rank, device) as profiler:
+        for step in range(1, cfg.max_steps + 1):
+            t_wait = time.perf_counter()
+            epoch, micro_batches = next(batches)
+            data_wait = time.perf_counter() - t_wait
+
+            # --- Exact gradient accumulation ---------------------------------------------
+            # Each LLM's loss is its summed token cross-entropy divided by the number of answer
+            # tokens in the whole global batch (all micro-batches, all ranks), so the step equals
+            # one big batch however it is split. DDP averages gradients over ranks, hence the
+            # factor world_size.
+            local_counts = [count_answer_tokens(b) for b in micro_batches]
+            n_tokens = torch.tensor([[c[n] for n in llms] for c in local_counts], dtype=torch.float64).sum(0)
+            n_tokens = all_reduce_sum(n_tokens.to(device)).to(torch.float32)
+            step_ce = torch.zeros(len(llms), device=device)
+            for i, batch in enumerate(micro_batches):
+                batch = to_device(batch, device)
+                last = i == len(micro_batches) - 1
+                # --- One gradient all-reduce per optimizer step: no_sync on the others ----
+                sync = nullcontext() if last or not di.is_distributed else ddp_model.no_sync()
+                with sync:
+                    with autocast(), sdpa_kernels():
+                        ce_sums = forward(ddp_model, llms, batch)
+                    per_llm = ce_sums / n_tokens
+                    loss = per_llm.mean() * world
+                    scaler.scale(loss).backward()
+                step_ce += per_llm.detach()
+
+            # --- Gradient clipping (the logged norm is the pre-clip norm) ----------------
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            profiler.step()
+
+            window.add(samples=cfg.micro_batch_size * len(micro_batches) * world,
+                       tokens=int(sum(c[n] for c in local_counts for n in llms)) * world
+                       + cfg.num_latents * len(llms) * cfg.micro_batch_size * len(micro_batches) * world,
+                       flops=flop_model.step_flops(batch_shapes(micro_batches, cfg.num_latents, llms)),
+                       data_wait=data_wait)
+
+            # --- Logging: the loss of the whole global batch, not the last micro-batch ---
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                per_llm_loss = all_reduce_sum(step_ce).tolist()
+                record = {"step": step, "epoch": epoch, "loss": sum(per_llm_loss) / len(per_llm_loss),
+                          **{f"loss_{n}": v for n, v in zip(llms, per_llm_loss)},
+                          "lr": lr, "grad_norm": grad_norm.item(),
+                          **window.rates(world, peak_flops), "peak_mem_gb": peak_memory_gb(device)}
+                logger.log(record)
+                window = Window()
+
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+                save(cfg, out_dir, step, epoch, model, optimizer, scheduler, scaler, rank)
+            if cfg.run.stop_at_step == step:
+                break
+
+    save(cfg, out_dir, step, epoch, model, optimizer, scheduler, scaler, rank)
+    logger.close()
+
+
+# --- Helpers the loop calls --------------------------------------------------------------------
+
+def prepare_out_dir(out_dir: Path, run, is_main: bool) -> None:
+    """Refuse to mix two runs in one directory unless asked to resume or overwrite."""
+    holds_run = (out_dir / "metrics.jsonl").exists() or bool(list_checkpoints(out_dir))
+    if holds_run and not (run.resume or run.overwrite):
+        raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
+    if run.resume:
+        raise UserError("--resume is not available yet")
+    if is_main and holds_run and run.overwrite:
+        for name in ("metrics.jsonl", "tb", "checkpoints", "traces"):
+            path = out_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create out_dir {out_dir}: {e.strerror}") from None
+
+
+def global_batches(loader, sampler, accum: int, steps_per_epoch: int):
+    """Yields (epoch, [accum micro-batches]) forever; a partial group at an epoch's end is dropped."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
+        it = iter(loader)
+        for _ in range(steps_per_epoch):
+            yield epoch, [next(it) for _ in range(accum)]
+        epoch += 1
+
+
+def to_device(batch: dict, device: torch.device):
+    """Recursively move tensors; non_blocking overlaps the copy with compute from pinned memory."""
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True)
+
+
+def batch_shapes(micro_batches: list[dict], num_latents: int, llms: dict) -> dict:
+    """Positions each part of the model processed this step (padding included: it is computed)."""
+    shapes = {"bytes": 0, "latents": 0, "llms": {n: (0, 0) for n in llms}}
+    for b in micro_batches:
+        bsz, length = b["bytes"].shape
+        shapes["bytes"] += bsz * length
+        shapes["latents"] += bsz * num_latents
+        for n in llms:
+            t = b["answers"][n]["input_ids"].shape[1]
+            seq, kept = shapes["llms"][n]
+            shapes["llms"][n] = (seq + bsz * (num_latents + t), kept + bsz * (t + 1))
+    return shapes
+
+
+def cuda_sdpa_kernels():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+
+
+def save(cfg, out_dir, step, epoch, model, optimizer, scheduler, scaler, rank) -> None:
+    train_state = {"step": step, "epoch": epoch, "optimizer": optimizer.state_dict(),
+                   "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict()}
+    meta = {"profile": cfg.run.profile, "config": cfg.to_dict()}
+    save_checkpoint(out_dir, step, model.state_dict(), train_state, meta, rank)
+    if rank == 0:
+        prune_checkpoints(out_dir, cfg.keep_checkpoints)
+
+
+if __name__ == "__main__":
+    main_guard(main)
