@@ -76,9 +76,13 @@ def train(cfg, di) -> None:
 
     # --- Trainable model, wrapped in DDP -----------------------------------------------------
     # Only the encoder and adapters are DDP's: the frozen LLMs are neither broadcast nor bucketed.
+    # Its only buffers are constants (the LLMs' embedding RMS), so DDP need not re-broadcast
+    # them before every forward.
     model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()}).to(device)
     torch.manual_seed(cfg.seed + rank)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if di.is_distributed else model
+    ddp_model = model
+    if di.is_distributed:
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
 
     # --- Data: a disjoint shard per rank -----------------------------------------------------
     # DistributedSampler permutes with (seed + epoch) and deals every world_size-th index to each

@@ -34,3 +34,133 @@ def test_gradient_accumulation_and_ddp_are_exact(tmp_path):
     # ... and training moved the weights: the comparison is not between untouched inits.
     untouched = train(tmp_path, "lr_tiny", *common, "--micro-batch-size", "8", "--lr", "1e-12")
     assert max_rel_diff(reference, final_weights(untouched)) > 1e-3
+
+
+def onecycle_reference(step: int, total: int, max_lr: float, pct_start: float, div: float, final_div: float,
+                       strategy: str) -> float:
+    """The lr of optimizer step `step` (1-based) under OneCycle, written out from its definition."""
+    initial, final = max_lr / div, max_lr / div / final_div
+    warm_end = pct_start * total - 1
+    s = step - 1
+    if s <= warm_end:
+        start, end, pct = initial, max_lr, s / warm_end
+    else:
+        start, end, pct = max_lr, final, (s - warm_end) / (total - 1 - warm_end)
+    if strategy == "cos":
+        return end + (start - end) / 2 * (1 + math.cos(math.pi * pct))
+    return start + (end - start) * pct
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["cos", "linear"])
+def test_onecycle_schedule(tmp_path, strategy):
+    total, lr, pct, div, final_div = 12, 2e-3, 0.25, 20.0, 50.0
+    out = train(tmp_path, "run", "--profile", "cpu", *FAST, "--max-steps", str(total), "--micro-batch-size", "2",
+                "--grad-accum-steps", "1", "--lr", str(lr), "--pct-start", str(pct), "--div-factor", str(div),
+                "--final-div-factor", str(final_div), "--anneal-strategy", strategy)
+    logged = [m["lr"] for m in read_metrics(out)]
+    expected = [onecycle_reference(s, total, lr, pct, div, final_div, strategy) for s in range(1, total + 1)]
+    assert logged == pytest.approx(expected, rel=1e-6)
+    assert logged[0] == pytest.approx(lr / div) and max(logged) == pytest.approx(lr)
+    assert logged.index(max(logged)) == 2  # warm-up ends after pct_start x 12 = 3 steps
+    assert logged[-1] == pytest.approx(lr / div / final_div)
+
+
+def first_moment(out) -> list[torch.Tensor]:
+    state = torch.load(sorted((out / "checkpoints").glob("step_*"))[-1] / "train_state.pt", weights_only=False)
+    return [s["exp_avg"] for s in state["optimizer"]["state"].values()]
+
+
+@pytest.mark.slow
+def test_clipping_logs_the_pre_clip_norm_and_applies_the_clipped_gradient(tmp_path):
+    """After one AdamW step, exp_avg = (1 - beta1) x the gradient the optimizer was given."""
+    common = ["--profile", "cpu", *EXACT, *FAST, "--max-steps", "1", "--micro-batch-size", "4",
+              "--adam-beta1", "0.9"]
+    free = train(tmp_path, "free", *common, "--max-grad-norm", "1e9")
+    clipped = train(tmp_path, "clipped", *common, "--max-grad-norm", "0.5")
+    norm = read_metrics(free)[0]["grad_norm"]
+    assert norm > 0.5
+    assert read_metrics(clipped)[0]["grad_norm"] == pytest.approx(norm, rel=1e-6)  # logged: pre-clip
+
+    def applied(out):
+        return torch.cat([m.flatten() for m in first_moment(out)]) / (1 - 0.9)
+
+    assert applied(free).norm().item() == pytest.approx(norm, rel=1e-5)
+    assert applied(clipped).norm().item() == pytest.approx(0.5, rel=1e-5)  # applied: clipped
+    torch.testing.assert_close(applied(clipped), applied(free) * (0.5 / norm), rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_profiler_writes_a_trace_only_when_enabled(tmp_path):
+    common = ["--profile", "cpu", *FAST, "--max-steps", "3", "--micro-batch-size", "2", "--grad-accum-steps", "1"]
+    on = train(tmp_path, "on", *common, "--profiler", "true", "--profiler-wait", "0", "--profiler-warmup", "1",
+               "--profiler-active", "1")
+    off = train(tmp_path, "off", *common)
+    traces = list((on / "traces").glob("rank0*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any(e.get("name") == "ProfilerStep#1" for e in events)
+    assert not (off / "traces").exists()
+
+
+@pytest.mark.slow
+def test_bf16_autocast_tracks_fp32_and_needs_no_scaler(tmp_path):
+    common = ["--profile", "cpu", *FAST, "--dropout", "0", "--max-steps", "3", "--micro-batch-size", "4"]
+    fp32 = train(tmp_path, "fp32", *common, "--precision", "fp32")
+    bf16 = train(tmp_path, "bf16", *common, "--precision", "bf16")
+    for a, b in zip(read_metrics(fp32), read_metrics(bf16), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+        assert a["loss"] != b["loss"]  # it really ran in bf16
+    assert scaler_state(bf16) == {} and scaler_state(fp32) == {}
+
+
+def scaler_state(out) -> dict:
+    state = torch.load(sorted((out / "checkpoints").glob("step_*"))[-1] / "train_state.pt", weights_only=False)
+    return state["scaler"]
+
+
+@pytest.mark.slow
+def test_fp16_trains_with_a_grad_scaler(tmp_path):
+    out = train(tmp_path, "fp16", "--profile", "cpu", *FAST, "--max-steps", "2", "--micro-batch-size", "4",
+                "--precision", "fp16")
+    assert scaler_state(out)["scale"] > 0  # an enabled scaler saves its scale; a disabled one saves {}
+    assert all(math.isfinite(m["loss"]) for m in read_metrics(out))
+
+
+def test_precision_selection():
+    from latentwire.precision import frozen_weight_dtype, grad_scaler_for, use_tf32
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert grad_scaler_for("fp16", cpu).is_enabled()
+    assert not grad_scaler_for("bf16", cpu).is_enabled() and not grad_scaler_for("fp32", cpu).is_enabled()
+    assert [frozen_weight_dtype(p) for p in ("bf16", "fp16", "fp32")] == [torch.bfloat16, torch.float16,
+                                                                           torch.float32]
+    assert use_tf32("bf16", cuda) and not use_tf32("fp32", cuda) and not use_tf32("bf16", cpu)
+
+
+def all_reduces_per_step(out) -> float:
+    trace = next((out / "traces").glob("rank0*.pt.trace.json"))
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = sum(e.get("name", "").startswith("ProfilerStep#") for e in events)
+    return sum(e.get("name") == "gloo:all_reduce" for e in events) / steps
+
+
+@pytest.mark.slow
+def test_one_gradient_all_reduce_per_optimizer_step(tmp_path):
+    """With accumulation 4, DDP must not all-reduce on the first three micro-steps (no_sync):
+    the collectives per optimizer step are the same as with no accumulation."""
+    common = ["--profile", "cpu", *FAST, "--max-steps", "3", "--micro-batch-size", "2", "--profiler", "true",
+              "--profiler-wait", "1", "--profiler-warmup", "0", "--profiler-active", "2"]
+    single = train(tmp_path, "accum1", *common, "--grad-accum-steps", "1", nproc=2)
+    accum = train(tmp_path, "accum4", *common, "--grad-accum-steps", "4", nproc=2)
+    assert all_reduces_per_step(single) >= 2  # the token count and at least one gradient bucket
+    assert all_reduces_per_step(accum) == all_reduces_per_step(single)
+
+
+@pytest.mark.slow
+def test_compiled_loss_equals_eager(tmp_path):
+    common = ["--profile", "cpu", *FAST, "--dropout", "0", "--precision", "fp32", "--max-steps", "3",
+              "--micro-batch-size", "4"]
+    eager = train(tmp_path, "eager", *common, "--compile", "false")
+    compiled = train(tmp_path, "compiled", *common, "--compile", "true")
+    for a, b in zip(read_metrics(eager), read_metrics(compiled), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
