@@ -195,7 +195,7 @@ def train(cfg, di) -> None:
                        data_wait=data_wait)
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
+            if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps:
                 per_llm_loss = all_reduce_sum(step_ce).tolist()
                 record = {"step": step, "epoch": epoch, "loss": sum(per_llm_loss) / len(per_llm_loss),
                           **{f"loss_{n}": v for n, v in zip(llms, per_llm_loss)},

@@ -77,6 +77,14 @@ FIELDS: dict[str, Field] = {
     "pad_multiple": Field(int, "pad lengths to a multiple of this (few shapes for compile)", positive=True),
     "num_workers": Field(int, "DataLoader worker processes per rank", non_negative=True),
     "prefetch_factor": Field(int, "batches each worker loads ahead", positive=True),
+    # --- memory planning and elastic batch ------------------------------------------------
+    "target_util": Field(float, "fraction of the card's memory the plan may fill", positive=True),
+    "elastic_batch": Field(bool, "take the micro-batch from the memory plan, keep the global batch"),
+    "lr_scaling": Field(str, "how lr follows a changed global batch", choices=("sqrt", "linear")),
+    # --- evaluation -----------------------------------------------------------------------
+    "eval_every": Field(int, "evaluate on the held-out split every N steps (0: never)", non_negative=True),
+    "eval_examples": Field(int, "held-out examples per evaluation", positive=True),
+    "max_new_tokens": Field(int, "greedy generation length limit in evaluation", positive=True),
     # --- run ------------------------------------------------------------------------------
     "out_dir": Field(str, "where metrics, traces and checkpoints go"),
     "log_every": Field(int, "log every N optimizer steps", positive=True),
@@ -110,9 +118,6 @@ class Config:
             return self.__dict__["values"][name]
         except KeyError:
             raise AttributeError(name) from None
-
-    def replace(self, **changes) -> "Config":
-        return Config({**self.values, **changes}, self.run)
 
     def to_dict(self) -> dict:
         return {"profile": self.run.profile, **self.values}
@@ -188,6 +193,8 @@ def check_consistency(v: dict, where: str) -> None:
         raise UserError(f"{where}: precision bf16 on a card without bf16 support; use fp16 or fp32")
     if not 0 < v["pct_start"] < 1:
         raise UserError(f"{where}: field 'pct_start' must be between 0 and 1, got {v['pct_start']}")
+    if v["target_util"] > 1:
+        raise UserError(f"{where}: field 'target_util' must be at most 1, got {v['target_util']}")
     if v["dropout"] >= 1:
         raise UserError(f"{where}: field 'dropout' must be below 1, got {v['dropout']}")
     for beta in ("adam_beta1", "adam_beta2"):

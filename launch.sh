@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Launch train.py with torchrun.
+#
+#   ./launch.sh --profile h100 [train.py flags]     one node, one process per visible GPU
+#   ./launch.sh --profile cpu [train.py flags]      2 CPU processes on gloo (NPROC_PER_NODE to change)
+#   sbatch --nodes=2 --gpus-per-node=8 launch.sh --profile h100x4 [flags]
+#                                                    SLURM: one torchrun per node, c10d rendezvous
+#                                                    on the first node of the allocation
+#
+# Environment it reads: NPROC_PER_NODE (processes per node), MASTER_PORT (rendezvous port, 29500),
+# PYTHON (the interpreter, default: python3).
+#
+#SBATCH --job-name=latentwire
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+# The checkout this script lives in (under sbatch, the copy SLURM runs is elsewhere, so fall back
+# to the submission directory).
+if [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURM_SUBMIT_DIR:-}" && ! -f "$(dirname "$0")/train.py" ]]; then
+    ROOT="$SLURM_SUBMIT_DIR"
+else
+    ROOT="$(cd "$(dirname "$0")" && pwd)"
+fi
+PYTHON="${PYTHON:-python3}"
+
+profile=""
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[i]}" in
+        --profile) profile="${args[i + 1]:-}" ;;
+        --profile=*) profile="${args[i]#--profile=}" ;;
+    esac
+done
+if [[ -z "$profile" ]]; then
+    echo "error: launch.sh needs --profile KEY (a key of hw_profiles.json)" >&2
+    exit 2
+fi
+device="$("$PYTHON" -c 'import json, sys
+from latentwire.config import UserError, read_profiles, resolve_profile
+try:
+    print(resolve_profile(read_profiles(), sys.argv[1])["device"])
+except UserError as e:
+    sys.exit(f"error: {e}")' "$profile")" || exit 2
+
+# --- processes per node ----------------------------------------------------------------------
+if [[ -n "${NPROC_PER_NODE:-}" ]]; then
+    nproc="$NPROC_PER_NODE"
+elif [[ "$device" == "cpu" ]]; then
+    nproc=2
+elif [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    nproc=$(awk -F, '{print NF}' <<<"$CUDA_VISIBLE_DEVICES")
+else
+    nproc=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+fi
+if [[ -z "$nproc" || "$nproc" -lt 1 ]]; then
+    echo "error: profile $profile needs a GPU and none is visible (set NPROC_PER_NODE to override)" >&2
+    exit 2
+fi
+
+# --- environment the field recommends --------------------------------------------------------
+# Expandable segments let the caching allocator grow a segment instead of fragmenting memory
+# across variable-length batches (fewer out-of-memory errors at the same peak).
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+# One process per GPU must not each spawn a thread per core: split the cores between them.
+cores=$(nproc --all)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc : 1 ))}"
+# A failed or hung NCCL collective raises instead of blocking forever (the process group's
+# timeout then ends the job); WARN surfaces transport problems without flooding the log.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"  # DataLoader workers fork after tokenizers load
+
+cd "$ROOT"
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    # --- SLURM: one torchrun per node; every node meets at the first node's rendezvous ------
+    nodes="${SLURM_NNODES:-1}"
+    head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    port="${MASTER_PORT:-29500}"
+    echo "launch.sh: SLURM job $SLURM_JOB_ID, $nodes node(s) x $nproc process(es), rendezvous $head_node:$port"
+    exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+        "$PYTHON" -m torch.distributed.run --nnodes="$nodes" --nproc_per_node="$nproc" \
+        --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:$port" \
+        train.py "$@"
+fi
+# --- one node ---------------------------------------------------------------------------------
+echo "launch.sh: 1 node x $nproc process(es) ($device)"
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" train.py "$@"

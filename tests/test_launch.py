@@ -1,0 +1,62 @@
+"""launch.sh: the CPU run, the SLURM path (with stand-ins for srun and scontrol), bad input."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST, REPO, child_env, ok, read_metrics
+
+
+def launch(args, tmp_path, **env):
+    return subprocess.run([str(REPO / "launch.sh"), *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=child_env(PYTHON=sys.executable, **env))
+
+
+def fake_slurm_bin(tmp_path):
+    """srun that runs its command here (one node) and records its arguments; scontrol that
+    names this machine as the allocation's first node."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "$@" > "$(dirname "$0")/srun.args"\n'
+                                  'while [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.slow
+def test_cpu_launch_runs_two_gloo_processes(tmp_path):
+    out = tmp_path / "run"
+    proc = ok(launch(["--profile", "cpu", *FAST, "--max-steps", "2", "--micro-batch-size", "2",
+                      "--out-dir", str(out)], tmp_path))
+    assert "1 node x 2 process(es) (cpu)" in proc.stdout
+    assert "2 x cpu" in proc.stdout  # train.py saw a world of two
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_slurm_path_runs_one_torchrun_per_node_with_c10d_rendezvous(tmp_path):
+    bin_dir = fake_slurm_bin(tmp_path)
+    out = tmp_path / "run"
+    proc = ok(launch(["--profile", "cpu", *FAST, "--max-steps", "1", "--micro-batch-size", "2",
+                      "--out-dir", str(out)], tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}",
+                     SLURM_JOB_ID="4242", SLURM_NNODES="1", SLURM_JOB_NODELIST="node[1-2]", MASTER_PORT="29731"))
+    srun_args = (bin_dir / "srun.args").read_text()
+    assert "--ntasks-per-node=1" in srun_args and "--rdzv_backend=c10d" in srun_args
+    assert "--rdzv_endpoint=127.0.0.1:29731" in srun_args and "--rdzv_id=4242" in srun_args
+    assert "--nnodes=1 --nproc_per_node=2" in srun_args
+    assert "SLURM job 4242" in proc.stdout and [m["step"] for m in read_metrics(out)] == [1]
+
+
+def test_missing_or_unknown_profile_is_one_line(tmp_path):
+    for args, fragment in (([], "needs --profile"), (["--profile", "nope"], "unknown profile 'nope'")):
+        proc = launch(args, tmp_path)
+        assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and fragment in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_profile_without_gpu_is_one_line(tmp_path):
+    proc = launch(["--profile", "h100"], tmp_path, CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 2 and "needs a GPU" in proc.stderr

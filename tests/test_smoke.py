@@ -1,0 +1,63 @@
+"""The newcomer's run: `torchrun --nproc_per_node=2 train.py --profile cpu`, unchanged but for out_dir."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ok, read_metrics, run_train
+
+REQUIRED = ("step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "mfu", "peak_mem_gb",
+            "data_wait_frac")
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cpu") / "run"
+    ok(run_train(["--profile", "cpu", "--out-dir", str(out)], nproc=2))
+    return out
+
+
+@pytest.mark.slow
+def test_loss_falls_clearly(cpu_run):
+    losses = [m["loss"] for m in read_metrics(cpu_run)]
+    assert [m["step"] for m in read_metrics(cpu_run)] == [1, *range(10, 161, 10)]
+    assert losses[0] > math.log(384)  # a random wire: no better than a uniform guess
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.5
+
+
+@pytest.mark.slow
+def test_metrics_lines_have_every_field(cpu_run):
+    for record in read_metrics(cpu_run):
+        assert set(REQUIRED) <= set(record)
+        assert record["mfu"] is None  # no peak FLOP/s is known for a CPU
+        assert record["samples_per_s"] > 0 and record["tokens_per_s"] > record["samples_per_s"]
+        assert 0 <= record["data_wait_frac"] < 1 and record["peak_mem_gb"] > 0
+
+
+@pytest.mark.slow
+def test_tensorboard_has_the_same_scalars(cpu_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(cpu_run / "tb"))
+    events.Reload()
+    logged = read_metrics(cpu_run)
+    for key in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_mem_gb", "data_wait_frac"):
+        scalars = events.Scalars(key)
+        assert [s.step for s in scalars] == [m["step"] for m in logged]
+        assert [s.value for s in scalars] == pytest.approx([m[key] for m in logged], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_final_checkpoint_loads_with_safetensors_alone(cpu_run):
+    ckpt = cpu_run / "checkpoints" / "step_00000160"
+    # A fresh interpreter that imports safetensors and numpy only: no torch, no latentwire.
+    code = ("import sys, safetensors.numpy as s; t = s.load_file(sys.argv[1]); "
+            "assert 'torch' not in sys.modules; print(len(t), sum(v.size for v in t.values()))")
+    proc = ok(subprocess.run([sys.executable, "-c", code, str(ckpt / "trainable.safetensors")],
+                             capture_output=True, text=True))
+    n_tensors, n_params = map(int, proc.stdout.split())
+    assert n_tensors > 10 and 100_000 < n_params < 10_000_000
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["profile"] == "cpu" and meta["step"] == 160 and meta["config"]["llama"] == "tiny"
+    assert {"train_state.pt", "rng_rank0.pt", "rng_rank1.pt"} <= {p.name for p in ckpt.iterdir()}
