@@ -7,6 +7,11 @@
 #                                                    SLURM: one torchrun per node, c10d rendezvous
 #                                                    on the first node of the allocation
 #
+# Preemption under SLURM: 120 s before the time limit (or on scancel --signal=USR1 / preemption)
+# this script receives SIGUSR1, forwards SIGTERM to the training processes, which save a
+# checkpoint at the next step boundary and exit with code 75; the script then requeues the job,
+# and the requeued job adds --resume by itself.
+#
 # Environment it reads: NPROC_PER_NODE (processes per node), MASTER_PORT (rendezvous port, 29500),
 # PYTHON (the interpreter, default: python3).
 #
@@ -14,6 +19,8 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
 #SBATCH --output=%x-%j.out
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 set -euo pipefail
 
 # The checkout this script lives in (under sbatch, the copy SLURM runs is elsewhere, so fall back
@@ -37,7 +44,7 @@ if [[ -z "$profile" ]]; then
     echo "error: launch.sh needs --profile KEY (a key of hw_profiles.json)" >&2
     exit 2
 fi
-device="$("$PYTHON" -c 'import json, sys
+device="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import json, sys
 from latentwire.config import UserError, read_profiles, resolve_profile
 try:
     print(resolve_profile(read_profiles(), sys.argv[1])["device"])
@@ -72,18 +79,32 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"  # DataLoader workers fork after tokenizers load
 
-cd "$ROOT"
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     # --- SLURM: one torchrun per node; every node meets at the first node's rendezvous ------
     nodes="${SLURM_NNODES:-1}"
     head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
     port="${MASTER_PORT:-29500}"
+    resume=()
+    if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 && " $* " != *" --resume "* ]]; then
+        resume=(--resume)  # a requeued job continues where the preempted one saved
+    fi
     echo "launch.sh: SLURM job $SLURM_JOB_ID, $nodes node(s) x $nproc process(es), rendezvous $head_node:$port"
-    exec srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
         "$PYTHON" -m torch.distributed.run --nnodes="$nodes" --nproc_per_node="$nproc" \
         --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:$port" \
-        train.py "$@"
+        "$ROOT/train.py" "$@" "${resume[@]}" &
+    step_pid=$!
+    preempted=0
+    trap 'preempted=1; kill -TERM "$step_pid" 2>/dev/null' USR1 TERM
+    status=0
+    # `wait` returns early when a trapped signal arrives: wait again for the step to finish saving.
+    while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done
+    if [[ "$preempted" == 1 ]]; then
+        echo "launch.sh: preempted; requeueing job $SLURM_JOB_ID to resume"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+    exit "$status"
 fi
 # --- one node ---------------------------------------------------------------------------------
 echo "launch.sh: 1 node x $nproc process(es) ($device)"
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" train.py "$@"
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" "$ROOT/train.py" "$@"

@@ -9,8 +9,10 @@ One loop, top to bottom. Each optimization is a labelled block saying why it is 
 """
 from __future__ import annotations
 
+import functools
 import random
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -18,15 +20,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
-from latentwire.checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint
-from latentwire.config import UserError, load_config, main_guard
-from latentwire.data import Collator, PromptDataset, count_answer_tokens, load_examples
+from latentwire.checkpoint import (list_checkpoints, load_newest_checkpoint, prune_checkpoints, restore_rng,
+                                   save_checkpoint)
+from latentwire.config import Diverged, UserError, load_config, main_guard
+from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
 from latentwire.distributed import all_reduce_sum, init_distributed, teardown_distributed
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
 from latentwire.metrics import FlopModel, MetricsLogger, Window, peak_flops_per_s, peak_memory_gb
 from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
+from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag
 from latentwire.precision import autocast_for, enable_tf32, frozen_weight_dtype, grad_scaler_for, use_tf32
 from latentwire.profiling import make_profiler
 
@@ -85,24 +89,26 @@ def train(cfg, di) -> None:
         ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
 
     # --- Data: a disjoint shard per rank -----------------------------------------------------
-    # DistributedSampler permutes with (seed + epoch) and deals every world_size-th index to each
-    # rank, so the global batch of a step is the same set of examples for any world size.
+    # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank,
+    # so the global batch of a step is the same set of examples for any world size; it can start
+    # an epoch part-way, which is how a resumed run continues the same sample order.
     dataset = PromptDataset(load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed))
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed)
     collate = Collator({n: llm.tokenizer for n, llm in llms.items()}, cfg.max_prompt_bytes,
                        cfg.max_answer_tokens, cfg.pad_multiple)
     # Workers tokenise and pad while the model computes; pinned host memory makes the
     # host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a
-    # fork of every worker at each epoch.
+    # fork of every worker at each epoch. The loader's own generator keeps its worker seeds
+    # off the global RNG, so dropout draws do not depend on when an epoch starts.
     loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate,
                         drop_last=True, num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
                         persistent_workers=cfg.num_workers > 0,
-                        prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None)
-    steps_per_epoch = len(loader) // cfg.grad_accum_steps
-    if steps_per_epoch == 0:
+                        prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
+                        generator=torch.Generator().manual_seed(cfg.seed + rank))
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
+    if len(loader) < cfg.grad_accum_steps:
         raise UserError(f"dataset of {len(dataset)} examples is smaller than one global batch "
                         f"({cfg.micro_batch_size} x {cfg.grad_accum_steps} x {world} ranks)")
-    batches = global_batches(loader, sampler, cfg.grad_accum_steps, steps_per_epoch)
 
     # --- Optimizer: AdamW over the trainable parameters only, fused on CUDA ------------------
     # Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter).
@@ -122,6 +128,34 @@ def train(cfg, di) -> None:
         anneal_strategy=cfg.anneal_strategy, div_factor=cfg.div_factor,
         final_div_factor=cfg.final_div_factor, cycle_momentum=False)
 
+    # --- Resume: weights, optimizer, schedule, scaler, RNG and data position ------------------
+    # The newest checkpoint that loads (a partial or corrupt newer one is skipped with a warning).
+    # Same layout (world size, micro-batch, accumulation): bitwise the run that never stopped.
+    step, epoch, examples_done = 0, 0, 0
+    if cfg.run.resume:
+        ckpt = load_newest_checkpoint(out_dir, rank, warn=lambda m: di.is_main and print(m, file=sys.stderr))
+        if ckpt is None:
+            raise UserError(f"no usable checkpoint to resume from in {out_dir / 'checkpoints'}")
+        saved_cfg, state = ckpt["meta"]["config"], ckpt["train_state"]
+        if saved_cfg["max_steps"] != cfg.max_steps:
+            raise UserError(f"--max-steps {cfg.max_steps} differs from the resumed run's {saved_cfg['max_steps']}; "
+                            "the OneCycle schedule is fixed when a run starts")
+        model.load_state_dict(ckpt["weights"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        restore_rng(ckpt["rng"])
+        step, epoch, examples_done = state["step"], state["data"]["epoch"], state["data"]["examples_done"]
+        if cfg.run.stop_at_step is not None and cfg.run.stop_at_step <= step:
+            raise UserError(f"--stop-at-step {cfg.run.stop_at_step} is not after the resumed step {step}")
+        if di.is_main:
+            print(f"resumed from {ckpt['path']} (step {step}, epoch {epoch}, {examples_done} examples into it)")
+            if state["data"]["layout"] != [world, cfg.micro_batch_size, cfg.grad_accum_steps]:
+                print(f"note: layout (world, micro-batch, accumulation) is {[world, cfg.micro_batch_size, cfg.grad_accum_steps]}"
+                      f", the checkpoint's was {state['data']['layout']}: the sample order is kept, but the run is "
+                      "bitwise identical to an unbroken one only for the same layout", file=sys.stderr)
+    batches = global_batches(loader, sampler, cfg.grad_accum_steps, epoch, examples_done, global_batch)
+
     # --- torch.compile -----------------------------------------------------------------------
     # Fuses the encoder's and the LLMs' elementwise ops and norms into few kernels; the
     # collate pads to multiples of pad_multiple so only a handful of shapes are ever compiled.
@@ -138,32 +172,46 @@ def train(cfg, di) -> None:
         encoder_params=count_parameters(model.encoder, trainable=True),
         wire_params=count_parameters(model.pooler, True) + count_parameters(model.adapters, True))
     peak_flops = peak_flops_per_s(cfg)
-    logger = MetricsLogger(out_dir, enabled=di.is_main)
+    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=step + 1)
     if di.is_main:
         print(f"profile {cfg.run.profile}: {world} x {device.type}, {cfg.precision}, "
-              f"global batch {cfg.micro_batch_size} x {cfg.grad_accum_steps} x {world} = "
-              f"{cfg.micro_batch_size * cfg.grad_accum_steps * world}, "
+              f"global batch {cfg.micro_batch_size} x {cfg.grad_accum_steps} x {world} = {global_batch}, "
               f"trainable {count_parameters(model, True) / 1e6:.2f}M, "
               f"frozen {sum(count_parameters(l.model, False) for l in llms.values()) / 1e6:.1f}M", flush=True)
+
+    # --- Preemption: SIGTERM / SIGUSR1 only set a flag; ranks agree at the next step ---------
+    stop = StopFlag()
 
     # --- The loop ----------------------------------------------------------------------------
     model.train()
     window = Window()
-    step = 0
+    skipped, bad_in_a_row = 0, 0
+    save_state = functools.partial(save, cfg, out_dir, model, optimizer, scheduler, scaler, rank, world)
     with make_profiler(cfg, out_dir, rank, device) as profiler:
-        for step in range(1, cfg.max_steps + 1):
+        while step < cfg.max_steps:
             t_wait = time.perf_counter()
-            epoch, micro_batches = next(batches)
+            next_epoch, next_done, micro_batches = next(batches)
             data_wait = time.perf_counter() - t_wait
 
             # --- Exact gradient accumulation ---------------------------------------------
             # Each LLM's loss is its summed token cross-entropy divided by the number of answer
             # tokens in the whole global batch (all micro-batches, all ranks), so the step equals
             # one big batch however it is split. DDP averages gradients over ranks, hence the
-            # factor world_size.
+            # factor world_size. The stop flag rides along in the same all-reduce: no extra
+            # collective, and every rank learns of a signal any rank received.
             local_counts = [count_answer_tokens(b) for b in micro_batches]
-            n_tokens = torch.tensor([[c[n] for n in llms] for c in local_counts], dtype=torch.float64).sum(0)
-            n_tokens = all_reduce_sum(n_tokens.to(device)).to(torch.float32)
+            counts = [sum(c[n] for c in local_counts) for n in llms] + [float(stop.raised)]
+            counts = all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=device)).tolist()
+            if counts[-1] > 0:
+                save_state(step, epoch, examples_done)
+                if di.is_main:
+                    print(f"preempted ({stop.signal_name or 'signal on another rank'}): saved step {step}; "
+                          f"exiting with code {PREEMPTED_EXIT_CODE}, continue with --resume", flush=True)
+                logger.close()
+                raise SystemExit(PREEMPTED_EXIT_CODE)
+            n_tokens = torch.tensor(counts[:-1], dtype=torch.float32, device=device)
+            step, epoch, examples_done = step + 1, next_epoch, next_done
+
             step_ce = torch.zeros(len(llms), device=device)
             for i, batch in enumerate(micro_batches):
                 batch = to_device(batch, device)
@@ -181,16 +229,29 @@ def train(cfg, di) -> None:
             # --- Gradient clipping (the logged norm is the pre-clip norm) ----------------
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+
+            # --- Non-finite steps are skipped, counted, and stop the run if they persist --
+            # The norm is global (after DDP's all-reduce), so every rank decides alike; a NaN
+            # loss on any rank makes it NaN. This is the loop's one host sync per step.
+            # With fp16 the GradScaler skips the update itself and lowers its scale.
+            finite = bool(torch.isfinite(grad_norm))
             lr = scheduler.get_last_lr()[0]
-            scaler.step(optimizer)
+            if finite or scaler.is_enabled():
+                scaler.step(optimizer)
             scaler.update()
-            scheduler.step()
+            scheduler.step()  # the schedule follows the step count, skipped steps included
             optimizer.zero_grad(set_to_none=True)
             profiler.step()
+            skipped += not finite
+            bad_in_a_row = 0 if finite else bad_in_a_row + 1
+            if bad_in_a_row >= cfg.max_nonfinite_steps:
+                save_state(step, epoch, examples_done)
+                logger.close()
+                raise Diverged(f"{bad_in_a_row} non-finite steps in a row (to step {step}); saved the last good "
+                               f"weights as checkpoint step {step}")
 
-            window.add(samples=cfg.micro_batch_size * len(micro_batches) * world,
-                       tokens=int(sum(c[n] for c in local_counts for n in llms)) * world
-                       + cfg.num_latents * len(llms) * cfg.micro_batch_size * len(micro_batches) * world,
+            window.add(samples=global_batch,
+                       tokens=int(sum(counts[:-1])) + cfg.num_latents * len(llms) * global_batch,
                        flops=flop_model.step_flops(batch_shapes(micro_batches, cfg.num_latents, llms)),
                        data_wait=data_wait)
 
@@ -199,17 +260,17 @@ def train(cfg, di) -> None:
                 per_llm_loss = all_reduce_sum(step_ce).tolist()
                 record = {"step": step, "epoch": epoch, "loss": sum(per_llm_loss) / len(per_llm_loss),
                           **{f"loss_{n}": v for n, v in zip(llms, per_llm_loss)},
-                          "lr": lr, "grad_norm": grad_norm.item(),
+                          "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
                           **window.rates(world, peak_flops), "peak_mem_gb": peak_memory_gb(device)}
                 logger.log(record)
                 window = Window()
 
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
-                save(cfg, out_dir, step, epoch, model, optimizer, scheduler, scaler, rank)
-            if cfg.run.stop_at_step == step:
+            if step == cfg.max_steps or step == cfg.run.stop_at_step:
                 break
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                save_state(step, epoch, examples_done)
 
-    save(cfg, out_dir, step, epoch, model, optimizer, scheduler, scaler, rank)
+    save_state(step, epoch, examples_done)
     logger.close()
 
 
@@ -220,8 +281,6 @@ def prepare_out_dir(out_dir: Path, run, is_main: bool) -> None:
     holds_run = (out_dir / "metrics.jsonl").exists() or bool(list_checkpoints(out_dir))
     if holds_run and not (run.resume or run.overwrite):
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    if run.resume:
-        raise UserError("--resume is not available yet")
     if is_main and holds_run and run.overwrite:
         for name in ("metrics.jsonl", "tb", "checkpoints", "traces"):
             path = out_dir / name
@@ -232,15 +291,16 @@ def prepare_out_dir(out_dir: Path, run, is_main: bool) -> None:
         raise UserError(f"cannot create out_dir {out_dir}: {e.strerror}") from None
 
 
-def global_batches(loader, sampler, accum: int, steps_per_epoch: int):
-    """Yields (epoch, [accum micro-batches]) forever; a partial group at an epoch's end is dropped."""
-    epoch = 0
+def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, global_batch: int):
+    """Yields (epoch, examples of the epoch done after this step, [accum micro-batches]) forever,
+    starting `examples_done` into `epoch`; a partial group at an epoch's end is dropped."""
     while True:
-        sampler.set_epoch(epoch)  # a new permutation each epoch, the same on every rank
+        sampler.start_epoch(epoch, examples_done)  # a new permutation each epoch, the same on every rank
         it = iter(loader)
-        for _ in range(steps_per_epoch):
-            yield epoch, [next(it) for _ in range(accum)]
-        epoch += 1
+        for _ in range(len(loader) // accum):
+            examples_done += global_batch
+            yield epoch, examples_done, [next(it) for _ in range(accum)]
+        epoch, examples_done = epoch + 1, 0
 
 
 def to_device(batch: dict, device: torch.device):
@@ -269,9 +329,11 @@ def cuda_sdpa_kernels():
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
 
 
-def save(cfg, out_dir, step, epoch, model, optimizer, scheduler, scaler, rank) -> None:
-    train_state = {"step": step, "epoch": epoch, "optimizer": optimizer.state_dict(),
-                   "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict()}
+def save(cfg, out_dir, model, optimizer, scheduler, scaler, rank, world, step, epoch, examples_done) -> None:
+    train_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                   "scaler": scaler.state_dict(),
+                   "data": {"epoch": epoch, "examples_done": examples_done,
+                            "layout": [world, cfg.micro_batch_size, cfg.grad_accum_steps]}}
     meta = {"profile": cfg.run.profile, "config": cfg.to_dict()}
     save_checkpoint(out_dir, step, model.state_dict(), train_state, meta, rank)
     if rank == 0:

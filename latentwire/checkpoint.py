@@ -96,3 +96,43 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
 def prune_checkpoints(out_dir: Path, keep: int) -> None:
     for old in list_checkpoints(out_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_checkpoint(path: Path, rank: int) -> dict:
+    """Everything a resume needs, read and checked; raises CorruptCheckpoint if anything is off."""
+    from safetensors.torch import load_file
+
+    try:
+        meta = json.loads((path / META).read_text())
+        weights = load_file(str(path / WEIGHTS))
+        train_state = torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=False)
+        rng_file = path / f"rng_rank{rank}.pt"
+        # A rank beyond the saving world (resume with more ranks) starts its RNG from rank 0's.
+        rng = torch.load(rng_file if rng_file.exists() else path / "rng_rank0.pt", weights_only=False)
+    except Exception as e:  # safetensors, pickle and json each raise their own types for a bad file
+        raise CorruptCheckpoint(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if train_state.get("step") != meta.get("step"):
+        raise CorruptCheckpoint(f"{path}: meta.json and {TRAIN_STATE} disagree on the step")
+    return {"path": path, "meta": meta, "weights": weights, "train_state": train_state, "rng": rng}
+
+
+class CorruptCheckpoint(Exception):
+    pass
+
+
+def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict | None:
+    """The newest checkpoint that loads; a partial or corrupt newer one is skipped with a warning."""
+    for path in reversed(list_checkpoints(out_dir)):
+        try:
+            return load_checkpoint(path, rank)
+        except CorruptCheckpoint as e:
+            warn(f"warning: skipping unreadable checkpoint {e}")
+    return None

@@ -17,8 +17,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
 
 
-class UserError(Exception):
-    """Bad input from the user: reported as one `error: ...` line and a non-zero exit."""
+class HarnessExit(Exception):
+    """Ends the run with one `error: ...` line and `exit_code`, no traceback."""
+    exit_code = 1
+
+
+class UserError(HarnessExit):
+    """Bad input from the user."""
+    exit_code = 2
+
+
+class Diverged(HarnessExit):
+    """Too many non-finite steps in a row; the last good state was saved."""
+    exit_code = 3
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,7 @@ FIELDS: dict[str, Field] = {
     "checkpoint_every": Field(int, "checkpoint every N steps (0: only at the end)", non_negative=True),
     "keep_checkpoints": Field(int, "keep the newest K checkpoints", positive=True),
     "dist_timeout_s": Field(int, "collective timeout of the process group", positive=True),
+    "max_nonfinite_steps": Field(int, "stop after this many non-finite steps in a row", positive=True),
     "profiler": Field(bool, "run torch.profiler and write traces under out_dir"),
     "profiler_wait": Field(int, "profiler schedule: steps skipped", non_negative=True),
     "profiler_warmup": Field(int, "profiler schedule: steps traced but discarded", non_negative=True),
@@ -193,6 +205,9 @@ def check_consistency(v: dict, where: str) -> None:
         raise UserError(f"{where}: precision bf16 on a card without bf16 support; use fp16 or fp32")
     if not 0 < v["pct_start"] < 1:
         raise UserError(f"{where}: field 'pct_start' must be between 0 and 1, got {v['pct_start']}")
+    if v["pct_start"] * v["max_steps"] == 1:  # OneCycleLR divides by (pct_start x max_steps - 1)
+        raise UserError(f"{where}: pct_start x max_steps must not be exactly 1 (a zero-length warm-up); "
+                        f"change pct_start ({v['pct_start']}) or max_steps ({v['max_steps']})")
     if v["target_util"] > 1:
         raise UserError(f"{where}: field 'target_util' must be at most 1, got {v['target_util']}")
     if v["dropout"] >= 1:
@@ -254,6 +269,8 @@ def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config
         if flag is not None:
             values[name] = check_value(name, flag, where="--" + name.replace("_", "-"))
     check_consistency(values, where="the resolved configuration")
+    if args.resume and args.overwrite:
+        raise UserError("--resume and --overwrite exclude each other")
     if args.stop_at_step is not None and args.stop_at_step <= 0:
         raise UserError(f"--stop-at-step must be > 0, got {args.stop_at_step}")
     run = RunFlags(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
@@ -262,10 +279,11 @@ def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config
 
 
 def main_guard(main):
-    """Run `main()`; bad input becomes `error: ...` on stderr and exit code 2, no traceback."""
+    """Run `main()`; a HarnessExit becomes `error: ...` on stderr and its exit code (2 for bad
+    input), with no traceback."""
     import sys
     try:
         return main()
-    except UserError as e:
+    except HarnessExit as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(e.exit_code)

@@ -10,6 +10,7 @@ of its own tokenizer. `Collator` builds both, padded to few distinct shapes.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -316,3 +317,26 @@ class Collator:
 def count_answer_tokens(batch: dict) -> dict[str, int]:
     """Supervised targets per LLM (answer tokens + EOS), the loss normaliser."""
     return {name: int((a["labels"] != IGNORE_INDEX).sum()) for name, a in batch["answers"].items()}
+
+
+class ShardSampler(torch.utils.data.DistributedSampler):
+    """DistributedSampler that can start an epoch part-way (resume) without loading what it skips.
+
+    The permutation depends only on (seed, epoch), and rank r takes every world_size-th index of
+    it, so skipping the first `done // world_size` indices on every rank skips exactly the first
+    `done` examples of the epoch in the global order, for any world size.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.skip = 0
+
+    def start_epoch(self, epoch: int, global_examples_done: int = 0) -> None:
+        self.set_epoch(epoch)
+        self.skip = global_examples_done // self.num_replicas
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip

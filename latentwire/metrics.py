@@ -83,14 +83,20 @@ class Window:
 class MetricsLogger:
     """One JSON line per logged step, the same scalars in TensorBoard, a short console line."""
 
-    def __init__(self, out_dir: Path, enabled: bool):
+    def __init__(self, out_dir: Path, enabled: bool, first_step: int = 1):
+        """`first_step` > 1 continues a resumed run: whatever the stopped run logged from that
+        step on (after its last checkpoint) is dropped, so every step appears once."""
         self.enabled = enabled
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(out_dir / "metrics.jsonl", "a")
-        self.tb = SummaryWriter(str(out_dir / "tb"))
+        path = out_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] < first_step]
+            path.write_text("".join(kept))
+        self.jsonl = open(path, "a")
+        self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step if first_step > 1 else None)
 
     def log(self, record: dict) -> None:
         if not self.enabled:

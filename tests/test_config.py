@@ -87,6 +87,8 @@ def test_flags_override_profile_fields():
     (["--precision", "fp64"], "'precision' must be one of"),
     (["--compile", "maybe"], "expected true or false"),
     (["--stop-at-step", "0"], "--stop-at-step must be > 0"),
+    (["--max-steps", "10", "--pct-start", "0.1"], "pct_start x max_steps must not be exactly 1"),
+    (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
     (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_flag_values(flags, fragment):

@@ -1,0 +1,222 @@
+"""Checkpoints, exact resume, preemption, non-finite steps and a failing rank."""
+import json
+import math
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import (EXACT, FAST, REPO, assert_one_line_error, child_env, final_weights, ok, read_metrics,
+                      run_train)
+from latentwire.checkpoint import list_checkpoints, load_checkpoint
+
+RUN = ["--profile", "cpu", *EXACT, *FAST, "--micro-batch-size", "4", "--grad-accum-steps", "2"]
+
+
+def popen_train(args, nproc=1, **env):
+    launcher = ([sys.executable] if nproc == 1 else
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
+    return subprocess.Popen([*launcher, str(REPO / "train.py"), *args], cwd=REPO, env=child_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(out, step, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = out / "metrics.jsonl"
+        if path.exists() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines() if l):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached")
+
+
+def assert_same_run(straight, resumed, from_step):
+    a, b = final_weights(straight), final_weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise
+    losses = lambda out: [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(out)]
+    assert losses(resumed) == losses(straight)  # every step once, the resumed ones identical
+    assert [m["step"] for m in read_metrics(resumed)][from_step:] == list(range(from_step + 1, 21))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_stop_and_resume_is_bitwise_exact(tmp_path, workers):
+    args = [*RUN, "--max-steps", "20", "--num-workers", workers]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    ok(run_train([*args, "--out-dir", str(straight)]))
+    ok(run_train([*args, "--out-dir", str(split), "--stop-at-step", "10"]))
+    assert [p.name for p in list_checkpoints(split)] == ["step_00000010"]
+    ok(run_train([*args, "--out-dir", str(split), "--resume"]))
+    assert_same_run(straight, split, 10)
+
+
+@pytest.mark.slow
+def test_stop_and_resume_under_torchrun(tmp_path):
+    args = [*RUN, "--max-steps", "20", "--micro-batch-size", "2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    ok(run_train([*args, "--out-dir", str(straight)], nproc=2))
+    ok(run_train([*args, "--out-dir", str(split), "--stop-at-step", "10"], nproc=2))
+    ok(run_train([*args, "--out-dir", str(split), "--resume"], nproc=2))
+    assert_same_run(straight, split, 10)
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_within_a_step_and_resumes_exactly(tmp_path):
+    args = [*RUN, "--max-steps", "20", "--micro-batch-size", "2", "--checkpoint-every", "100"]
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    ok(run_train([*args, "--out-dir", str(straight)], nproc=2))
+    proc = popen_train([*args, "--out-dir", str(cut)], nproc=2)
+    wait_for_step(cut, 4, proc)
+    proc.send_signal(signal.SIGTERM)  # what SLURM and spot reclaim send; torchrun forwards it
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "exiting with code 75" in stdout, stdout + stderr
+    logged = max(m["step"] for m in read_metrics(cut))
+    saved = [p.name for p in list_checkpoints(cut)]
+    assert saved == [f"step_{logged:08d}"]  # the step that was running when the signal came
+    ok(run_train([*args, "--out-dir", str(cut), "--resume"], nproc=2))
+    assert_same_run(straight, cut, logged)
+
+
+@pytest.mark.slow
+def test_sigusr1_single_process_exits_75(tmp_path):
+    out = tmp_path / "run"
+    proc = popen_train([*RUN, "--max-steps", "200", "--out-dir", str(out)])
+    wait_for_step(out, 2, proc)
+    proc.send_signal(signal.SIGUSR1)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 75
+    assert len(list_checkpoints(out)) == 1
+
+
+@pytest.mark.slow
+def test_kill_9_never_leaves_a_partial_checkpoint_to_resume_from(tmp_path):
+    """SIGKILL at random moments of a run that checkpoints every step (so many kills land inside a
+    write): every step_* directory is complete, and --resume starts from the newest of them."""
+    rng = random.Random(0)
+    out = tmp_path / "run"
+    args = [*RUN, "--max-steps", "60", "--checkpoint-every", "1", "--keep-checkpoints", "2", "--out-dir", str(out)]
+    for trial in range(4):
+        proc = popen_train(args + (["--resume"] if list_checkpoints(out) else []))
+        wait_for_step(out, 1, proc)
+        time.sleep(rng.uniform(0.2, 2.0))
+        proc.kill()
+        proc.wait()
+        checkpoints = list_checkpoints(out)
+        assert checkpoints, f"trial {trial}: no checkpoint"
+        for path in checkpoints:
+            load_checkpoint(path, rank=0)  # raises on a partial checkpoint
+    newest = int(list_checkpoints(out)[-1].name.split("_")[1])
+    proc = ok(run_train(args + ["--resume", "--max-steps", "60", "--stop-at-step", str(newest + 1)]))
+    assert f"step {newest}," in proc.stdout  # "resumed from ... (step N, ..."
+
+
+@pytest.mark.slow
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path):
+    out = tmp_path / "run"
+    args = [*RUN, "--max-steps", "6", "--checkpoint-every", "2", "--out-dir", str(out)]
+    ok(run_train(args + ["--stop-at-step", "4"]))
+    newest = list_checkpoints(out)[-1]
+    (newest / "trainable.safetensors").write_bytes(b"\0" * 100)
+    proc = ok(run_train(args + ["--resume"]))
+    assert "warning: skipping unreadable checkpoint" in proc.stderr and "step_00000004" in proc.stderr
+    assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
+
+
+def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
+    out = tmp_path / "run"
+    bad = out / "checkpoints" / "step_00000003"
+    bad.mkdir(parents=True)
+    (bad / "meta.json").write_text("{")
+    before = sorted(p.name for p in bad.iterdir())
+    proc = run_train([*RUN, "--max-steps", "6", "--out-dir", str(out), "--resume"])
+    warning, error = proc.stderr.splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert warning.startswith("warning: skipping unreadable checkpoint") and "step_00000003" in warning
+    assert error.startswith("error: no usable checkpoint to resume from")
+    assert sorted(p.name for p in bad.iterdir()) == before
+
+
+NAN_AT = """
+import sys, torch
+sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
+import train
+from latentwire.config import main_guard
+real, calls = train.forward_ce_sums, [0]
+def poisoned(*args):
+    calls[0] += 1
+    out = real(*args)
+    return out * float("nan") if calls[0] in {bad} else out
+train.forward_ce_sums = poisoned
+main_guard(lambda: train.main(sys.argv[1:]))
+"""
+
+
+def run_with_nan(tmp_path, bad_calls, args):
+    script = tmp_path / "nan_train.py"
+    script.write_text(NAN_AT.format(repo=str(REPO), train=str(REPO / "train.py"), bad=set(bad_calls)))
+    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_is_skipped_and_counted(tmp_path):
+    args = [*RUN, "--grad-accum-steps", "1", "--max-steps", "5"]
+    clean, poisoned = tmp_path / "clean", tmp_path / "poisoned"
+    ok(run_train([*args, "--out-dir", str(clean), "--stop-at-step", "2"]))
+    ok(run_with_nan(tmp_path, {3}, [*args, "--out-dir", str(poisoned)]))  # step 3's forward
+    metrics = read_metrics(poisoned)
+    assert [m["skipped_steps"] for m in metrics] == [0, 0, 1, 1, 1]
+    assert math.isnan(metrics[2]["grad_norm"]) and math.isnan(metrics[2]["loss"])
+    # Step 3 left the weights as step 2 made them: compare with the clean run stopped at 2.
+    ok(run_with_nan(tmp_path, {3}, [*args, "--out-dir", str(tmp_path / "to3"), "--stop-at-step", "3"]))
+    a, b = final_weights(clean), final_weights(tmp_path / "to3")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_non_finite_steps_in_a_row_stop_the_run_cleanly(tmp_path):
+    out = tmp_path / "run"
+    proc = run_with_nan(tmp_path, {2, 3, 4}, [*RUN, "--grad-accum-steps", "1", "--max-steps", "12",
+                                              "--max-nonfinite-steps", "3", "--out-dir", str(out)])
+    assert_one_line_error(proc, "3 non-finite steps in a row")
+    assert proc.returncode == 3
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000004"]
+    # the saved weights are step 1's: the three bad steps never touched them
+    ok(run_train([*RUN, "--grad-accum-steps", "1", "--max-steps", "12", "--stop-at-step", "1",
+                  "--out-dir", str(tmp_path / "one")]))
+    a, b = final_weights(out), final_weights(tmp_path / "one")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+RAISE_ON_RANK_1 = """
+import os, sys
+sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
+import train
+real, calls = train.forward_ce_sums, [0]
+def failing(*args):
+    calls[0] += 1
+    if os.environ["RANK"] == "1" and calls[0] == 3:
+        raise RuntimeError("injected failure on rank 1")
+    return real(*args)
+train.forward_ce_sums = failing
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_ends_the_whole_job(tmp_path):
+    script = tmp_path / "fail_train.py"
+    script.write_text(RAISE_ON_RANK_1.format(repo=str(REPO), train=str(REPO / "train.py")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           *RUN, "--max-steps", "50", "--micro-batch-size", "2", "--dist-timeout-s", "60",
+           "--out-dir", str(tmp_path / "run")]
+    # The guard is the subprocess timeout: a hang would exceed it; torchrun stops rank 0 at once.
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr
