@@ -10,6 +10,7 @@ One loop, top to bottom. Each optimization is a labelled block saying why it is 
 from __future__ import annotations
 
 import functools
+import os
 import random
 import shutil
 import sys
@@ -47,7 +48,10 @@ def main(argv: list[str] | None = None) -> None:
 def train(cfg, di) -> None:
     device, rank, world = di.device, di.rank, di.world_size
     out_dir = Path(cfg.out_dir)
-    prepare_out_dir(out_dir, cfg.run, di.is_main)
+    # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads or anything
+    # on disk changes (a bad model path fails in the LLM block, still before any write).
+    check_out_dir(out_dir, cfg.run)
+    examples = load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed)
 
     # --- Seeds -------------------------------------------------------------------------------
     # The same seed on every rank gives identical initial weights (DDP also broadcasts rank 0's);
@@ -71,6 +75,9 @@ def train(cfg, di) -> None:
     llms = {name: load_frozen_llm(name, source, frozen_weight_dtype(cfg.precision), device)
             for name, source in (("llama", cfg.llama), ("qwen", cfg.qwen))}
 
+    if di.is_main:
+        prepare_out_dir(out_dir, cfg.run)
+
     # --- Activation checkpointing of the frozen decoder layers -------------------------------
     # Gradients flow through the frozen LLMs to the wire, so their activations are kept for
     # backward even though their weights never change; recomputing them costs one more forward.
@@ -92,7 +99,7 @@ def train(cfg, di) -> None:
     # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank,
     # so the global batch of a step is the same set of examples for any world size; it can start
     # an epoch part-way, which is how a resumed run continues the same sample order.
-    dataset = PromptDataset(load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed))
+    dataset = PromptDataset(examples)
     sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed)
     collate = Collator({n: llm.tokenizer for n, llm in llms.items()}, cfg.max_prompt_bytes,
                        cfg.max_answer_tokens, cfg.pad_multiple)
@@ -276,12 +283,19 @@ def train(cfg, di) -> None:
 
 # --- Helpers the loop calls --------------------------------------------------------------------
 
-def prepare_out_dir(out_dir: Path, run, is_main: bool) -> None:
-    """Refuse to mix two runs in one directory unless asked to resume or overwrite."""
+def check_out_dir(out_dir: Path, run) -> None:
+    """Refuse to mix two runs in one directory unless asked to resume or overwrite, and refuse a
+    directory that cannot be created, before anything is written."""
     holds_run = (out_dir / "metrics.jsonl").exists() or bool(list_checkpoints(out_dir))
     if holds_run and not (run.resume or run.overwrite):
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    if is_main and holds_run and run.overwrite:
+    existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"out_dir {out_dir} cannot be created: {existing} is not a writable directory")
+
+
+def prepare_out_dir(out_dir: Path, run) -> None:
+    if run.overwrite:
         for name in ("metrics.jsonl", "tb", "checkpoints", "traces"):
             path = out_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)

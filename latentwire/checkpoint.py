@@ -20,10 +20,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .config import HarnessExit
+
 STEP_PREFIX = "step_"
 WEIGHTS = "trainable.safetensors"
 TRAIN_STATE = "train_state.pt"
 META = "meta.json"
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint directory that does not load; resume skips it for an older one."""
+
+
+class CheckpointWriteFailed(HarnessExit):
+    exit_code = 4
 
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
@@ -66,11 +76,16 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
         shutil.rmtree(tmp, ignore_errors=True)  # left by a job killed mid-save
         tmp.mkdir(parents=True)
     _barrier()
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
-        torch.save(train_state, tmp / TRAIN_STATE)
-        (tmp / META).write_text(json.dumps({**meta, "step": step, "versions": versions()}, indent=2))
+    try:
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
+            torch.save(train_state, tmp / TRAIN_STATE)
+            (tmp / META).write_text(json.dumps({**meta, "step": step, "versions": versions()}, indent=2))
+    except OSError as e:  # disk full, quota, a vanished mount: earlier checkpoints stay as they are
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteFailed(f"saving checkpoint {final.name} failed: {e.strerror or e}; "
+                                    f"earlier checkpoints are intact") from None
     _barrier()
     if rank == 0:
         for f in tmp.iterdir():
@@ -122,10 +137,6 @@ def load_checkpoint(path: Path, rank: int) -> dict:
     if train_state.get("step") != meta.get("step"):
         raise CorruptCheckpoint(f"{path}: meta.json and {TRAIN_STATE} disagree on the step")
     return {"path": path, "meta": meta, "weights": weights, "train_state": train_state, "rng": rng}
-
-
-class CorruptCheckpoint(Exception):
-    pass
 
 
 def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict | None:

@@ -1,7 +1,9 @@
 """launch.sh: the CPU run, the SLURM path (with stand-ins for srun and scontrol), bad input."""
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,3 +62,29 @@ def test_missing_or_unknown_profile_is_one_line(tmp_path):
 def test_gpu_profile_without_gpu_is_one_line(tmp_path):
     proc = launch(["--profile", "h100"], tmp_path, CUDA_VISIBLE_DEVICES="")
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
+
+
+@pytest.mark.slow
+def test_slurm_preemption_saves_requeues_and_the_requeued_job_resumes(tmp_path):
+    bin_dir = fake_slurm_bin(tmp_path)
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\nif [[ "$1" == requeue ]]; then echo "$@" > '
+                                      '"$(dirname "$0")/requeued"; else echo 127.0.0.1; fi\n')
+    out = tmp_path / "run"
+    args = ["--profile", "cpu", *FAST, "--max-steps", "40", "--micro-batch-size", "2", "--out-dir", str(out)]
+    env = dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_NNODES="1",
+               SLURM_JOB_NODELIST="node1", MASTER_PORT="29732")
+    job = subprocess.Popen([str(REPO / "launch.sh"), *args], cwd=tmp_path, env=child_env(PYTHON=sys.executable, **env),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 3):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.2)
+    job.send_signal(signal.SIGUSR1)  # SLURM's warning before the time limit (--signal=B:USR1@120)
+    stdout, stderr = job.communicate(timeout=120)
+    assert "exiting with code 75" in stdout and "requeueing job 77" in stdout, stdout + stderr
+    assert (bin_dir / "requeued").read_text().split() == ["requeue", "77"]
+    saved = int(sorted((out / "checkpoints").iterdir())[-1].name.split("_")[1])
+    # The requeued job: same command, SLURM_RESTART_COUNT set; it adds --resume itself.
+    proc = ok(launch(args, tmp_path, SLURM_RESTART_COUNT="1", **env))
+    assert f"(step {saved}," in proc.stdout
+    assert [m["step"] for m in read_metrics(out)][-1] == 40

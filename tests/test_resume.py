@@ -220,3 +220,104 @@ def test_a_rank_that_raises_ends_the_whole_job(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stderr
+
+
+# --- bad input: exit code, one line, nothing on disk changed ----------------------------------
+
+def snapshot(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("done") / "run"
+    ok(run_train([*RUN, "--max-steps", "2", "--out-dir", str(out)]))
+    return out
+
+
+def test_out_dir_with_a_run_needs_resume_or_overwrite(finished_run):
+    before = snapshot(finished_run)
+    proc = run_train([*RUN, "--max-steps", "2", "--out-dir", str(finished_run)])
+    assert_one_line_error(proc, "already holds a run", "--resume", "--overwrite")
+    assert snapshot(finished_run) == before
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (lambda t: ["--dataset", str(t / "missing.jsonl")], "does not exist"),
+    (lambda t: ["--dataset", write(t / "empty.jsonl", "")], "has no examples"),
+    (lambda t: ["--dataset", write(t / "bad.jsonl", '{"context": "c", "question": "q"}\n')], "'answers.text'"),
+    (lambda t: ["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+    (lambda t: ["--llama", str(t / "no_such_model_dir")], "does not exist"),
+    (lambda t: ["--micro-batch-size", "0"], "must be > 0"),
+    (lambda t: ["--grad-accum-steps", "0"], "must be > 0"),
+    (lambda t: ["--lr", "-1"], "'lr' must be > 0"),
+    (lambda t: ["--precision", "int8"], "'precision' must be one of"),
+    (lambda t: ["--max-steps", "3", "--resume"], "no usable checkpoint"),
+])
+def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flags, fragment):
+    before = snapshot(finished_run)
+    args = [*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--overwrite", *flags(tmp_path)]
+    if "--resume" in args:
+        args.remove("--overwrite")
+        args[args.index(str(finished_run))] = str(tmp_path / "fresh")
+    assert_one_line_error(run_train(args), fragment)
+    assert snapshot(finished_run) == before
+
+
+def test_out_dir_that_cannot_be_created(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc = run_train([*RUN, "--max-steps", "2", "--out-dir", str(blocker / "run")])
+    assert_one_line_error(proc, "cannot be created", "not a writable directory")
+    assert blocker.read_text() == "not a directory"
+
+
+FAIL_SECOND_SAVE = """
+import errno, sys
+sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
+import safetensors.torch, train
+from latentwire.config import main_guard
+real, calls = safetensors.torch.save_file, [0]
+def full_disk(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(*args, **kwargs)
+safetensors.torch.save_file = full_disk
+main_guard(lambda: train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_failing_checkpoint_write_is_one_line_and_keeps_earlier_checkpoints(tmp_path):
+    script = tmp_path / "full_disk.py"
+    script.write_text(FAIL_SECOND_SAVE.format(repo=str(REPO), train=str(REPO / "train.py")))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), *RUN, "--max-steps", "6", "--checkpoint-every", "2",
+                           "--out-dir", str(out)], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert_one_line_error(proc, "saving checkpoint step_00000004 failed", "No space left on device")
+    assert proc.returncode == 4
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]  # no temporary left
+    load_checkpoint(out / "checkpoints" / "step_00000002", rank=0)
+
+
+@pytest.mark.slow
+def test_resume_on_another_layout_keeps_the_sample_order(tmp_path):
+    """1 process x mbs 4 x accum 2 stopped at 10, resumed on 2 ranks x mbs 2 x accum 2: the same
+    global batches, so the same weights up to rounding, and a note that it is not bitwise."""
+    args = [*RUN, "--max-steps", "20"]
+    straight, moved = tmp_path / "straight", tmp_path / "moved"
+    ok(run_train([*args, "--out-dir", str(straight)]))
+    ok(run_train([*args, "--out-dir", str(moved), "--stop-at-step", "10"]))
+    proc = ok(run_train([*args, "--out-dir", str(moved), "--resume", "--micro-batch-size", "2"], nproc=2))
+    assert "bitwise identical to an unbroken one only for the same layout" in proc.stderr
+    from conftest import max_rel_diff
+    assert max_rel_diff(final_weights(straight), final_weights(moved)) < 1e-4
+    for a, b in zip(read_metrics(straight), read_metrics(moved), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
