@@ -29,7 +29,8 @@ from latentwire.config import Diverged, UserError, load_config, main_guard
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
 from latentwire.distributed import all_reduce_sum, init_distributed, teardown_distributed
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
-from latentwire.metrics import FlopModel, MetricsLogger, Window, peak_flops_per_s, peak_memory_gb
+from latentwire.flops import FlopModel
+from latentwire.metrics import MetricsLogger, Window, peak_flops_per_s, peak_memory_gb
 from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
 from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag
 from latentwire.precision import autocast_for, enable_tf32, frozen_weight_dtype, grad_scaler_for, use_tf32
@@ -173,11 +174,7 @@ def train(cfg, di) -> None:
     # allowed, so a silent fallback to the O(L^2)-memory math kernel becomes an error instead.
     sdpa_kernels = cuda_sdpa_kernels if device.type == "cuda" else nullcontext
 
-    flop_model = FlopModel(
-        llm_params={n: count_parameters(llm.model.get_decoder(), trainable=False) for n, llm in llms.items()},
-        llm_head_params={n: llm.model.get_output_embeddings().weight.numel() for n, llm in llms.items()},
-        encoder_params=count_parameters(model.encoder, trainable=True),
-        wire_params=count_parameters(model.pooler, True) + count_parameters(model.adapters, True))
+    flop_model = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg)
     peak_flops = peak_flops_per_s(cfg)
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=step + 1)
     if di.is_main:
@@ -259,7 +256,7 @@ def train(cfg, di) -> None:
 
             window.add(samples=global_batch,
                        tokens=int(sum(counts[:-1])) + cfg.num_latents * len(llms) * global_batch,
-                       flops=flop_model.step_flops(batch_shapes(micro_batches, cfg.num_latents, llms)),
+                       flops=flop_model.step_flops(micro_batches),
                        data_wait=data_wait)
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
@@ -322,20 +319,6 @@ def to_device(batch: dict, device: torch.device):
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch.to(device, non_blocking=True)
-
-
-def batch_shapes(micro_batches: list[dict], num_latents: int, llms: dict) -> dict:
-    """Positions each part of the model processed this step (padding included: it is computed)."""
-    shapes = {"bytes": 0, "latents": 0, "llms": {n: (0, 0) for n in llms}}
-    for b in micro_batches:
-        bsz, length = b["bytes"].shape
-        shapes["bytes"] += bsz * length
-        shapes["latents"] += bsz * num_latents
-        for n in llms:
-            t = b["answers"][n]["input_ids"].shape[1]
-            seq, kept = shapes["llms"][n]
-            shapes["llms"][n] = (seq + bsz * (num_latents + t), kept + bsz * (t + 1))
-    return shapes
 
 
 def cuda_sdpa_kernels():

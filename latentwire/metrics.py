@@ -1,10 +1,5 @@
 """What a logged step reports: throughput, MFU, memory, data stalls; written to the console,
-`metrics.jsonl` and TensorBoard (`tb/`), on rank 0 only.
-
-FLOPs are counted for what really runs. The frozen LLMs do a forward (2 x params per token) and a
-backward through activations only (another 2 x params per token: no weight gradients); the
-trainable encoder and adapters do forward + both backward halves (6 x params per token).
-"""
+`metrics.jsonl` and TensorBoard (`tb/`), on rank 0 only. FLOPs come from `latentwire.flops`."""
 from __future__ import annotations
 
 import json
@@ -18,23 +13,6 @@ from pathlib import Path
 import torch
 
 GIB = 2 ** 30
-
-
-@dataclass(frozen=True)
-class FlopModel:
-    """Parameter counts that the per-token FLOP estimate needs."""
-    llm_params: dict[str, int]          # frozen parameters of each LLM, embeddings excluded
-    llm_head_params: dict[str, int]     # its LM head (applied only to the kept answer positions)
-    encoder_params: int                 # trainable, applied per prompt byte
-    wire_params: int                    # pooler + adapters, applied per soft token
-
-    def step_flops(self, shapes: dict) -> float:
-        """FLOPs of one optimizer step on this rank, from the micro-batch shapes it ran:
-        `shapes` holds summed positions: `bytes`, `latents` and per LLM `{name: (seq, kept)}`."""
-        flops = 6.0 * self.encoder_params * shapes["bytes"] + 6.0 * self.wire_params * shapes["latents"]
-        for name, (seq, kept) in shapes["llms"].items():
-            flops += 4.0 * self.llm_params[name] * seq + 4.0 * self.llm_head_params[name] * kept
-        return flops
 
 
 def peak_flops_per_s(cfg) -> float | None:

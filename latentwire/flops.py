@@ -1,0 +1,109 @@
+"""FLOPs of one training step, counted for what really runs.
+
+- Trainable encoder, pooler and adapters: forward, input gradients and weight gradients:
+  6 x (matmul parameters) per token they process.
+- Frozen LLMs: forward and the input gradients that carry the gradient back to the wire, but no
+  weight gradients: 4 x (matmul parameters) per position; the LM head only on the kept positions.
+- Attention (scores and weighted values) in both, from torch.utils.flop_counter's own SDPA
+  formulas, so the analytic count and FlopCounterMode use the same convention (full, unmasked
+  score matrices).
+
+Embedding lookups, norms and elementwise ops are not matmuls and are left out, as in the usual
+6ND accounting; `tests/test_flops.py` checks the total against FlopCounterMode within 5%.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import flop_counter
+from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+
+
+def linear_params(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def attention_flops(batch: int, heads: int, q_len: int, k_len: int, head_dim: int) -> int:
+    """Forward plus backward of one SDPA call."""
+    q, k = (batch, heads, q_len, head_dim), (batch, heads, k_len, head_dim)
+    return sdpa_flop_count(q, k, k) + sdpa_backward_flop_count(q, q, k, k)
+
+
+@dataclass(frozen=True)
+class LLMShape:
+    layers: int
+    heads: int
+    head_dim: int
+    matmul_params: int   # decoder layers' Linear weights
+    head_params: int     # LM head
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "LLMShape":
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(c.num_hidden_layers, c.num_attention_heads, head_dim, linear_params(model.get_decoder()),
+                   model.get_output_embeddings().weight.numel())
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    encoder_token_params: int  # applied to every prompt byte: encoder + the pooler's key/value maps
+    latent_params: int         # applied to every wire token: the rest of the pooler, the adapters
+    encoder_layers: int
+    encoder_heads: int
+    encoder_dim: int
+    d_z: int
+    num_latents: int
+    llms: dict[str, LLMShape]
+
+    @classmethod
+    def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], cfg) -> "FlopModel":
+        cross = wire_encoder.pooler.cross.attn
+        kv = linear_params(cross.k) + linear_params(cross.v)
+        return cls(encoder_token_params=linear_params(wire_encoder.encoder) + kv,
+                   latent_params=linear_params(wire_encoder.pooler) - kv + linear_params(wire_encoder.adapters),
+                   encoder_layers=cfg.encoder_layers, encoder_heads=cfg.encoder_heads, encoder_dim=cfg.encoder_dim,
+                   d_z=cfg.d_z, num_latents=cfg.num_latents,
+                   llms={n: LLMShape.of(m) for n, m in llm_models.items()})
+
+    def micro_batch_flops(self, batch: int, prompt_len: int, answer_lens: dict[str, int]) -> int:
+        """One forward + backward of a micro-batch: `batch` prompts of `prompt_len` bytes (padded),
+        answers of `answer_lens[name]` input tokens (padded) for each LLM."""
+        m, h = self.num_latents, self.encoder_heads
+        flops = 6 * (self.encoder_token_params * batch * prompt_len + self.latent_params * batch * m)
+        flops += self.encoder_layers * attention_flops(batch, h, prompt_len, prompt_len, self.encoder_dim // h)
+        flops += attention_flops(batch, h, m, prompt_len, self.d_z // h)  # latents read the bytes
+        flops += attention_flops(batch, h, m, m, self.d_z // h)  # latents talk to each other
+        for name, shape in self.llms.items():
+            seq, kept = m + answer_lens[name], answer_lens[name] + 1
+            flops += 4 * (shape.matmul_params * batch * seq + shape.head_params * batch * kept)
+            flops += shape.layers * attention_flops(batch, shape.heads, seq, seq, shape.head_dim)
+        return flops
+
+    def step_flops(self, micro_batches: list[dict]) -> int:
+        return sum(self.micro_batch_flops(b["bytes"].shape[0], b["bytes"].shape[1],
+                                          {n: b["answers"][n]["input_ids"].shape[1] for n in self.llms})
+                   for b in micro_batches)
+
+
+# --- FlopCounterMode on CPU -------------------------------------------------------------------
+# torch 2.13 counts the CUDA SDPA kernels but not the CPU flash kernel the cpu profile runs;
+# register the same formulas for it so FlopCounterMode sees attention on CPU too.
+
+def _cpu_flash_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_flash_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                        **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+def register_cpu_attention_flops() -> None:
+    aten = torch.ops.aten
+    fwd, bwd = aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+    if fwd not in flop_counter.flop_registry:
+        register_flop_formula(fwd)(_cpu_flash_forward)
+        register_flop_formula(bwd)(_cpu_flash_backward)

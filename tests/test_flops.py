@@ -1,0 +1,67 @@
+"""The analytic FLOP count that MFU uses, against torch.utils.flop_counter.FlopCounterMode."""
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from latentwire.config import load_config
+from latentwire.data import Collator, PromptDataset, synthetic_examples
+from latentwire.flops import FlopModel, register_cpu_attention_flops
+from latentwire.llm import load_frozen_llm
+from latentwire.model import WireEncoder, forward_ce_sums
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    register_cpu_attention_flops()
+    cfg = load_config(["--profile", "cpu"])
+    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
+    model = WireEncoder(cfg, {n: (l.hidden_size, l.embed_rms()) for n, l in llms.items()})
+    return cfg, llms, model
+
+
+def counted(model, llms, batch) -> int:
+    with FlopCounterMode(display=False) as counter:
+        forward_ce_sums(model, llms, batch).sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("batch_size, pad_multiple", [(16, 32), (3, 128)])
+def test_analytic_flops_match_flop_counter(setup, batch_size, pad_multiple):
+    cfg, llms, model = setup
+    items = [PromptDataset(synthetic_examples(64, batch_size))[i] for i in range(batch_size)]
+    batch = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, cfg.max_answer_tokens,
+                     pad_multiple)(items)
+    analytic = FlopModel.of(model, {n: l.model for n, l in llms.items()}, cfg).step_flops([batch])
+    measured = counted(model, llms, batch)
+    assert analytic == pytest.approx(measured, rel=0.05)
+
+
+def test_cpu_attention_is_counted(setup):
+    """Without the registered formula, FlopCounterMode would miss every CPU attention."""
+    cfg, llms, model = setup
+    items = [PromptDataset(synthetic_examples(8, 0))[i] for i in range(4)]
+    batch = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, 16, 32)(items)
+    with FlopCounterMode(display=False) as counter:
+        forward_ce_sums(model, llms, batch).sum().backward()
+    ops = {str(op) for op in counter.get_flop_counts()["Global"]}
+    assert {"aten._scaled_dot_product_flash_attention_for_cpu",
+            "aten._scaled_dot_product_flash_attention_for_cpu_backward"} <= ops
+
+
+def test_frozen_llms_cost_no_weight_gradients(setup):
+    """The frozen-aware count: letting an LLM's weights require grad adds 2 x params per position."""
+    cfg, llms, model = setup
+    items = [PromptDataset(synthetic_examples(8, 1))[i] for i in range(4)]
+    batch = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, 16, 32)(items)
+    frozen = counted(model, llms, batch)
+    layers = llms["qwen"].model.get_decoder().layers
+    layers.requires_grad_(True)
+    try:
+        unfrozen = counted(model, llms, batch)
+    finally:
+        layers.requires_grad_(False)
+    from latentwire.flops import linear_params
+    positions = batch["bytes"].shape[0] * (cfg.num_latents + batch["answers"]["qwen"]["input_ids"].shape[1])
+    assert unfrozen - frozen == pytest.approx(2 * linear_params(layers) * positions, rel=0.01)
