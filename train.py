@@ -15,7 +15,7 @@ import random
 import shutil
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -25,16 +25,16 @@ from torch.utils.data import DataLoader
 
 from latentwire.checkpoint import (list_checkpoints, load_newest_checkpoint, prune_checkpoints, restore_rng,
                                    save_checkpoint)
-from latentwire.config import Diverged, UserError, load_config, main_guard
+from latentwire.config import Diverged, HarnessExit, UserError, load_config, main_guard
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
 from latentwire.distributed import all_reduce_sum, init_distributed, teardown_distributed
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
 from latentwire.flops import FlopModel
-from latentwire.metrics import MetricsLogger, Window, peak_flops_per_s, peak_memory_gb
+from latentwire.metrics import GpuMonitor, MetricsLogger, Window, memory_stats, peak_flops_per_s
 from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
 from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag
 from latentwire.precision import autocast_for, enable_tf32, frozen_weight_dtype, grad_scaler_for, use_tf32
-from latentwire.profiling import make_profiler
+from latentwire.profiling import MemorySnapshots, make_profiler
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,7 +176,10 @@ def train(cfg, di) -> None:
 
     flop_model = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg)
     peak_flops = peak_flops_per_s(cfg)
-    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=step + 1)
+    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=step + 1, total_steps=cfg.max_steps)
+    gpu_monitor = GpuMonitor(device)
+    # --- Memory snapshot: allocation history on request, and always one on out-of-memory -----
+    snapshots = MemorySnapshots(cfg.memory_snapshot, device, out_dir, rank)
     if di.is_main:
         print(f"profile {cfg.run.profile}: {world} x {device.type}, {cfg.precision}, "
               f"global batch {cfg.micro_batch_size} x {cfg.grad_accum_steps} x {world} = {global_batch}, "
@@ -191,7 +194,7 @@ def train(cfg, di) -> None:
     window = Window()
     skipped, bad_in_a_row = 0, 0
     save_state = functools.partial(save, cfg, out_dir, model, optimizer, scheduler, scaler, rank, world)
-    with make_profiler(cfg, out_dir, rank, device) as profiler:
+    with make_profiler(cfg, out_dir, rank, device) as profiler, out_of_memory_report(snapshots, cfg):
         while step < cfg.max_steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(batches)
@@ -246,6 +249,7 @@ def train(cfg, di) -> None:
             scheduler.step()  # the schedule follows the step count, skipped steps included
             optimizer.zero_grad(set_to_none=True)
             profiler.step()
+            logger.step_done()
             skipped += not finite
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             if bad_in_a_row >= cfg.max_nonfinite_steps:
@@ -262,12 +266,13 @@ def train(cfg, di) -> None:
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
             if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps:
                 per_llm_loss = all_reduce_sum(step_ce).tolist()
-                record = {"step": step, "epoch": epoch, "loss": sum(per_llm_loss) / len(per_llm_loss),
+                record = {"step": step, "time": time.time(), "epoch": epoch,
+                          "loss": sum(per_llm_loss) / len(per_llm_loss),
                           **{f"loss_{n}": v for n, v in zip(llms, per_llm_loss)},
                           "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
-                          **window.rates(world, peak_flops), "peak_mem_gb": peak_memory_gb(device)}
+                          **window.rates(peak_flops), **memory_stats(device), **gpu_monitor.read()}
                 logger.log(record)
-                window = Window()
+                window = window.next()
 
             if step == cfg.max_steps or step == cfg.run.stop_at_step:
                 break
@@ -275,6 +280,7 @@ def train(cfg, di) -> None:
                 save_state(step, epoch, examples_done)
 
     save_state(step, epoch, examples_done)
+    snapshots.finish()
     logger.close()
 
 
@@ -319,6 +325,22 @@ def to_device(batch: dict, device: torch.device):
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch.to(device, non_blocking=True)
+
+
+class OutOfMemory(HarnessExit):
+    exit_code = 5
+
+
+@contextmanager
+def out_of_memory_report(snapshots, cfg):
+    """Out-of-memory ends the run with a one-line pointer to the snapshot and to the planner."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        path = snapshots.dump()
+        where = f"memory snapshot: {path}" if path else "no memory snapshot on this device"
+        raise OutOfMemory(f"out of memory at micro-batch {cfg.micro_batch_size} ({where}); lower "
+                          f"--micro-batch-size or see python -m latentwire.plan --profile {cfg.run.profile}") from None
 
 
 def cuda_sdpa_kernels():

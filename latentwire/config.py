@@ -107,6 +107,10 @@ FIELDS: dict[str, Field] = {
     "profiler_wait": Field(int, "profiler schedule: steps skipped", non_negative=True),
     "profiler_warmup": Field(int, "profiler schedule: steps traced but discarded", non_negative=True),
     "profiler_active": Field(int, "profiler schedule: steps recorded", positive=True),
+    "profiler_shapes": Field(bool, "profiler: record operator input shapes"),
+    "profiler_memory": Field(bool, "profiler: record tensor allocations and frees"),
+    "profiler_stacks": Field(bool, "profiler: record Python stacks (slower, larger traces)"),
+    "memory_snapshot": Field(bool, "CUDA: record allocation history, write a snapshot at the end"),
 }
 
 

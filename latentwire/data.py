@@ -291,27 +291,27 @@ class Collator:
             "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
         }
 
+    # Both collations build each output with one tensor constructor over padded rows: per-row
+    # tensor writes cost more than the tokenisation itself and would show up as data wait.
+
     def _collate_bytes(self, prompts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         # prompt_text is never empty, so every row has at least one real byte to attend to.
         prompts = [p[:self.max_prompt_bytes] for p in prompts]
         length = _round_up(max(len(p) for p in prompts), self.pad_multiple)
-        byte_ids = torch.full((len(prompts), length), PAD_BYTE, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            byte_ids[row, :len(prompt)] = torch.frombuffer(bytearray(prompt), dtype=torch.uint8)
-        return byte_ids, byte_ids != PAD_BYTE
+        raw = torch.frombuffer(bytearray(b"".join(p.ljust(length, b"\0") for p in prompts)), dtype=torch.uint8)
+        byte_mask = torch.arange(length) < torch.tensor([len(p) for p in prompts])[:, None]
+        byte_ids = raw.view(len(prompts), length).long().masked_fill_(~byte_mask, PAD_BYTE)
+        return byte_ids, byte_mask
 
     def _collate_answers(self, tok, answers: list[str]) -> dict[str, torch.Tensor]:
         prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         token_ids = [ids[:self.max_answer_tokens] for ids in tok(answers, add_special_tokens=False)["input_ids"]]
         length = _round_up(max(len(prefix) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
-        input_ids = torch.full((len(answers), length), pad_id, dtype=torch.long)
-        labels = torch.full((len(answers), length + 1), IGNORE_INDEX, dtype=torch.long)
-        for row, ids in enumerate(token_ids):
-            inputs = prefix + ids
-            input_ids[row, :len(inputs)] = torch.tensor(inputs, dtype=torch.long)
-            labels[row, len(prefix):len(inputs) + 1] = torch.tensor(ids + [tok.eos_token_id], dtype=torch.long)
-        return {"input_ids": input_ids, "labels": labels}
+        inputs = [prefix + ids for ids in token_ids]
+        targets = [[IGNORE_INDEX] * len(prefix) + ids + [tok.eos_token_id] for ids in token_ids]
+        return {"input_ids": torch.tensor([row + [pad_id] * (length - len(row)) for row in inputs]),
+                "labels": torch.tensor([row + [IGNORE_INDEX] * (length + 1 - len(row)) for row in targets])}
 
 
 def count_answer_tokens(batch: dict) -> dict[str, int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import resource
 import sys
 import time
@@ -21,22 +20,57 @@ def peak_flops_per_s(cfg) -> float | None:
     return None if tflops is None else tflops * 1e12
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """CUDA: the allocator's peak of allocated tensors. CPU: the process's peak resident set."""
+def memory_stats(device: torch.device) -> dict:
+    """CUDA: the caching allocator's current and peak allocated and reserved bytes, and how often
+    it had to free its cache and retry (a sign of fragmentation just below out-of-memory).
+    CPU: the process's current and peak resident set; the allocator fields are null."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / GIB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
+        s = torch.cuda.memory_stats(device)
+        return {"mem_gb": s["allocated_bytes.all.current"] / GIB, "peak_mem_gb": s["allocated_bytes.all.peak"] / GIB,
+                "reserved_gb": s["reserved_bytes.all.current"] / GIB,
+                "peak_reserved_gb": s["reserved_bytes.all.peak"] / GIB, "alloc_retries": s["num_alloc_retries"]}
+    with open("/proc/self/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    return {"mem_gb": resident_pages * resource.getpagesize() / GIB,
+            "peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,  # KiB on Linux
+            "reserved_gb": None, "peak_reserved_gb": None, "alloc_retries": None}
+
+
+class GpuMonitor:
+    """GPU utilisation and power through NVML when the optional `nvidia-ml-py` is installed and
+    the device is a GPU; null fields otherwise."""
+
+    def __init__(self, device: torch.device):
+        self.handle = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+        except ImportError:
+            return
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        self.nvml = pynvml
+        self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+
+    def read(self) -> dict:
+        if self.handle is None:
+            return {"gpu_util_pct": None, "gpu_power_w": None}
+        return {"gpu_util_pct": float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu),
+                "gpu_power_w": self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0}
 
 
 @dataclass
 class Window:
-    """Accumulates the steps between two log lines."""
+    """Accumulates the steps between two log lines. Consecutive windows share their boundary,
+    so logging itself is inside the measured time, not between windows."""
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
     samples: int = 0
     tokens: int = 0
     flops: float = 0.0
     data_wait: float = 0.0
+    end: float | None = None
 
     def add(self, samples: int, tokens: int, flops: float, data_wait: float) -> None:
         self.steps += 1
@@ -45,8 +79,9 @@ class Window:
         self.flops += flops
         self.data_wait += data_wait
 
-    def rates(self, world_size: int, peak_flops: float | None) -> dict:
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
+    def rates(self, peak_flops: float | None) -> dict:
+        self.end = time.perf_counter()
+        elapsed = max(self.end - self.start, 1e-9)
         achieved = self.flops / elapsed  # this rank; every rank does the same work
         return {
             "samples_per_s": self.samples / elapsed,
@@ -57,14 +92,19 @@ class Window:
             "data_wait_frac": self.data_wait / elapsed,
         }
 
+    def next(self) -> "Window":
+        return Window(start=self.end if self.end is not None else time.perf_counter())
+
 
 class MetricsLogger:
-    """One JSON line per logged step, the same scalars in TensorBoard, a short console line."""
+    """One JSON line per logged step, the same scalars in TensorBoard, and the console: a progress
+    bar (step, loss, tokens/s, ETA) when stdout is a terminal, plain log lines otherwise."""
 
-    def __init__(self, out_dir: Path, enabled: bool, first_step: int = 1):
+    def __init__(self, out_dir: Path, enabled: bool, first_step: int = 1, total_steps: int | None = None):
         """`first_step` > 1 continues a resumed run: whatever the stopped run logged from that
         step on (after its last checkpoint) is dropped, so every step appears once."""
         self.enabled = enabled
+        self.bar = None
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -75,22 +115,34 @@ class MetricsLogger:
             path.write_text("".join(kept))
         self.jsonl = open(path, "a")
         self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step if first_step > 1 else None)
+        if sys.stdout.isatty() and total_steps is not None:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=first_step - 1, unit="step", dynamic_ncols=True)
+
+    def step_done(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        step = record["step"]
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self.tb.add_scalar(key, value, step)
-        print(format_line(record), file=sys.stdout, flush=True)
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.tb.add_scalar(key, value, record["step"])
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+            self.bar.write(format_line(record))
+        else:
+            print(format_line(record), flush=True)
 
     def close(self) -> None:
         if self.enabled:
             self.jsonl.close()
             self.tb.close()
+            if self.bar is not None:
+                self.bar.close()
 
 
 def format_line(r: dict) -> str:

@@ -1,7 +1,16 @@
-"""The profiler hook: torch.profiler on the profile's wait/warmup/active schedule, one trace per rank
-under `out_dir/traces`, readable by TensorBoard's profiler plugin and by Perfetto / chrome://tracing."""
+"""The profiler hook and CUDA memory snapshots.
+
+- `torch.profiler` on the profile's wait/warmup/active schedule writes one trace per rank under
+  `out_dir/traces` (TensorBoard's profiler plugin, Perfetto, chrome://tracing read it), with
+  switches for input shapes, memory and Python stacks.
+- A CUDA memory snapshot (`torch.cuda.memory._record_memory_history`) shows every live block and
+  the stack that allocated it (drag the pickle into https://pytorch.org/memory_viz). On request
+  it records from the start and is written at the end; on out-of-memory it is always written, with
+  the allocation history if recording was on and the allocator's current state if not.
+"""
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -29,5 +38,33 @@ def make_profiler(cfg, out_dir: Path, rank: int, device: torch.device):
         activities=activities,
         schedule=schedule(wait=cfg.profiler_wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active, repeat=1),
         on_trace_ready=tensorboard_trace_handler(str(Path(out_dir) / "traces"), worker_name=f"rank{rank}"),
-        record_shapes=False,
+        record_shapes=cfg.profiler_shapes, profile_memory=cfg.profiler_memory, with_stack=cfg.profiler_stacks,
     )
+
+
+class MemorySnapshots:
+    """What can be recorded depends on the device: CUDA has a caching allocator with history and
+    state; the CPU allocator keeps neither, so on CPU this only says so and writes nothing."""
+
+    def __init__(self, requested: bool, device: torch.device, out_dir: Path, rank: int):
+        self.available = device.type == "cuda" and torch.cuda.is_available()
+        self.recording = requested and self.available
+        self.path = Path(out_dir) / "memory" / f"snapshot_rank{rank}.pickle"
+        if self.recording:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    def dump(self) -> Path | None:
+        """Write the snapshot; returns its path, or None where the device has no allocator state."""
+        if not self.available:
+            return None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(), f)
+        return self.path
+
+    def finish(self) -> Path | None:
+        if not self.recording:
+            return None
+        path = self.dump()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        return path
