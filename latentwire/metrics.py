@@ -30,9 +30,10 @@ def memory_stats(device: torch.device) -> dict:
                 "reserved_gb": s["reserved_bytes.all.current"] / GIB,
                 "peak_reserved_gb": s["reserved_bytes.all.peak"] / GIB, "alloc_retries": s["num_alloc_retries"]}
     with open("/proc/self/statm") as f:
-        resident_pages = int(f.read().split()[1])
-    return {"mem_gb": resident_pages * resource.getpagesize() / GIB,
-            "peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,  # KiB on Linux
+        current = int(f.read().split()[1]) * resource.getpagesize()
+    # The kernel updates the high-water mark lazily, so it can trail the current resident set.
+    peak = max(current, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss: KiB on Linux
+    return {"mem_gb": current / GIB, "peak_mem_gb": peak / GIB,
             "reserved_gb": None, "peak_reserved_gb": None, "alloc_retries": None}
 
 
@@ -117,7 +118,7 @@ class MetricsLogger:
         self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step if first_step > 1 else None)
         if sys.stdout.isatty() and total_steps is not None:
             from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, initial=first_step - 1, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=first_step - 1, unit="step", dynamic_ncols=True, file=sys.stdout)
 
     def step_done(self) -> None:
         if self.bar is not None:

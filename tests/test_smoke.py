@@ -8,8 +8,9 @@ import pytest
 
 from conftest import ok, read_metrics, run_train
 
-REQUIRED = ("step", "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "mfu", "peak_mem_gb",
-            "data_wait_frac")
+REQUIRED = ("step", "time", "epoch", "loss", "loss_llama", "loss_qwen", "lr", "grad_norm", "skipped_steps",
+            "samples_per_s", "tokens_per_s", "step_time_s", "tflops_per_gpu", "mfu", "data_wait_frac", "mem_gb",
+            "peak_mem_gb", "reserved_gb", "peak_reserved_gb", "alloc_retries", "gpu_util_pct", "gpu_power_w")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def test_metrics_lines_have_every_field(cpu_run):
     for record in read_metrics(cpu_run):
         assert set(REQUIRED) <= set(record)
         assert record["mfu"] is None  # no peak FLOP/s is known for a CPU
+        assert record["tflops_per_gpu"] > 0 and record["skipped_steps"] == 0
         assert record["samples_per_s"] > 0 and record["tokens_per_s"] > record["samples_per_s"]
         assert 0 <= record["data_wait_frac"] < 1 and record["peak_mem_gb"] > 0
 
@@ -42,7 +44,9 @@ def test_tensorboard_has_the_same_scalars(cpu_run):
     events = EventAccumulator(str(cpu_run / "tb"))
     events.Reload()
     logged = read_metrics(cpu_run)
-    for key in ("loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "peak_mem_gb", "data_wait_frac"):
+    numeric = [k for k in REQUIRED if k != "step" and logged[0][k] is not None]
+    assert set(numeric) <= set(events.Tags()["scalars"])
+    for key in numeric:
         scalars = events.Scalars(key)
         assert [s.step for s in scalars] == [m["step"] for m in logged]
         assert [s.value for s in scalars] == pytest.approx([m[key] for m in logged], rel=1e-6)

@@ -100,6 +100,7 @@ def test_profiler_writes_a_trace_only_when_enabled(tmp_path):
     assert len(traces) == 1
     events = json.loads(traces[0].read_text())["traceEvents"]
     assert any(e.get("name") == "ProfilerStep#1" for e in events)
+    assert any("Input Dims" in e.get("args", {}) for e in events)  # the cpu profile records shapes
     assert not (off / "traces").exists()
 
 
@@ -152,6 +153,7 @@ def test_one_gradient_all_reduce_per_optimizer_step(tmp_path):
               "--profiler-wait", "1", "--profiler-warmup", "0", "--profiler-active", "2"]
     single = train(tmp_path, "accum1", *common, "--grad-accum-steps", "1", nproc=2)
     accum = train(tmp_path, "accum4", *common, "--grad-accum-steps", "4", nproc=2)
+    assert {p.name.split(".")[0] for p in (single / "traces").iterdir()} == {"rank0", "rank1"}  # one per rank
     assert all_reduces_per_step(single) >= 2  # the token count and at least one gradient bucket
     assert all_reduces_per_step(accum) == all_reduces_per_step(single)
 

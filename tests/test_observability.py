@@ -1,0 +1,113 @@
+"""What a run reports beyond the loss: the console, memory snapshots, NVML, out-of-memory."""
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+import types
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, assert_one_line_error, child_env, ok, read_metrics, run_train
+from latentwire.metrics import GpuMonitor, memory_stats
+from latentwire.profiling import MemorySnapshots
+
+SHORT = ["--profile", "cpu", *FAST, "--max-steps", "3", "--micro-batch-size", "2", "--grad-accum-steps", "1"]
+
+
+def run_in_terminal(args, tmp_path) -> str:
+    """train.py with its stdout on a pseudo-terminal, as when a person watches it."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=child_env(),
+                            stdout=follower, stderr=subprocess.DEVNULL)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the terminal closes when the process exits
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0
+    return b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
+    shown = run_in_terminal([*SHORT, "--out-dir", str(tmp_path / "tty")], tmp_path)
+    assert "3/3" in shown and ("step/s" in shown or "s/step" in shown)  # tqdm's bar and its rate
+    assert "loss=" in shown and "tok_s=" in shown
+    piped = ok(run_train([*SHORT, "--out-dir", str(tmp_path / "pipe")])).stdout
+    assert "3/3" not in piped and "step      3 | loss" in piped
+
+
+def test_memory_fields_on_cpu():
+    stats = memory_stats(torch.device("cpu"))
+    assert 0 < stats["mem_gb"] <= stats["peak_mem_gb"]
+    assert stats["reserved_gb"] is None and stats["alloc_retries"] is None
+
+
+def test_nvml_is_skipped_without_a_gpu_and_read_with_one(monkeypatch):
+    assert GpuMonitor(torch.device("cpu")).read() == {"gpu_util_pct": None, "gpu_power_w": None}
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByUUID=lambda uuid: ("handle", uuid),
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=87),
+        nvmlDeviceGetPowerUsage=lambda h: 612_500)  # milliwatts
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="abc-123"))
+    monitor = GpuMonitor(torch.device("cuda", 0))
+    assert monitor.handle == ("handle", "GPU-abc-123")
+    assert monitor.read() == {"gpu_util_pct": 87.0, "gpu_power_w": 612.5}
+
+
+def test_memory_snapshot_selection(monkeypatch, tmp_path):
+    cpu = MemorySnapshots(requested=True, device=torch.device("cpu"), out_dir=tmp_path, rank=0)
+    assert not cpu.recording and cpu.dump() is None and not (tmp_path / "memory").exists()
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "device_traces": [[]]})
+    off = MemorySnapshots(requested=False, device=torch.device("cuda", 0), out_dir=tmp_path, rank=1)
+    assert not off.recording and calls == [] and off.finish() is None
+    assert off.dump() == tmp_path / "memory" / "snapshot_rank1.pickle"  # out-of-memory: state only
+    on = MemorySnapshots(requested=True, device=torch.device("cuda", 0), out_dir=tmp_path, rank=0)
+    assert on.recording and calls == [{"max_entries": 200_000}]
+    path = on.finish()
+    assert path.exists() and calls[-1] == {"enabled": None}
+    import pickle
+    assert pickle.loads(path.read_bytes())["segments"] == []
+
+
+OOM_AT_STEP_2 = """
+import sys, torch
+sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
+import train
+from latentwire.config import main_guard
+real, calls = train.forward_ce_sums, [0]
+def oom(*args):
+    calls[0] += 1
+    if calls[0] == 2:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return real(*args)
+train.forward_ce_sums = oom
+main_guard(lambda: train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_one_line_with_the_snapshot_and_the_planner(tmp_path):
+    script = tmp_path / "oom.py"
+    script.write_text(OOM_AT_STEP_2.format(repo=str(REPO), train=str(REPO / "train.py")))
+    proc = subprocess.run([sys.executable, str(script), *SHORT, "--memory-snapshot", "true",
+                           "--out-dir", str(tmp_path / "run")], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert_one_line_error(proc, "out of memory at micro-batch 2", "no memory snapshot on this device",
+                          "python -m latentwire.plan --profile cpu")
+    assert proc.returncode == 5
