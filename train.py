@@ -165,8 +165,9 @@ def train(cfg, di) -> None:
     batches = global_batches(loader, sampler, cfg.grad_accum_steps, epoch, examples_done, global_batch)
 
     # --- torch.compile -----------------------------------------------------------------------
-    # Fuses the encoder's and the LLMs' elementwise ops and norms into few kernels; the
-    # collate pads to multiples of pad_multiple so only a handful of shapes are ever compiled.
+    # Fuses the encoder's and the LLMs' elementwise ops and norms into few kernels. Prompt and
+    # answer lengths vary from batch to batch, so the graph is compiled once with dynamic shapes
+    # rather than once per padded length.
     forward = torch.compile(forward_ce_sums, mode=cfg.compile_mode, dynamic=True) if cfg.compile else forward_ce_sums
 
     # --- Fused attention kernels -------------------------------------------------------------
