@@ -28,6 +28,7 @@ from latentwire.checkpoint import (list_checkpoints, load_newest_checkpoint, pru
 from latentwire.config import Diverged, HarnessExit, UserError, load_config, main_guard
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
 from latentwire.distributed import all_reduce_sum, init_distributed, teardown_distributed
+from latentwire.evaluate import evaluate_wire
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
 from latentwire.flops import FlopModel
 from latentwire.metrics import GpuMonitor, MetricsLogger, Window, memory_stats, peak_flops_per_s
@@ -53,6 +54,7 @@ def train(cfg, di) -> None:
     # on disk changes (a bad model path fails in the LLM block, still before any write).
     check_out_dir(out_dir, cfg.run)
     examples = load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed)
+    eval_examples = load_examples(cfg.dataset, "validation", cfg.eval_examples, cfg.seed) if cfg.eval_every else []
 
     # --- Seeds -------------------------------------------------------------------------------
     # The same seed on every rank gives identical initial weights (DDP also broadcasts rank 0's);
@@ -264,16 +266,25 @@ def train(cfg, di) -> None:
                        flops=flop_model.step_flops(micro_batches),
                        data_wait=data_wait)
 
+            # --- Periodic evaluation on the held-out split ---------------------------------
+            # Every rank answers its share of the split and the results are gathered, so all ranks
+            # hold the same numbers, equal to `python -m latentwire.evaluate` on this step's
+            # weights. It joins the step's log record after the window's rates are taken, and the
+            # next window starts after it, so evaluation never counts as training time.
+            eval_due = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
-            if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps:
+            if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps or eval_due:
                 per_llm_loss = all_reduce_sum(step_ce).tolist()
                 record = {"step": step, "time": time.time(), "epoch": epoch,
                           "loss": sum(per_llm_loss) / len(per_llm_loss),
                           **{f"loss_{n}": v for n, v in zip(llms, per_llm_loss)},
                           "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
                           **window.rates(peak_flops), **memory_stats(device), **gpu_monitor.read()}
+                if eval_due:
+                    record.update(evaluate_wire(model, llms, eval_examples, cfg, device, rank, world))
                 logger.log(record)
-                window = window.next()
+                window = Window() if eval_due else window.next()
 
             if step == cfg.max_steps or step == cfg.run.stop_at_step:
                 break

@@ -1,0 +1,41 @@
+"""SQuAD exact match and F1, as the official evaluation script computes them.
+
+Both compare answers after normalisation (lower case, no punctuation, no articles a/an/the,
+single spaces) and take the best score over all gold answers of an example.
+"""
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+
+_PUNCTUATION = set(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def f1(prediction: str, gold: str) -> float:
+    pred_tokens = normalize_answer(prediction).split()
+    gold_tokens = normalize_answer(gold).split()
+    # A gold answer that normalises to nothing (e.g. "The") would score 0 against every prediction
+    # under the v1.1 script, even an identical one; the v2.0 script's rule scores it as exact match.
+    if not pred_tokens or not gold_tokens:
+        return float(pred_tokens == gold_tokens)
+    common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_em_f1(prediction: str, golds: list[str]) -> tuple[float, float]:
+    """EM and F1 of one prediction against the best-matching gold answer of each metric."""
+    return max(exact_match(prediction, g) for g in golds), max(f1(prediction, g) for g in golds)

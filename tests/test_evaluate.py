@@ -1,0 +1,343 @@
+"""Evaluation: the SQuAD normaliser, generation with and without the KV cache, the wire NLL equal to
+the training loss, the command line (one-line errors, 1 vs 2 processes) and the periodic
+evaluation inside train.py."""
+import json
+
+import pytest
+import torch
+
+from conftest import assert_one_line_error, ok, read_metrics, run_module, run_train
+from latentwire import evaluate as ev
+from latentwire.config import load_config
+from latentwire.data import Collator, PromptDataset, count_answer_tokens, load_examples, synthetic_examples
+from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
+from latentwire.model import WireEncoder, forward_ce_sums
+from latentwire.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
+
+CPU = torch.device("cpu")
+
+
+# --- the SQuAD normaliser and metrics ---------------------------------------------------------
+
+@pytest.mark.parametrize("text, normal", [
+    ("Paris", "paris"),                              # case
+    ("The Eiffel Tower", "eiffel tower"),            # articles
+    ("a dog and an apple", "dog and apple"),
+    ("theatre another", "theatre another"),          # only whole-word articles
+    ("St. Louis, Missouri!", "st louis missouri"),   # punctuation
+    ("U.S.A.", "usa"),
+    ("  New \t York\n City ", "new york city"),      # whitespace
+    ("The, the. THE", ""),
+])
+def test_normalize_answer(text, normal):
+    assert normalize_answer(text) == normal
+
+
+def test_exact_match_and_f1():
+    assert exact_match("the Paris.", "paris") == 1.0
+    assert exact_match("Paris France", "Paris") == 0.0
+    # 1 common token; precision 1/2, recall 1/1.
+    assert f1("Paris France", "Paris") == pytest.approx(2 * 0.5 * 1.0 / 1.5)
+    # Tokens are a bag: counted with multiplicity, order ignored.
+    assert f1("york new new", "new york") == pytest.approx(2 * (2 / 3) * 1.0 / (2 / 3 + 1.0))
+    assert f1("London", "Paris") == 0.0
+    # A gold answer that normalises to nothing matches only an answer that does too.
+    assert f1("the", "The") == 1.0 and f1("Paris", "the") == 0.0
+
+
+def test_several_gold_answers_take_the_best_of_each_metric():
+    golds = ["Denver Broncos", "The Broncos", "Broncos team of Denver"]
+    assert best_em_f1("broncos", golds) == (1.0, 1.0)
+    em, score = best_em_f1("Denver", golds)
+    assert em == 0.0 and score == pytest.approx(2 * 1.0 * 0.5 / 1.5)  # against "Denver Broncos"
+    assert best_em_f1("Miami", golds) == (0.0, 0.0)
+
+
+# --- in-process: the tiny LLMs and an untrained wire ------------------------------------------
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config(["--profile", "cpu", "--dropout", "0"])
+
+
+@pytest.fixture(scope="module")
+def llms():
+    return {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ev.LLM_NAMES}
+
+
+def wire_encoder(cfg, llms, seed=0):
+    torch.manual_seed(seed)
+    return WireEncoder(cfg, {n: (l.hidden_size, l.embed_rms()) for n, l in llms.items()})
+
+
+def collate(cfg, llms, examples):
+    collator = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, cfg.max_answer_tokens,
+                        cfg.pad_multiple)
+    dataset = PromptDataset(examples)
+    return collator([dataset[i] for i in range(len(examples))])
+
+
+@torch.no_grad()
+def test_generation_with_and_without_kv_cache_gives_identical_tokens(cfg, llms):
+    examples = synthetic_examples(6, seed=5)
+    batch = collate(cfg, llms, examples)
+    soft = wire_encoder(cfg, llms).eval()(batch["bytes"], batch["byte_mask"])
+    for name, llm in llms.items():
+        # The wire (no padding) and the text prompts (left-padded to different lengths).
+        for prompts in (ev.wire_prompts(llm, soft[name]), ev.text_prompts(llm, examples, None)):
+            cached = ev.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=True)
+            recomputed = ev.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=False)
+            assert cached == recomputed
+            assert max(map(len, cached)) > 3  # several decoding steps, so the cache was really used
+
+
+@torch.no_grad()
+def test_left_padding_changes_neither_generation_nor_nll(llms):
+    examples = synthetic_examples(5, seed=6)
+    for llm in llms.values():
+        lengths = [len(ev.text_prompt_ids(llm, ex, None)) for ex in examples]
+        assert len(set(lengths)) > 1  # the batch really is padded
+        together = ev.text_prompts(llm, examples, None)
+        answers = [llm.tokenizer(ex["answers"]["text"][0], add_special_tokens=False)["input_ids"] for ex in examples]
+        batch_tokens = ev.greedy_generate(llm, together, max_new_tokens=6)
+        batch_nll, _ = ev.continuation_nll(llm, together, answers)
+        for i, ex in enumerate(examples):
+            alone = ev.text_prompts(llm, [ex], None)
+            assert ev.greedy_generate(llm, alone, max_new_tokens=6) == [batch_tokens[i]]
+            assert ev.continuation_nll(llm, alone, [answers[i]])[0][0] == pytest.approx(batch_nll[i], rel=1e-4)
+
+
+@torch.no_grad()
+def test_text_cut_keeps_the_first_m_prompt_tokens_and_the_separator(llms):
+    example = synthetic_examples(1, seed=7)[0]
+    for llm in llms.values():
+        full, cut = ev.text_prompt_ids(llm, example, None), ev.text_prompt_ids(llm, example, 8)
+        sep = llm.tokenizer(ev.SEPARATOR, add_special_tokens=False)["input_ids"]
+        prefix = llm.prefix_ids
+        assert len(cut) == len(prefix) + 8 + len(sep) < len(full)
+        assert cut[:len(prefix) + 8] == full[:len(prefix) + 8] and cut[-len(sep):] == full[-len(sep):] == sep
+
+
+def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
+    """Same BOS/EOS handling as training: summed answer NLL and target counts equal the loop's."""
+    examples = synthetic_examples(12, seed=8)
+    model = wire_encoder(cfg, llms)
+    plan = ev.Plan(batch_size=5, max_new_tokens=2, text_baselines=False)
+    records = ev.evaluate_examples(model, llms, examples, cfg, CPU, rank=0, world=1, plan=plan)
+    batch = collate(cfg, llms, examples)
+    with torch.no_grad():
+        training_sums = forward_ce_sums(model.eval(), llms, batch)
+    for i, (name, count) in enumerate(count_answer_tokens(batch).items()):
+        assert sum(r["tokens"][f"wire_{name}"] for r in records) == count
+        assert sum(r["nll_sum"][f"wire_{name}"] for r in records) == pytest.approx(training_sums[i].item(), rel=1e-5)
+
+
+def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
+    cfg = load_config(["--profile", "cpu", "--dropout", "0.5", "--micro-batch-size", "4",
+                       "--max-new-tokens", "3"])
+    model = wire_encoder(cfg, llms).train()
+    examples = synthetic_examples(6, seed=9)
+    first = ev.evaluate_wire(model, llms, examples, cfg, CPU, rank=0, world=1)
+    assert model.training
+    # With dropout 0.5 active, two passes would differ; in eval mode they are identical.
+    assert ev.evaluate_wire(model, llms, examples, cfg, CPU, rank=0, world=1) == first
+    for name in ev.LLM_NAMES:
+        assert {f"eval_nll_{k}_{name}" for k in ("wire", *ev.WIRE_CONTROLS)} <= first.keys()
+        assert {f"eval_em_wire_{name}", f"eval_f1_wire_{name}"} <= first.keys()
+    assert {"eval_em_wire_joint", "eval_f1_wire_joint"} <= first.keys()
+
+
+def test_activation_checkpointed_llms_evaluate_alike(cfg):
+    """GPU profiles wrap the frozen layers for recompute; generation with a KV cache must pass through."""
+    plain = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ev.LLM_NAMES}
+    wrapped = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ev.LLM_NAMES}
+    for llm in wrapped.values():
+        apply_activation_checkpointing(llm)
+    examples = synthetic_examples(4, seed=10)
+    expected = ev.evaluate_wire(wire_encoder(cfg, plain), plain, examples, cfg, CPU, 0, 1)
+    assert ev.evaluate_wire(wire_encoder(cfg, wrapped), wrapped, examples, cfg, CPU, 0, 1) == pytest.approx(expected)
+
+
+def summed_nll(llms, prompts, texts) -> list[float]:
+    """Per row, the NLL of the text (+ EOS) summed over both LLMs: minus the joint pick's score."""
+    total = [0.0] * len(texts)
+    for name, llm in llms.items():
+        ids = [llm.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        total = [a + b for a, b in zip(total, ev.continuation_nll(llm, prompts[name], ids)[0])]
+    return total
+
+
+@torch.no_grad()
+def test_joint_pick_takes_the_answer_both_llms_find_likeliest(cfg, llms):
+    batch = collate(cfg, llms, synthetic_examples(4, seed=11))
+    soft = wire_encoder(cfg, llms).eval()(batch["bytes"], batch["byte_mask"])
+    prompts = {n: ev.wire_prompts(llm, soft[n]) for n, llm in llms.items()}
+    # Summed log-probability favours short answers: each LLM has the shorter one in some rows.
+    answers = {"llama": ["Paris Lima Oslo Cairo", "red", "", "42"], "qwen": ["Tokyo", "red", "cat dog pony", "doctor"]}
+    picked = ev.joint_pick(llms, prompts, answers)
+    llama, qwen = summed_nll(llms, prompts, answers["llama"]), summed_nll(llms, prompts, answers["qwen"])
+    assert picked == [answers["llama"][i] if llama[i] <= qwen[i] else answers["qwen"][i] for i in range(4)]
+    assert picked[1] == "red" and picked[0] == "Tokyo" and picked[2] == ""  # it picks from both
+
+
+def test_chunks_are_dealt_so_every_world_size_computes_the_same_chunks():
+    chunks = {world: sorted((tuple(c) for rank in range(world) for c in ev.rank_chunks(23, 4, rank, world)))
+              for world in (1, 2, 3, 8)}
+    assert chunks[1] == [tuple(range(s, min(s + 4, 23))) for s in range(0, 23, 4)]
+    assert chunks[2] == chunks[3] == chunks[8] == chunks[1]
+
+
+@pytest.mark.parametrize("n", [2, 3, 50])
+def test_shuffled_wires_never_belong_to_their_own_example(n):
+    perm = ev.cyclic_derangement(n, seed=0)
+    assert sorted(perm) == list(range(n)) and all(perm[i] != i for i in range(n))
+
+
+def test_int8_wire_round_trip_is_within_half_a_step():
+    z = torch.randn(3, 8, 64)
+    step = z.abs().amax(-1, keepdim=True) / 127
+    error = (ev.int8_roundtrip(z) - z).abs()
+    assert (error <= step / 2 + 1e-7).all() and error.max() > 0
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def write_checkpoint(path, meta="default", weights=b""):
+    """A checkpoint directory with the given meta.json text and weights bytes."""
+    ckpt = path / "checkpoints" / "step_00000001"
+    ckpt.mkdir(parents=True)
+    if meta == "default":
+        meta = json.dumps({"profile": "cpu", "step": 1, "config": load_config(["--profile", "cpu"]).to_dict()})
+    if meta is not None:
+        (ckpt / "meta.json").write_text(meta)
+    (ckpt / "trainable.safetensors").write_bytes(weights)
+    return ckpt
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path):
+    proc = run_module("latentwire.evaluate", ["--ckpt", str(tmp_path / "nope")])
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "nope", "is not a directory")
+
+
+@pytest.mark.parametrize("meta, weights, fragment", [
+    (None, b"", "not a complete checkpoint: it has no meta.json"),
+    ("{not json", b"", "meta.json is not valid JSON"),
+    ('{"config": {"device": "cpu"}}', b"", "config has no field"),
+    ("default", b"\x00garbage", "cannot read"),
+])
+def test_bad_checkpoint_is_a_one_line_error(tmp_path, meta, weights, fragment):
+    ckpt = write_checkpoint(tmp_path, meta, weights)
+    proc = run_module("latentwire.evaluate", ["--ckpt", str(ckpt)])
+    assert proc.returncode == 2
+    assert_one_line_error(proc, fragment)
+
+
+def test_weights_of_another_model_are_a_one_line_error(tmp_path, cfg, llms):
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in wire_encoder(cfg, llms).state_dict().items()}
+    state["pooler.queries"] = torch.zeros(3, 64)  # a different M
+    ckpt = write_checkpoint(tmp_path)
+    save_file(state, str(ckpt / "trainable.safetensors"))
+    # The run directory stands for its newest checkpoint.
+    proc = run_module("latentwire.evaluate", ["--ckpt", str(tmp_path)])
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "does not fit", "pooler.queries", "(3, 64)")
+
+
+# --- the default cpu-profile run -------------------------------------------------------------
+
+def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
+    # --eval-examples, not --n: torchrun's parser would take --n for an abbreviation of its own flags.
+    args = ["--ckpt", str(ckpt), "--eval-examples", str(n), "--batch-size", "8", "--max-new-tokens", "6",
+            "--out-dir", str(out_dir)]
+    if nproc == 1:
+        return ok(run_module("latentwire.evaluate", args))
+    return ok(run_module("torch.distributed.run", ["--standalone", f"--nproc_per_node={nproc}",
+                                                   "-m", "latentwire.evaluate", *args]))
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`train.py --profile cpu` in one process. Shorter runs will not do: the wire first learns a
+    constant soft prompt (the answer prior) and only around step 100 of this run starts to carry
+    what differs between examples."""
+    out = tmp_path_factory.mktemp("eval") / "run"
+    ok(run_train(["--profile", "cpu", "--out-dir", str(out)]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_process_report(default_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval1")
+    evaluate_cli(default_run, out)
+    return json.loads(next(out.glob("*.json")).read_text()), next(out.glob("*.md")).read_text()
+
+
+@pytest.mark.slow
+def test_the_trained_wire_carries_information(default_run):
+    """Answer NLL: the trained wire beats a zeroed wire and other examples' wires, for both LLMs,
+    by more than noise (the paired difference over 256 held-out examples)."""
+    ckpt = ev.resolve_checkpoint(default_run)
+    cfg, _ = ev.read_meta(ckpt)
+    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ev.LLM_NAMES}
+    model = ev.load_wire_encoder(ckpt, cfg, llms, CPU)
+    examples = load_examples(cfg.dataset, "validation", 256, cfg.seed)
+    plan = ev.Plan(batch_size=32, max_new_tokens=cfg.max_new_tokens, text_baselines=False)
+    records = ev.evaluate_examples(model, llms, examples, cfg, CPU, 0, 1, plan)
+    m = ev.summarize(records)
+    for name in ev.LLM_NAMES:
+        assert m[f"nll_wire_{name}"] < m[f"nll_zeroed_{name}"]
+        assert m[f"nll_wire_{name}"] < m[f"nll_shuffled_{name}"]
+        for control in ("zeroed", "shuffled"):
+            margin = ev.control_margin(records, control, name)
+            assert margin["margin"] > 2 * margin["se"], (control, name, margin)
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_evaluation_as_one(default_run, one_process_report, tmp_path):
+    evaluate_cli(default_run, tmp_path, nproc=2)
+    two = json.loads(next(tmp_path.glob("*.json")).read_text())
+    one = one_process_report[0]
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["answers"] == one["answers"]
+    assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_report_has_baselines_compression_and_payload(one_process_report):
+    report, md = one_process_report
+    assert report["examples"] == 32 and len(report["answers"]) == 32
+    for key in ("wire", "text", "text_cut"):
+        for who in (*ev.LLM_NAMES, "joint"):
+            assert 0 <= report["metrics"][f"em_{key}_{who}"] <= report["metrics"][f"f1_{key}_{who}"] <= 100
+    # M = 8 wire tokens of d_z = 64 values.
+    assert report["payload_bytes"] == {"fp32": 8 * 64 * 4, "bf16": 8 * 64 * 2, "int8": 8 * 64 + 8 * 4}
+    c = report["compression"]
+    for name in ev.LLM_NAMES:
+        assert c[f"compression_{name}"] == pytest.approx(c[f"prompt_tokens_{name}"] / 8) and c[f"compression_{name}"] > 1
+        assert f"| {name} | {report['metrics'][f'nll_wire_{name}']:.3f} |" in md
+    assert "## Answers" in md and "## Does the wire carry information?" in md and "wire in int8" in md
+
+
+@pytest.mark.slow
+def test_train_logs_periodic_evaluation_equal_to_the_command(tmp_path):
+    """`--eval-every`: sharded over 2 ranks inside training, logged to metrics.jsonl and TensorBoard,
+    and the same numbers as `python -m latentwire.evaluate` on the final checkpoint."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / "run"
+    ok(run_train(["--profile", "cpu", "--num-examples", "256", "--num-workers", "0", "--max-steps", "4",
+                  "--micro-batch-size", "4", "--grad-accum-steps", "1", "--log-every", "1", "--eval-every", "2",
+                  "--eval-examples", "24", "--max-new-tokens", "4", "--out-dir", str(out)], nproc=2))
+    logged = {r["step"]: r for r in read_metrics(out)}
+    assert [s for s, r in logged.items() if "eval_nll_wire_llama" in r] == [2, 4]
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    assert [s.step for s in events.Scalars("eval_nll_wire_qwen")] == [2, 4]
+
+    args = ["--ckpt", str(out), "--n", "24", "--batch-size", "4", "--max-new-tokens", "4", "--out-dir", str(tmp_path)]
+    ok(run_module("latentwire.evaluate", args))
+    report = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert {f"eval_{k}": v for k, v in report["metrics"].items() if f"eval_{k}" in logged[4]} == \
+        pytest.approx({k: v for k, v in logged[4].items() if k.startswith("eval_")}, rel=1e-6)
+    assert sum(k.startswith("eval_") for k in logged[4]) == 16  # 5 wire NLLs x 2 LLMs + EM/F1 x 3
