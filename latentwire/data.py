@@ -306,7 +306,10 @@ class Collator:
     def _collate_answers(self, tok, answers: list[str]) -> dict[str, torch.Tensor]:
         prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        token_ids = [ids[:self.max_answer_tokens] for ids in tok(answers, add_special_tokens=False)["input_ids"]]
+        # The answer follows the wire as a new word: with its leading space, BPE vocabularies
+        # (trained on running text, where words start with a space) give whole-word tokens.
+        spaced = [" " + a for a in answers]
+        token_ids = [ids[:self.max_answer_tokens] for ids in tok(spaced, add_special_tokens=False)["input_ids"]]
         length = _round_up(max(len(prefix) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
         inputs = [prefix + ids for ids in token_ids]
         targets = [[IGNORE_INDEX] * len(prefix) + ids + [tok.eos_token_id] for ids in token_ids]

@@ -22,9 +22,9 @@ TINY_SEED = 1234
 # and different widths and vocabularies so the two adapters really differ.
 TINY_SPECS = {
     "llama": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512),
+                  num_key_value_heads=2, vocab_size=1024),
     "qwen": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=384),
+                 num_key_value_heads=2, vocab_size=768),
 }
 
 
