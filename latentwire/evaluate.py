@@ -48,9 +48,9 @@ from .precision import autocast_for, frozen_weight_dtype
 from .squad_metrics import best_em_f1
 
 LLM_NAMES = ("llama", "qwen")
-# Between the prompt and the answer in both text baselines. It ends in a space so that the
-# answer's own tokens (the same targets as the wire's, without a leading space) read naturally.
-SEPARATOR = "\nanswer: "
+# Between the prompt and the answer in both text baselines. The answer's own tokens (the same
+# targets as the wire's) start with the space that makes it a new word, so none is added here.
+SEPARATOR = "\nanswer:"
 WIRE_CONTROLS = ("zeroed", "shuffled", "bf16", "int8")
 EXAMPLES_IN_MARKDOWN = 5
 # The wire "carries information" when its answer NLL is below each control's by more than this
