@@ -71,9 +71,9 @@ ATTRIBUTES = (
 
 
 def _synthetic_example(rng: random.Random) -> dict:
-    people = rng.sample(NAMES, rng.randint(3, 4))
+    people = rng.sample(NAMES, rng.randint(2, 3))
     facts = [(name, attr, rng.choice(attr.values))
-             for name in people for attr in rng.sample(ATTRIBUTES, rng.randint(2, 3))]
+             for name in people for attr in rng.sample(ATTRIBUTES, rng.randint(1, 2))]
     rng.shuffle(facts)  # so the position of a person's facts says nothing about the answer
     name, attr, value = rng.choice(facts)
     return {

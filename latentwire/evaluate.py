@@ -1,6 +1,6 @@
 """What the wire carries: answers generated from it, SQuAD EM/F1, answer NLL, baselines, compression.
 
-    python -m latentwire.evaluate --ckpt RUN/checkpoints/step_00000160 [--dataset squad] [--n 500]
+    python -m latentwire.evaluate --ckpt RUN/checkpoints/step_00000200 [--dataset squad] [--n 500]
     torchrun --nproc_per_node=2 -m latentwire.evaluate --ckpt RUN --eval-examples 500   # the same numbers
 
 For each LLM and each input, on the held-out split:

@@ -56,16 +56,16 @@ class FlopModel:
     encoder_dim: int
     d_z: int
     num_latents: int
+    pooler_rounds: int
     llms: dict[str, LLMShape]
 
     @classmethod
     def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], cfg) -> "FlopModel":
-        cross = wire_encoder.pooler.cross.attn
-        kv = linear_params(cross.k) + linear_params(cross.v)
+        kv = sum(linear_params(c.attn.k) + linear_params(c.attn.v) for c in wire_encoder.pooler.cross)
         return cls(encoder_token_params=linear_params(wire_encoder.encoder) + kv,
                    latent_params=linear_params(wire_encoder.pooler) - kv + linear_params(wire_encoder.adapters),
                    encoder_layers=cfg.encoder_layers, encoder_heads=cfg.encoder_heads, encoder_dim=cfg.encoder_dim,
-                   d_z=cfg.d_z, num_latents=cfg.num_latents,
+                   d_z=cfg.d_z, num_latents=cfg.num_latents, pooler_rounds=len(wire_encoder.pooler.cross),
                    llms={n: LLMShape.of(m) for n, m in llm_models.items()})
 
     def micro_batch_flops(self, batch: int, prompt_len: int, answer_lens: dict[str, int]) -> int:
@@ -74,8 +74,8 @@ class FlopModel:
         m, h = self.num_latents, self.encoder_heads
         flops = 6 * (self.encoder_token_params * batch * prompt_len + self.latent_params * batch * m)
         flops += self.encoder_layers * attention_flops(batch, h, prompt_len, prompt_len, self.encoder_dim // h)
-        flops += attention_flops(batch, h, m, prompt_len, self.d_z // h)  # latents read the bytes
-        flops += attention_flops(batch, h, m, m, self.d_z // h)  # latents talk to each other
+        flops += self.pooler_rounds * (attention_flops(batch, h, m, prompt_len, self.d_z // h)  # latents read bytes
+                                       + attention_flops(batch, h, m, m, self.d_z // h))  # and each other
         for name, shape in self.llms.items():
             seq, kept = m + answer_lens[name], answer_lens[name] + 1
             flops += 4 * (shape.matmul_params * batch * seq + shape.head_params * batch * kept)

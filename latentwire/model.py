@@ -80,20 +80,27 @@ class ByteEncoder(nn.Module):
 
 
 class LatentPooler(nn.Module):
-    """M learned queries cross-attend to the byte features: a prompt of any length becomes M tokens."""
+    """M learned queries cross-attend to the byte features: a prompt of any length becomes M tokens.
 
-    def __init__(self, num_latents: int, d_z: int, enc_dim: int, heads: int, dropout: float):
+    Two rounds of (cross-attention, self-attention), as in Perceiver: the first round's queries
+    are the same for every prompt, so they can only average; the second round's queries already
+    depend on the prompt and can look up what the first round found (e.g. the facts about the
+    person the question names) instead of an average of all bytes.
+    """
+
+    def __init__(self, num_latents: int, d_z: int, enc_dim: int, heads: int, dropout: float, rounds: int = 2):
         super().__init__()
         self.queries = nn.Parameter(torch.randn(num_latents, d_z) * d_z ** -0.5)
-        self.cross = Block(d_z, heads, dropout, kv_dim=enc_dim)
-        self.self_attn = Block(d_z, heads, dropout)
+        self.cross = nn.ModuleList(Block(d_z, heads, dropout, kv_dim=enc_dim) for _ in range(rounds))
+        self.self_attn = nn.ModuleList(Block(d_z, heads, dropout) for _ in range(rounds))
         self.norm = nn.LayerNorm(d_z)
 
     def forward(self, feats: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
         z = self.queries.expand(feats.shape[0], -1, -1)
-        z = self.cross(z, byte_mask, kv=feats)
         all_latents = torch.ones(z.shape[:2], dtype=torch.bool, device=z.device)
-        return self.norm(self.self_attn(z, all_latents))
+        for cross, self_attn in zip(self.cross, self.self_attn):
+            z = self_attn(cross(z, byte_mask, kv=feats), all_latents)
+        return self.norm(z)
 
 
 class Adapter(nn.Module):
