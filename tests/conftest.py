@@ -24,6 +24,15 @@ def one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session")
+def default_cpu_run(tmp_path_factory):
+    """`torchrun --nproc_per_node=2 train.py --profile cpu`, unchanged but for out_dir: run once,
+    read by the smoke and the evaluation tests."""
+    out = tmp_path_factory.mktemp("cpu") / "run"
+    ok(run_train(["--profile", "cpu", "--out-dir", str(out)], nproc=2))
+    return out
+
+
 def child_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **extra)

@@ -258,13 +258,11 @@ def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """`train.py --profile cpu` in one process. Shorter runs will not do: the wire first learns a
-    constant soft prompt (the answer prior) and only around step 100 of this run starts to carry
-    what differs between examples."""
-    out = tmp_path_factory.mktemp("eval") / "run"
-    ok(run_train(["--profile", "cpu", "--out-dir", str(out)]))
-    return out
+def default_run(default_cpu_run):
+    """The newcomer's `torchrun --nproc_per_node=2 train.py --profile cpu`, shared with the smoke
+    tests. A shorter run will not do: the wire first learns a constant soft prompt (the answer
+    prior) and only later starts to carry what differs between examples."""
+    return default_cpu_run
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ok, read_metrics, run_train
+from conftest import ok, read_metrics
 
 REQUIRED = ("step", "time", "epoch", "loss", "loss_llama", "loss_qwen", "lr", "grad_norm", "skipped_steps",
             "samples_per_s", "tokens_per_s", "step_time_s", "tflops_per_gpu", "mfu", "data_wait_frac", "mem_gb",
@@ -14,10 +14,8 @@ REQUIRED = ("step", "time", "epoch", "loss", "loss_llama", "loss_qwen", "lr", "g
 
 
 @pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cpu") / "run"
-    ok(run_train(["--profile", "cpu", "--out-dir", str(out)], nproc=2))
-    return out
+def cpu_run(default_cpu_run):
+    return default_cpu_run
 
 
 @pytest.mark.slow
