@@ -13,6 +13,7 @@ Embedding lookups, norms and elementwise ops are not matmuls and are left out, a
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ class FlopModel:
     d_z: int
     num_latents: int
     pooler_rounds: int
-    llms: dict[str, LLMShape]
+    llms: tuple[tuple[str, LLMShape], ...]  # (name, shape) pairs: hashable, so counts can be cached
 
     @classmethod
     def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], cfg) -> "FlopModel":
@@ -66,25 +67,26 @@ class FlopModel:
                    latent_params=linear_params(wire_encoder.pooler) - kv + linear_params(wire_encoder.adapters),
                    encoder_layers=cfg.encoder_layers, encoder_heads=cfg.encoder_heads, encoder_dim=cfg.encoder_dim,
                    d_z=cfg.d_z, num_latents=cfg.num_latents, pooler_rounds=len(wire_encoder.pooler.cross),
-                   llms={n: LLMShape.of(m) for n, m in llm_models.items()})
+                   llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()))
 
-    def micro_batch_flops(self, batch: int, prompt_len: int, answer_lens: dict[str, int]) -> int:
+    @functools.cache  # padding leaves few distinct shapes; the formulas cost ~2 ms per call
+    def micro_batch_flops(self, batch: int, prompt_len: int, answer_lens: tuple[int, ...]) -> int:
         """One forward + backward of a micro-batch: `batch` prompts of `prompt_len` bytes (padded),
-        answers of `answer_lens[name]` input tokens (padded) for each LLM."""
+        answers of `answer_lens[i]` input tokens (padded) for the i-th LLM."""
         m, h = self.num_latents, self.encoder_heads
         flops = 6 * (self.encoder_token_params * batch * prompt_len + self.latent_params * batch * m)
         flops += self.encoder_layers * attention_flops(batch, h, prompt_len, prompt_len, self.encoder_dim // h)
         flops += self.pooler_rounds * (attention_flops(batch, h, m, prompt_len, self.d_z // h)  # latents read bytes
                                        + attention_flops(batch, h, m, m, self.d_z // h))  # and each other
-        for name, shape in self.llms.items():
-            seq, kept = m + answer_lens[name], answer_lens[name] + 1
+        for (_, shape), answer_len in zip(self.llms, answer_lens):
+            seq, kept = m + answer_len, answer_len + 1
             flops += 4 * (shape.matmul_params * batch * seq + shape.head_params * batch * kept)
             flops += shape.layers * attention_flops(batch, shape.heads, seq, seq, shape.head_dim)
         return flops
 
     def step_flops(self, micro_batches: list[dict]) -> int:
-        return sum(self.micro_batch_flops(b["bytes"].shape[0], b["bytes"].shape[1],
-                                          {n: b["answers"][n]["input_ids"].shape[1] for n in self.llms})
+        return sum(self.micro_batch_flops(*b["bytes"].shape, tuple(b["answers"][n]["input_ids"].shape[1]
+                                                                    for n, _ in self.llms))
                    for b in micro_batches)
 
 

@@ -1,0 +1,149 @@
+"""What the bench scripts share: the cpu profile's model and data built the way train.py builds
+them, the bare training step they are compared with, settings, timing and the summary line.
+
+Every script compares two things run side by side in one process (or alternated runs), so the
+machine's speed and its other load cancel out of the ratio it reports; absolute times are printed
+for context only.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# `python bench/NAME.py` puts bench/, not the repository, on the path; train.py and latentwire
+# are imported from the checkout itself, with nothing installed.
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from latentwire.config import load_config  # noqa: E402
+from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples  # noqa: E402
+from latentwire.llm import load_frozen_llm  # noqa: E402
+from latentwire.model import WireEncoder, forward_ce_sums  # noqa: E402
+from latentwire.precision import frozen_weight_dtype  # noqa: E402
+
+CPU = torch.device("cpu")
+# Flags for every timed train.py run: periodic evaluation and checkpoints are work between steps,
+# not the loop's per-step cost, so a profile that turns them on must not leak them into step times.
+STEPS_ONLY = ["--eval-every", 0, "--checkpoint-every", 0]
+# Variables torchrun sets; a child started from a shell inside torchrun must not inherit them.
+DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# --- command line and settings ----------------------------------------------------------------
+
+def parse_settings(description: str, quick, full):
+    """`--quick` picks the `quick` settings (the tests' few steps), otherwise `full` (a meaningful
+    measurement); every settings field is also a flag that overrides either. Sets the thread count
+    and prints the command and the resolved settings, so a summary line can be traced to how it
+    was measured."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="a few steps only: checks the script runs")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads per process (1: ranks and loaders do not oversubscribe the cores)")
+    for f in dataclasses.fields(full):
+        p.add_argument("--" + f.name.replace("_", "-"), type=int, default=None,
+                       help=f"default {getattr(full, f.name)} ({getattr(quick, f.name)} with --quick)")
+    args = p.parse_args()
+    chosen = quick if args.quick else full
+    settings = dataclasses.replace(chosen, **{f.name: getattr(args, f.name) for f in dataclasses.fields(chosen)
+                                              if getattr(args, f.name) is not None})
+    torch.set_num_threads(args.threads)
+    print("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
+    print(f"config: mode={'quick' if args.quick else 'full'} threads={args.threads} "
+          + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items()))
+    print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, "
+          f"torch {torch.__version__}", flush=True)
+    return args, settings
+
+
+def cpu_config(*overrides):
+    """The cpu profile plus train.py flags, resolved and validated by the same code train.py uses."""
+    return load_config(["--profile", "cpu", *map(str, overrides)])
+
+
+# --- model, data and the bare step ------------------------------------------------------------
+
+def build_model(cfg) -> tuple[dict, WireEncoder]:
+    """The two frozen LLMs and the trainable WireEncoder, built as train.py builds them."""
+    torch.manual_seed(cfg.seed)
+    llms = {name: load_frozen_llm(name, source, frozen_weight_dtype(cfg.precision), CPU)
+            for name, source in (("llama", cfg.llama), ("qwen", cfg.qwen))}
+    model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()})
+    return llms, model.train()
+
+
+def make_loader(cfg, llms: dict) -> DataLoader:
+    """train.py's DataLoader for a world of one: the same examples, sampler (so the same batch
+    order), collate, workers and prefetch; no pinned memory, as on CPU there is no copy to overlap."""
+    dataset = PromptDataset(load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed))
+    collate = Collator({n: llm.tokenizer for n, llm in llms.items()}, cfg.max_prompt_bytes,
+                       cfg.max_answer_tokens, cfg.pad_multiple)
+    return DataLoader(dataset, batch_size=cfg.micro_batch_size,
+                      sampler=ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.seed), collate_fn=collate,
+                      drop_last=True, num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
+                      prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
+                      generator=torch.Generator().manual_seed(cfg.seed))
+
+
+def take(loader: DataLoader, n: int) -> list[dict]:
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def forward_backward(forward, model, llms: dict, batch: dict, micro_steps: int) -> None:
+    """One micro-batch as a minimal loop writes it: each LLM's answer cross-entropy per answer
+    token, averaged over the LLMs and over the step's micro-batches, then backward."""
+    tokens = torch.tensor(list(count_answer_tokens(batch).values()), dtype=torch.float32)
+    loss = (forward(model, llms, batch) / tokens).mean() / micro_steps
+    loss.backward()
+
+
+def bare_step(model, llms: dict, optimizer: torch.optim.Optimizer, micro_batches: list[dict]) -> None:
+    """The reference the harness is measured against: no DDP, no clipping, no schedule, no logging."""
+    for batch in micro_batches:
+        forward_backward(forward_ce_sums, model, llms, batch, len(micro_batches))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# --- processes --------------------------------------------------------------------------------
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a fresh process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(threads: int) -> dict:
+    """The environment of a train.py subprocess: no inherited torchrun variables, a fixed thread
+    count per process, and no tokenizer thread pool competing for the same cores."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    return env
+
+
+# --- timing and the summary line --------------------------------------------------------------
+
+def step_durations(ends: dict[int, float], warmup: int) -> list[float]:
+    """Durations of the steps after `warmup` from `ends` (step -> the time it ended; step 0, if
+    present, is the time the loop started). A step counts only if its predecessor's end is known."""
+    return [ends[k] - ends[k - 1] for k in sorted(ends) if k > warmup and k - 1 in ends]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def summary(name: str, ratio: float, **fields) -> None:
+    """The contract's last line: `name: key=value ... ratio=<number>`."""
+    parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()]
+    print(f"{name}: {' '.join(parts)} ratio={ratio:.4f}", flush=True)

@@ -1,0 +1,60 @@
+"""Elastic batch: the micro-batch from the memory plan, the global batch kept.
+
+The profile asks for a global batch (micro-batch x accumulation x world size). With
+`--elastic-batch true` the micro-batch becomes the largest the plan fits that divides the
+per-rank batch, and accumulation makes up the rest, so the optimisation is unchanged. When the
+only exact splits would waste most of the card (the per-rank batch has no divisor near what fits,
+e.g. a prime), the global batch changes by less than one micro-batch per rank, and the learning
+rate follows the profile's `lr_scaling` rule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .config import UserError
+
+# An exact split may take up to this many times the fewest micro-steps per optimizer step (its
+# micro-batches are then at least about half of what fits, which still keeps a large GPU busy);
+# past that the global batch changes instead.
+MAX_MICRO_STEP_FACTOR = 2
+
+
+def scaled_lr(lr: float, old_batch: int, new_batch: int, rule: str) -> float:
+    """sqrt: the square-root rule for Adam-type optimizers (Malladi et al., 2022); linear: the
+    linear rule for SGD (Goyal et al., 2017)."""
+    ratio = new_batch / old_batch
+    return lr * (math.sqrt(ratio) if rule == "sqrt" else ratio)
+
+
+def elastic_batch(cfg, world_size: int, plan_max_micro_batch: int) -> tuple[int, int, float, str]:
+    """(micro_batch_size, grad_accum_steps, lr, message) for a rank that fits `plan_max_micro_batch`."""
+    if plan_max_micro_batch < 1:
+        raise UserError(f"elastic batch: the memory plan of profile {cfg.run.profile!r} fits no micro-batch "
+                        "on this card, not even 1")
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world_size
+    per_rank = global_batch // world_size
+    fewest_steps = math.ceil(per_rank / plan_max_micro_batch)
+    exact = max(d for d in range(1, min(per_rank, plan_max_micro_batch) + 1) if per_rank % d == 0)
+    was = f"(profile: {cfg.micro_batch_size} x {cfg.grad_accum_steps})"
+    head = f"elastic batch: the memory plan fits micro-batch <= {plan_max_micro_batch} per rank {was}; "
+    if per_rank // exact <= MAX_MICRO_STEP_FACTOR * fewest_steps:
+        accum = per_rank // exact
+        return exact, accum, cfg.lr, (head + f"global batch {global_batch} kept as {exact} x {accum} x "
+                                      f"{world_size} rank(s); lr {cfg.lr:.3g} unchanged")
+    micro = math.ceil(per_rank / fewest_steps)
+    new_global = micro * fewest_steps * world_size
+    lr = scaled_lr(cfg.lr, global_batch, new_global, cfg.lr_scaling)
+    return micro, fewest_steps, lr, (
+        head + f"{per_rank} per rank splits exactly only into micro-batches of {exact} or less, so the global "
+        f"batch changes {global_batch} -> {new_global} ({micro} x {fewest_steps} x {world_size} rank(s)) and "
+        f"lr {cfg.lr:.3g} -> {lr:.3g} by the {cfg.lr_scaling} rule")
+
+
+def apply_elastic_batch(cfg, world_size: int):
+    """The configuration with micro-batch, accumulation and lr from the memory plan, and why."""
+    from .plan import plan_max_micro_batch
+
+    micro, accum, lr, message = elastic_batch(cfg, world_size, plan_max_micro_batch(cfg, world_size))
+    values = {**cfg.values, "micro_batch_size": micro, "grad_accum_steps": accum, "lr": lr}
+    return dataclasses.replace(cfg, values=values), message

@@ -1,0 +1,227 @@
+"""The training step of train.py, and its memory traced on the CPU without allocating any.
+
+Under `FakeTensorMode` a tensor is shape, dtype and device with no storage behind it, so the
+profile's exact configuration (two 8B LLMs included) is built and stepped in seconds and no bytes.
+`MemTracker` sees every tensor the step creates and files it as parameter, buffer, gradient,
+optimizer state, activation (made in forward, or recomputed for backward by activation
+checkpointing) or temporary (made in backward).
+
+The step traced here is the one `find_batch` runs for real: the same function on real tensors.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.utils._pytree import tree_leaves
+
+from .data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE
+from .llm import FrozenLLM, apply_activation_checkpointing, freeze
+from .model import WireEncoder, forward_ce_sums
+from .precision import autocast_for, frozen_weight_dtype
+
+CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
+            _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
+            _MemRefType.OTH: "other", _TOTAL_KEY: "total"}
+
+
+# --- the step ---------------------------------------------------------------------------------
+
+def make_optimizer(cfg, model: torch.nn.Module, fused: bool) -> torch.optim.Optimizer:
+    """train.py's optimizer: AdamW over the trainable parameters, decay on matrices only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
+
+
+def train_step(cfg, model, llms: dict, optimizer, batch: dict, n_targets: float, device: torch.device,
+               sdpa_kernels=nullcontext) -> None:
+    """One micro-batch and one optimizer step, as train.py does them (no GradScaler: its fp16 loss
+    scaling costs a few scalars)."""
+    with autocast_for(cfg.precision, device)(), sdpa_kernels():
+        ce_sums = forward_ce_sums(model, llms, batch)
+    (ce_sums / n_targets).mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def planning_batch(cfg, answers: dict[str, tuple[int, int]], micro_batch: int,
+                   device: torch.device = torch.device("cpu")) -> tuple[dict, float]:
+    """The largest batch `data.Collator` can emit, and its number of answer targets per LLM.
+
+    Every prompt is cut at max_prompt_bytes and every answer at max_answer_tokens, padded as the
+    collator pads. `answers` maps an LLM's name to (tokens before the answer: 1 with a BOS, vocab size).
+    """
+    length = _round_up(cfg.max_prompt_bytes, cfg.pad_multiple)
+    byte_ids = torch.full((micro_batch, length), PAD_BYTE, dtype=torch.long, device=device)
+    byte_ids[:, :cfg.max_prompt_bytes] = torch.randint(0, 256, (micro_batch, cfg.max_prompt_bytes), device=device)
+    batch = {"bytes": byte_ids, "byte_mask": byte_ids != PAD_BYTE, "answers": {}}
+    targets = cfg.max_answer_tokens + 1  # the answer tokens and the EOS after them
+    for name, (prefix, vocab) in answers.items():
+        width = _round_up(prefix + cfg.max_answer_tokens, ANSWER_PAD_MULTIPLE)
+        input_ids = torch.randint(0, vocab, (micro_batch, width), device=device)
+        labels = torch.full((micro_batch, width + 1), IGNORE_INDEX, dtype=torch.long, device=device)
+        labels[:, prefix:prefix + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
+        batch["answers"][name] = {"input_ids": input_ids, "labels": labels}
+    return batch, float(micro_batch * targets)
+
+
+# --- CUDA attention on a CPU trace ------------------------------------------------------------
+
+def cuda_attention():
+    """Within it, SDPA runs as train.py runs it on CUDA: flash attention, or memory-efficient
+    attention where there is a padding mask. On a CPU device SDPA takes the math kernel for masked
+    or dropout attention and stores [batch, heads, L, L] scores that the CUDA kernels never store
+    (about 10 GiB per sample for the h100 profile's 4096-byte prompts). A patch of the function,
+    not a TorchFunctionMode: a mode is off inside its own handler, which is where backward, and
+    so the recomputation of checkpointed layers, runs."""
+    return mock.patch.object(F, "scaled_dot_product_attention", cuda_sdpa)
+
+
+def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if attn_mask is None:  # the LLMs: causal, no mask; flash reads grouped K/V heads as they are
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                  scale=scale)[0]
+    if enable_gqa:
+        raise NotImplementedError("train.py's CUDA attention kernels have no masked grouped-query attention")
+    # As on CUDA: the boolean mask becomes an additive bias in the query's dtype, broadcast (a view).
+    bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~attn_mask, float("-inf"))
+    bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p,
+                                                                  is_causal, scale=scale)[0]
+
+
+# --- tracing ----------------------------------------------------------------------------------
+
+class FrozenAwareMemTracker(MemTracker):
+    """torch 2.13's MemTracker, made to trace a frozen-backbone model.
+
+    - It registers a gradient hook on every parameter of every module it meets, and
+      `register_hook` raises on a parameter that does not require grad: here only trainable
+      parameters get one.
+    - After every operator it updates the peak of every module seen so far: quadratic in model
+      size, over ten minutes for one step of two 8B models. Only the global peak is kept here.
+    - A root module's second forward raises ("multiple iterative calls"): `StepTracer.trace` calls
+      `reset_mod_stats` between steps, which drops the per-module statistics the plan does not use.
+    - Its operator hook also serves DTensor (skipping DTensor's nested fake mode) and rebuilds
+      every output tree; with neither here, a lean hook files the same bytes ~15% faster.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._in_opt:
+            kind = _MemRefType.OPT
+        elif self._mod_tracker.is_bw and not self._in_ac:
+            kind = _MemRefType.TEMP
+        else:
+            kind = _MemRefType.ACT
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(kind, t)
+        self._update_peak_stats()
+        return out
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for p in module.parameters():
+                if p.requires_grad and p not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[p] = (
+                        p.register_hook(self._track_grad),
+                        p.register_post_accumulate_grad_hook(lambda q: self._track_grad(q.grad)))
+        return sizes
+
+    def _track_grad(self, grad: torch.Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def _update_peak_stats(self, peak_state=None) -> None:
+        for device, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snap[_TOTAL_KEY]:
+                self._peak_mem[device] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[device] = dict(snap)
+
+    def categories(self, kind: str = "current") -> dict[str, int]:
+        """Bytes per category ('parameters', ..., 'total'), summed over devices."""
+        totals = dict.fromkeys(CATEGORY.values(), 0)
+        for snap in self.get_tracker_snapshot(kind).values():
+            for key, nbytes in snap.items():
+                totals[CATEGORY[key]] += nbytes
+        return totals
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    micro_batch: int
+    peak: dict[str, int]   # bytes per category at the moment of the peak, and 'total'
+    gradients: int         # after backward
+    optimizer: int         # after the optimizer step
+
+
+def fake_llms(cfg, specs: dict) -> dict[str, FrozenLLM]:
+    """The profile's frozen LLMs from their configurations; call under an active FakeTensorMode."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = frozen_weight_dtype(cfg.precision)
+    llms = {}
+    for name, spec in specs.items():
+        model = AutoModelForCausalLM.from_config(spec.config, attn_implementation="sdpa", dtype=dtype)
+        llms[name] = FrozenLLM(name, freeze(model), tokenizer=None)
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(llms[name])
+    return llms
+
+
+def unpacked_sequences():
+    """Within it, transformers takes every row of a batch for one sequence, as it finds in a real
+    run by reading the position ids. Under FakeTensorMode it cannot read them, assumes packed
+    sequences and builds an explicit causal mask, which also makes it repeat the grouped K/V heads
+    (4x for Llama-3.1-8B, 7x for Qwen2.5-7B); a real run passes is_causal and no mask instead."""
+    import transformers.masking_utils
+
+    return mock.patch.object(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+
+class StepTracer:
+    """train.py's trainable model and optimizer, stepped under MemTracker at any micro-batch size.
+
+    Build it under the FakeTensorMode the LLMs were built in. The first `trace` must run two steps:
+    the optimizer state appears in the first step's update and is alive through the second's
+    forward and backward, the steady state. Later traces continue the same model and optimizer,
+    so one step is already the steady state.
+    """
+
+    def __init__(self, cfg, llms: dict[str, FrozenLLM], answers: dict[str, tuple[int, int]]):
+        self.cfg, self.llms, self.answers = cfg, llms, answers
+        # The adapters' output scale (the LLMs' embedding RMS) changes values, not memory.
+        self.model = WireEncoder(cfg, {name: (llm.hidden_size, 1.0) for name, llm in llms.items()})
+        self.optimizer = make_optimizer(cfg, self.model, fused=cfg.device == "cuda")
+
+    def trace(self, micro_batch: int, steps: int) -> StepTrace:
+        batch, n_targets = planning_batch(self.cfg, self.answers, micro_batch)
+        tracker = FrozenAwareMemTracker()
+        tracker.track_external(self.model, self.optimizer, *(llm.model for llm in self.llms.values()), batch)
+        seen = {}
+        # Gradients are complete when the optimizer steps; its state exists once it has stepped.
+        hooks = (self.optimizer.register_step_pre_hook(
+                     lambda *_: seen.update(gradients=tracker.categories()["gradients"])),
+                 self.optimizer.register_step_post_hook(
+                     lambda *_: seen.update(optimizer=tracker.categories()["optimizer"])))
+        # Around backward too: activation checkpointing recomputes the attention there.
+        attention = cuda_attention() if self.cfg.device == "cuda" else nullcontext()
+        with tracker, attention, unpacked_sequences():
+            for _ in range(steps):
+                train_step(self.cfg, self.model, self.llms, self.optimizer, batch, n_targets, torch.device("cpu"))
+                tracker.reset_mod_stats()
+        for hook in hooks:
+            hook.remove()
+        return StepTrace(micro_batch, tracker.categories("peak"), seen["gradients"], seen["optimizer"])

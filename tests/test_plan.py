@@ -1,0 +1,284 @@
+"""The memory plan: exact configurations, the traced step against a measured one, the analytic
+calculator against the trace and against torch's optimizers, the budget, elastic batch."""
+import json
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from latentwire.analytic import optimizer_state_bytes, static_memory
+from latentwire.budget import GIB, Fit, budget_for, fit_line, largest_fitting
+from latentwire.config import UserError, load_config, main_guard
+from latentwire.data import Collator, IGNORE_INDEX, PromptDataset
+from latentwire.elastic import elastic_batch, scaled_lr
+from latentwire.find_batch import Probe
+from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count, llm_spec
+from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
+from latentwire.memtrace import FrozenAwareMemTracker, StepTracer, fake_llms, planning_batch
+from latentwire.plan import main as plan_main, make_plan
+from latentwire.precision import frozen_weight_dtype
+
+from conftest import assert_one_line_error, ok, run_module
+
+LLAMA_3_1_8B_PARAMS = 8_030_261_248  # the published counts
+QWEN_2_5_7B_PARAMS = 7_615_616_512
+CPU = torch.device("cpu")
+
+
+def specs_and_answers(cfg):
+    specs = {name: llm_spec(name, getattr(cfg, name)) for name in ("llama", "qwen")}
+    return specs, {name: (int(s.has_bos), s.config.vocab_size) for name, s in specs.items()}
+
+
+def traced_peak(cfg, micro_batch: int) -> int:
+    specs, answers = specs_and_answers(cfg)
+    with torch.random.fork_rng(devices=[]), FakeTensorMode():
+        return StepTracer(cfg, fake_llms(cfg, specs), answers).trace(micro_batch, steps=2).peak["total"]
+
+
+@pytest.fixture(scope="module")
+def cpu_plan():
+    return make_plan(load_config(["--profile", "cpu"]))
+
+
+# --- exact configurations -------------------------------------------------------------------
+
+def test_shipped_configurations_have_the_published_parameter_counts():
+    expected = {"meta-llama/Llama-3.1-8B": LLAMA_3_1_8B_PARAMS, "Qwen/Qwen2.5-7B": QWEN_2_5_7B_PARAMS}
+    for source, count in expected.items():
+        spec = llm_spec("x", source)
+        assert llm_parameter_count(spec.config) == count
+        cfg = load_config(["--profile", "h100", "--activation-checkpointing", "false"])
+        with FakeTensorMode():
+            model = fake_llms(cfg, {"x": spec})["x"].model
+            assert sum(p.numel() for p in model.parameters()) == count
+            assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert set(expected) <= set(KNOWN_LLMS)
+
+
+def test_a_local_model_directory_is_read_from_its_config(tmp_path):
+    spec = llm_spec("qwen", "Qwen/Qwen2.5-7B")
+    spec.config.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None, "eos_token": "<|endoftext|>"}))
+    local = llm_spec("qwen", str(tmp_path))
+    assert llm_parameter_count(local.config) == QWEN_2_5_7B_PARAMS and not local.has_bos
+
+
+def test_an_unknown_model_is_a_user_error():
+    with pytest.raises(UserError, match="no configuration for 'nobody/Nothing-1B'"):
+        llm_spec("llama", "nobody/Nothing-1B")
+
+
+def test_planning_batch_is_the_longest_the_collator_emits():
+    """Shapes as the collator pads prompts cut at max_prompt_bytes and answers cut at max_answer_tokens."""
+    cfg = load_config(["--profile", "cpu", "--max-prompt-bytes", "100", "--max-answer-tokens", "5"])
+    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
+    long_example = {"context": "Maria lives in Paris. " * 20, "question": "Where?",
+                    "answers": {"text": ["Paris Tokyo Lima Cairo Oslo Berlin Madrid Toronto"]}}
+    collated = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, cfg.max_answer_tokens,
+                        cfg.pad_multiple)([PromptDataset([long_example] * 3)[i] for i in range(3)])
+    planned, n_targets = planning_batch(cfg, {n: (len(l.prefix_ids), len(l.tokenizer)) for n, l in llms.items()}, 3)
+    assert planned["bytes"].shape == collated["bytes"].shape
+    assert torch.equal(planned["byte_mask"], collated["byte_mask"])
+    for name in llms:
+        for key in ("input_ids", "labels"):
+            assert planned["answers"][name][key].shape == collated["answers"][name][key].shape, (name, key)
+        targets = (collated["answers"][name]["labels"] != IGNORE_INDEX).sum().item()
+        assert (planned["answers"][name]["labels"] != IGNORE_INDEX).sum().item() == targets == n_targets
+
+
+# --- the tracer -----------------------------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:global module forward hook")
+def test_stock_memtracker_fails_on_frozen_parameters_where_the_subclass_counts_only_trainable_grads():
+    """Why FrozenAwareMemTracker exists (torch 2.13); if this starts passing upstream, drop the override."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def model():
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        m[0].requires_grad_(False)
+        return m
+
+    m = model()
+    with pytest.raises(RuntimeError, match="doesn't require gradient"), MemTracker():
+        m(torch.randn(2, 8)).sum().backward()
+    m = model()
+    tracker = FrozenAwareMemTracker()
+    with tracker:
+        for _ in range(2):  # a second forward of the root module is refused without a reset
+            m(torch.randn(2, 8)).sum().backward()
+            tracker.reset_mod_stats()
+    assert tracker.categories()["gradients"] == sum(4 * p.numel() for p in m[1].parameters())
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # CPU autocast, adapters' RMSNorm
+@pytest.mark.parametrize("flags", [[], ["--precision", "bf16", "--dropout", "0.1", "--activation-checkpointing", "true",
+                                        "--micro-batch-size", "6"]])
+def test_traced_peak_matches_the_measured_peak_of_the_same_cpu_step(flags):
+    """The fake trace against the CPU allocator's own count of the same real step (find_batch's probe)."""
+    cfg = load_config(["--profile", "cpu", *flags])
+    llms = {n: load_frozen_llm(n, "tiny", frozen_weight_dtype(cfg.precision), CPU) for n in ("llama", "qwen")}
+    if cfg.activation_checkpointing:
+        for llm in llms.values():
+            apply_activation_checkpointing(llm)
+    measured, _ = Probe(cfg, llms, CPU, steps=2, cap_bytes=2 ** 62)(cfg.micro_batch_size)
+    traced = traced_peak(cfg, cfg.micro_batch_size)
+    assert traced == pytest.approx(measured, rel=0.10)
+
+
+def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
+    """On a CUDA profile the trace takes train.py's flash / memory-efficient kernels. A CPU device
+    would take the math kernel (masked, with dropout), which keeps [heads, L, L] scores per layer."""
+    cfg = load_config(["--profile", "cpu", "--device", "cuda", "--precision", "bf16", "--dropout", "0.1",
+                       "--max-prompt-bytes", "2048"])
+    specs, answers = specs_and_answers(cfg)
+    with torch.random.fork_rng(devices=[]), FakeTensorMode():
+        tracer = StepTracer(cfg, fake_llms(cfg, specs), answers)
+        small, large = tracer.trace(2, steps=2), tracer.trace(4, steps=1)
+    per_sample = (large.peak["total"] - small.peak["total"]) / 2
+    one_layer_of_bf16_scores = cfg.encoder_heads * 2048 ** 2 * 2
+    assert 0 < per_sample < one_layer_of_bf16_scores
+
+
+# --- the plan, the calculator and the budget ------------------------------------------------
+
+def test_analytic_and_traced_plans_agree_on_the_static_memory(cpu_plan):
+    a = cpu_plan.analytic
+    assert cpu_plan.params_frozen_bytes == pytest.approx(a.frozen, rel=0.01)
+    assert cpu_plan.params_trainable_bytes == pytest.approx(a.trainable, rel=0.01)
+    assert cpu_plan.gradients == pytest.approx(a.gradients, rel=0.01)
+    assert cpu_plan.optimizer == pytest.approx(a.optimizer_state, rel=0.01)
+    assert cpu_plan.gradients == 4 * a.trainable_params  # gradients only for what trains
+
+
+def test_plan_answer_is_the_largest_micro_batch_within_the_budget(cpu_plan):
+    budget, fit, best, weights = cpu_plan.budget, cpu_plan.fit, cpu_plan.max_micro_batch, cpu_plan.weight_bytes
+    assert best >= 1
+    assert budget.needed(fit(best), weights) <= budget.target_bytes < budget.needed(fit(best + 1), weights)
+    # The fit passes through both traces (two points), one of which sits near the answer.
+    for trace in cpu_plan.traces:
+        assert fit(trace.micro_batch) == pytest.approx(trace.peak["total"], rel=1e-9)
+    assert min(abs(t.micro_batch - best) for t in cpu_plan.traces) <= 0.05 * best
+    payload = cpu_plan.to_json()
+    for key in ("params_frozen_bytes", "params_trainable_bytes", "grads_bytes", "optimizer_bytes",
+                "activation_bytes_per_sample", "fixed_bytes", "peak_bytes", "max_micro_batch", "card_bytes",
+                "target_util"):
+        assert key in payload
+    assert payload["card_bytes"] == 8 * GIB and payload["target_util"] == 0.8
+
+
+@pytest.mark.parametrize("name, make", [
+    ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    ("sgd-momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+    ("adamw", lambda ps: torch.optim.AdamW(ps)),
+    ("adafactor", lambda ps: torch.optim.Adafactor(ps)),
+])
+def test_analytic_optimizer_state_is_what_torch_allocates(name, make):
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer = make(model.parameters())
+    optimizer.step()
+    allocated = sum(v.untyped_storage().nbytes() for state in optimizer.state.values()
+                    for v in state.values() if torch.is_tensor(v))
+    assert optimizer_state_bytes(name, [tuple(p.shape) for p in model.parameters()]) == allocated
+
+
+def test_static_memory_rules():
+    m = static_memory(LLAMA_3_1_8B_PARAMS, 10_000_000, "bf16", "adamw")
+    assert m.frozen == 2 * LLAMA_3_1_8B_PARAMS  # 16.06 GB, 14.96 GiB
+    assert (m.trainable, m.gradients) == (40_000_000, 40_000_000)
+    assert m.optimizer_state == 80_000_004  # two fp32 moments and one step
+    assert static_memory(LLAMA_3_1_8B_PARAMS, 0, "fp32", "adamw").total == 4 * LLAMA_3_1_8B_PARAMS
+    assert static_memory(0, 1_000_000, "bf16", "adamw-8bit").optimizer_state == 2_000_000 + 8 * 3907
+
+
+def test_largest_fitting_micro_batch_and_reserve():
+    budget = budget_for("cuda", 80.0, 0.9, world_size=2, trainable_params=1_000_000)
+    assert (budget.cuda_context, budget.nccl, budget.ddp_buckets) == (GIB, GIB, 4_000_000)
+    weights = 30 * GIB
+    fit = Fit(fixed=31 * GIB, per_sample=GIB // 2, r2=1.0)
+    best = largest_fitting(fit, budget, weights)
+    assert budget.needed(fit(best), weights) <= budget.target_bytes < budget.needed(fit(best + 1), weights)
+    assert budget_for("cpu", 8.0, 0.8, world_size=2, trainable_params=1).fixed_reserve == 4  # only DDP buckets
+    line = fit_line({1: 3.0, 2: 5.0, 4: 9.0})
+    assert (line.fixed, line.per_sample, line.r2) == pytest.approx((1.0, 2.0, 1.0))
+
+
+# --- the command line -----------------------------------------------------------------------
+
+def test_analytic_calculator_command(tmp_path):
+    out = tmp_path / "a.json"
+    proc = ok(run_module("latentwire.plan", ["--analytic", "--params", "8.03e9", "--trainable-params", "1e8",
+                                              "--gpu-memory-gb", "80", "--num-gpus", "4", "--json", str(out)]))
+    assert "16.06" in proc.stdout and "DDP gradient buckets" in proc.stdout
+    a = json.loads(out.read_text())
+    assert a["params_frozen_bytes"] == 2 * 8_030_000_000
+    assert (a["grads_bytes"], a["ddp_bucket_bytes"]) == (4 * 10 ** 8, 4 * 10 ** 8)
+    assert a["optimizer_bytes"] == 8 * 10 ** 8 + 4
+
+
+def test_bad_plan_input_is_one_line():
+    assert_one_line_error(run_module("latentwire.plan", ["--profile", "nope"]), "unknown profile 'nope'")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--analytic", "--gpu-memory-gb", "80"], "--params or --model-size-gb"),
+    (["--analytic", "--params", "8e9"], "needs --gpu-memory-gb"),
+    (["--profile", "h100", "--params", "1e9"], "--params is for --analytic without --profile"),
+    (["--profile", "cpu", "--optimizer", "sgd"], "--optimizer is for --analytic"),
+    (["--profile", "cpu", "--llama", "org/unknown-model"], "no configuration for 'org/unknown-model'"),
+    (["--analytic", "--params", "-3", "--gpu-memory-gb", "80"], "--params"),
+])
+def test_bad_plan_flags_are_one_line_errors(args, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main_guard(lambda: plan_main(args))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]
+
+
+@pytest.mark.slow
+def test_h100_plan_counts_every_byte_of_the_real_configuration(tmp_path):
+    out = tmp_path / "h100.json"
+    proc = ok(run_module("latentwire.plan", ["--profile", "h100", "--json", str(out)], timeout=600))
+    p = json.loads(out.read_text())
+    assert p["params_frozen_bytes"] == pytest.approx(2 * (LLAMA_3_1_8B_PARAMS + QWEN_2_5_7B_PARAMS), rel=0.005)
+    trainable = p["analytic"]["params_trainable"]
+    assert p["params_trainable_bytes"] == p["grads_bytes"] == 4 * trainable
+    assert p["optimizer_bytes"] == pytest.approx(8 * trainable, rel=0.01)
+    for key in ("params_frozen_bytes", "params_trainable_bytes", "grads_bytes", "optimizer_bytes"):
+        assert p[key] == pytest.approx(p["analytic"][key], rel=0.01)
+    assert p["max_micro_batch"] >= 1 and "largest micro-batch" in proc.stdout
+    assert p["peak_bytes"][str(16)] > p["params_frozen_bytes"]
+
+
+# --- elastic batch --------------------------------------------------------------------------
+
+def test_elastic_batch_keeps_the_global_batch_when_a_split_fills_the_card():
+    cfg = load_config(["--profile", "h100"])  # 16 x 4 = 64
+    for world, plan_max in ((1, 55), (1, 64), (1, 500), (2, 7), (4, 3), (1, 1)):
+        micro, accum, lr, message = elastic_batch(cfg, world, plan_max)
+        assert micro <= plan_max and micro * accum * world == 64 * world
+        assert lr == cfg.lr and "kept" in message
+    assert elastic_batch(cfg, 1, 55)[:2] == (32, 2)
+
+
+@pytest.mark.parametrize("rule", ["sqrt", "linear"])
+def test_elastic_batch_changes_the_global_batch_and_the_lr_by_the_rule_when_it_must(rule):
+    cfg = load_config(["--profile", "h100", "--micro-batch-size", "61", "--grad-accum-steps", "1",
+                       "--lr-scaling", rule])  # 61 is prime: exact splits are 61 x 1 or 1 x 61
+    micro, accum, lr, message = elastic_batch(cfg, 2, 40)
+    assert (micro, accum) == (31, 2)  # two micro-steps, the fewest that fit; 62 per rank
+    ratio = (31 * 2 * 2) / (61 * 2)
+    assert lr == pytest.approx(cfg.lr * (math.sqrt(ratio) if rule == "sqrt" else ratio))
+    assert lr == pytest.approx(scaled_lr(cfg.lr, 122, 124, rule))
+    assert "122 -> 124" in message and rule in message
+
+
+def test_elastic_batch_from_a_real_plan_and_when_nothing_fits(cpu_plan):
+    cfg = cpu_plan.cfg
+    micro, accum, lr, _ = elastic_batch(cfg, 1, cpu_plan.max_micro_batch)
+    assert micro * accum == cfg.micro_batch_size * cfg.grad_accum_steps and lr == cfg.lr
+    with pytest.raises(UserError, match="fits no micro-batch"):
+        elastic_batch(cfg, 1, 0)
