@@ -33,7 +33,7 @@ from latentwire.evaluate import evaluate_wire
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
 from latentwire.flops import FlopModel
 from latentwire.metrics import GpuMonitor, MetricsLogger, Window, memory_stats, peak_flops_per_s
-from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
+from latentwire.model import WireEncoder, compiled_forward, count_parameters, forward_ce_sums
 from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag
 from latentwire.precision import autocast_for, enable_tf32, frozen_weight_dtype, grad_scaler_for, use_tf32
 from latentwire.profiling import MemorySnapshots, make_profiler
@@ -178,13 +178,9 @@ def train(cfg, di) -> None:
     batches = global_batches(loader, sampler, cfg.grad_accum_steps, epoch, examples_done, global_batch)
 
     # --- torch.compile -----------------------------------------------------------------------
-    # Fuses the encoder's and the LLMs' elementwise ops and norms into few kernels. Prompt and
-    # answer lengths vary from batch to batch, so the graph is compiled once with dynamic shapes
-    # rather than once per padded length.
-    # Float settings (norm eps, dropout p, attention scale) stay constants, not graph inputs:
-    # otherwise dynamic shapes make dynamo trace everything twice (compile 67 s -> 19 s on CPU).
-    torch._dynamo.config.specialize_float = True
-    forward = torch.compile(forward_ce_sums, mode=cfg.compile_mode, dynamic=True) if cfg.compile else forward_ce_sums
+    # Fuses the encoder's and the LLMs' elementwise ops and norms into few kernels; compiled once
+    # with dynamic shapes, since prompt and answer lengths vary from batch to batch.
+    forward = compiled_forward(cfg.compile_mode) if cfg.compile else forward_ce_sums
 
     # --- Fused attention kernels -------------------------------------------------------------
     # All attention goes through SDPA. On CUDA only flash / memory-efficient / cuDNN kernels are

@@ -2,7 +2,8 @@
 
 A fixed set of micro-batches (the loader's first ones, so several padded prompt lengths) goes
 through forward_ce_sums + backward, eagerly and compiled as train.py compiles it
-(`dynamic=True`, the profile's compile_mode). Every batch first runs once each way, untimed, so
+(`latentwire.model.compiled_forward`: dynamic shapes, constant floats, the profile's compile_mode).
+Every batch first runs once each way, untimed, so
 compiling (and any recompile for a new shape) is left out; then the two alternate batch by
 batch, in alternating order per round.
 
@@ -18,10 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
 from common import build_model, cpu_config, forward_backward, make_loader, median, parse_settings, summary, take
-from latentwire.model import forward_ce_sums
+from latentwire.model import compiled_forward, forward_ce_sums
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ def main() -> None:
     batches = take(make_loader(cfg, llms), s.batches)
     print(f"batches: prompt bytes {sorted({b['bytes'].shape[1] for b in batches})}, micro-batch {s.micro_batch_size}; "
           f"compile: mode={cfg.compile_mode} dynamic=True", flush=True)
-    compiled = torch.compile(forward_ce_sums, mode=cfg.compile_mode, dynamic=True)
+    compiled = compiled_forward(cfg.compile_mode)
 
     warmup = [timed_step(compiled, model, llms, b) for b in batches]
     print(f"compile warm-up: {warmup[0]:.1f} s for the first batch, {sum(warmup[1:]):.1f} s for the other "
