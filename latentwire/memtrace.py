@@ -92,8 +92,8 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if attn_mask is None:  # the LLMs: causal, no mask; flash reads grouped K/V heads as they are
         return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
                                                                   scale=scale)[0]
-    if enable_gqa:
-        raise NotImplementedError("train.py's CUDA attention kernels have no masked grouped-query attention")
+    if enable_gqa:  # no model here makes such a call: the encoder's masked attention is not grouped
+        raise ValueError("memory plan: masked grouped-query attention has no CUDA kernel to trace it as")
     # As on CUDA: the boolean mask becomes an additive bias in the query's dtype, broadcast (a view).
     bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~attn_mask, float("-inf"))
     bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
