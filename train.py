@@ -27,7 +27,7 @@ from latentwire.checkpoint import (list_checkpoints, load_newest_checkpoint, pru
                                    save_checkpoint)
 from latentwire.config import Diverged, HarnessExit, UserError, load_config, main_guard
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
-from latentwire.distributed import all_reduce_sum, init_distributed, teardown_distributed
+from latentwire.distributed import all_reduce_sum, process_group
 from latentwire.elastic import apply_elastic_batch
 from latentwire.evaluate import evaluate_wire
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
@@ -41,11 +41,8 @@ from latentwire.profiling import MemorySnapshots, make_profiler
 
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
-    dist_info = init_distributed(cfg.device, cfg.dist_timeout_s)
-    try:
+    with process_group(cfg.device, cfg.dist_timeout_s) as dist_info:
         train(cfg, dist_info)
-    finally:
-        teardown_distributed()
 
 
 def train(cfg, di) -> None:
@@ -101,13 +98,13 @@ def train(cfg, di) -> None:
 
     # --- Trainable model, wrapped in DDP -----------------------------------------------------
     # Only the encoder and adapters are DDP's: the frozen LLMs are neither broadcast nor bucketed.
-    # Its only buffers are constants (the LLMs' embedding RMS), so DDP need not re-broadcast
-    # them before every forward.
+    # Its only buffers are constants (the LLMs' embedding RMS), equal on every rank once DDP has
+    # synced them at start-up, so it need not re-broadcast them before every forward.
     model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()}).to(device)
     torch.manual_seed(cfg.seed + rank)
     ddp_model = model
     if di.is_distributed:
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
 
     # --- Data: a disjoint shard per rank -----------------------------------------------------
     # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank,

@@ -133,12 +133,6 @@ def child_env(threads: int) -> dict:
 
 # --- timing and the summary line --------------------------------------------------------------
 
-def step_durations(ends: dict[int, float], warmup: int) -> list[float]:
-    """Durations of the steps after `warmup` from `ends` (step -> the time it ended; step 0, if
-    present, is the time the loop started). A step counts only if its predecessor's end is known."""
-    return [ends[k] - ends[k - 1] for k in sorted(ends) if k > warmup and k - 1 in ends]
-
-
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +60,20 @@ def init_distributed(device_type: str, timeout_s: int) -> DistInfo:
     return DistInfo(rank, local_rank, world_size, device)
 
 
-def teardown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+@contextmanager
+def process_group(device_type: str, timeout_s: int) -> Iterator[DistInfo]:
+    """The process group for the body of a command, torn down however the body ends."""
+    info = init_distributed(device_type, timeout_s)
+    try:
+        yield info
+        # Leave together: a rank that destroys the group and exits while a peer is still busy
+        # (rank 0 writing a report) can be aborted by gloo's connection threads at exit. Only
+        # on success: after an error the peers may never arrive, and the timeout must decide.
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

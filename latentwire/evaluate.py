@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from .checkpoint import META, WEIGHTS, list_checkpoints
 from .config import FIELDS, Config, RunFlags, UserError, check_value, main_guard
 from .data import IGNORE_INDEX, Collator, PromptDataset, load_examples, prompt_text
-from .distributed import init_distributed, teardown_distributed
+from .distributed import process_group
 from .llm import FrozenLLM, load_frozen_llm
 from .model import WireEncoder
 from .precision import autocast_for, frozen_weight_dtype
@@ -582,11 +582,8 @@ def main(argv: list[str] | None = None) -> None:
     device_type = args.device or cfg.device
     if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("the run used CUDA and no GPU is visible; pass --device cpu")
-    di = init_distributed(device_type, cfg.dist_timeout_s)
-    try:
+    with process_group(device_type, cfg.dist_timeout_s) as di:
         run(args, ckpt, cfg, step, di)
-    finally:
-        teardown_distributed()
 
 
 def run(args, ckpt: Path, cfg, step, di) -> None:

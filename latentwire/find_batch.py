@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .budget import GIB, Fit, fit_line
 from .config import _Parser, load_config, main_guard
-from .distributed import init_distributed, teardown_distributed
+from .distributed import process_group
 from .llm import apply_activation_checkpointing, load_frozen_llm
 from .memtrace import make_optimizer, planning_batch, train_step
 from .model import WireEncoder
@@ -270,11 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args, rest = build_parser().parse_known_args(argv)
     cfg = load_config(rest, prog=PROG)
-    di = init_distributed(cfg.device, cfg.dist_timeout_s)
-    try:
+    with process_group(cfg.device, cfg.dist_timeout_s) as di:
         find(cfg, args, di)
-    finally:
-        teardown_distributed()
 
 
 def find(cfg, args, di) -> None:
