@@ -262,6 +262,20 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids an answer row is built from: an optional BOS prefix, the EOS target, the padding."""
+    prefix: list[int]
+    eos: int
+    pad: int
+
+    @classmethod
+    def of(cls, tok) -> "SpecialIds":
+        prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return cls(prefix, tok.eos_token_id, pad)
+
+
 class Collator:
     """Pads prompt bytes for the encoder and answer tokens (with labels) for each LLM.
 
@@ -277,6 +291,9 @@ class Collator:
             if tok.eos_token_id is None:
                 raise UserError(f"the {name} tokenizer has no EOS token")
         self.tokenizers = tokenizers
+        # Special ids read once: a transformers tokenizer resolves each attribute read through
+        # several Python calls, which per row would cost as much as the tokenisation.
+        self.special_ids = {name: SpecialIds.of(tok) for name, tok in tokenizers.items()}
         self.max_prompt_bytes = max_prompt_bytes
         self.max_answer_tokens = max_answer_tokens
         self.pad_multiple = pad_multiple
@@ -287,7 +304,8 @@ class Collator:
         return {
             "bytes": byte_ids,
             "byte_mask": byte_mask,
-            "answers": {name: self._collate_answers(tok, answers) for name, tok in self.tokenizers.items()},
+            "answers": {name: self._collate_answers(tok, self.special_ids[name], answers)
+                        for name, tok in self.tokenizers.items()},
             "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
         }
 
@@ -303,17 +321,16 @@ class Collator:
         byte_ids = raw.view(len(prompts), length).long().masked_fill_(~byte_mask, PAD_BYTE)
         return byte_ids, byte_mask
 
-    def _collate_answers(self, tok, answers: list[str]) -> dict[str, torch.Tensor]:
-        prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    def _collate_answers(self, tok, special: SpecialIds, answers: list[str]) -> dict[str, torch.Tensor]:
+        prefix, eos, pad = special.prefix, [special.eos], special.pad
         # The answer follows the wire as a new word: with its leading space, BPE vocabularies
         # (trained on running text, where words start with a space) give whole-word tokens.
         spaced = [" " + a for a in answers]
         token_ids = [ids[:self.max_answer_tokens] for ids in tok(spaced, add_special_tokens=False)["input_ids"]]
         length = _round_up(max(len(prefix) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
         inputs = [prefix + ids for ids in token_ids]
-        targets = [[IGNORE_INDEX] * len(prefix) + ids + [tok.eos_token_id] for ids in token_ids]
-        return {"input_ids": torch.tensor([row + [pad_id] * (length - len(row)) for row in inputs]),
+        targets = [[IGNORE_INDEX] * len(prefix) + ids + eos for ids in token_ids]
+        return {"input_ids": torch.tensor([row + [pad] * (length - len(row)) for row in inputs]),
                 "labels": torch.tensor([row + [IGNORE_INDEX] * (length + 1 - len(row)) for row in targets])}
 
 
