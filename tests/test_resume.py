@@ -15,6 +15,22 @@ from conftest import (EXACT, FAST, REPO, assert_one_line_error, child_env, final
 from latentwire.checkpoint import list_checkpoints, load_checkpoint
 
 RUN = ["--profile", "cpu", *EXACT, *FAST, "--micro-batch-size", "4", "--grad-accum-steps", "2"]
+# 20 steps on one process, and the same global batch on two ranks under torchrun.
+TWENTY = {1: [*RUN, "--max-steps", "20"], 2: [*RUN, "--max-steps", "20", "--micro-batch-size", "2"]}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """`straight(nproc)`: the unbroken run of TWENTY[nproc], made once and shared by the tests
+    that split the same run and compare."""
+    runs = {}
+
+    def get(nproc: int):
+        if nproc not in runs:
+            runs[nproc] = tmp_path_factory.mktemp(f"straight{nproc}") / "run"
+            ok(run_train([*TWENTY[nproc], "--out-dir", str(runs[nproc])], nproc=nproc))
+        return runs[nproc]
+    return get
 
 
 def popen_train(args, nproc=1, **env):
@@ -45,31 +61,28 @@ def assert_same_run(straight, resumed, from_step):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", ["0", "2"])
-def test_stop_and_resume_is_bitwise_exact(tmp_path, workers):
-    args = [*RUN, "--max-steps", "20", "--num-workers", workers]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    ok(run_train([*args, "--out-dir", str(straight)]))
+def test_stop_and_resume_is_bitwise_exact(tmp_path, straight, workers):
+    """Compared with an unbroken run without loader workers: with them, the split run is still
+    bitwise the same."""
+    args = [*TWENTY[1], "--num-workers", workers]
+    split = tmp_path / "split"
     ok(run_train([*args, "--out-dir", str(split), "--stop-at-step", "10"]))
     assert [p.name for p in list_checkpoints(split)] == ["step_00000010"]
     ok(run_train([*args, "--out-dir", str(split), "--resume"]))
-    assert_same_run(straight, split, 10)
+    assert_same_run(straight(1), split, 10)
 
 
 @pytest.mark.slow
-def test_stop_and_resume_under_torchrun(tmp_path):
-    args = [*RUN, "--max-steps", "20", "--micro-batch-size", "2"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    ok(run_train([*args, "--out-dir", str(straight)], nproc=2))
+def test_stop_and_resume_under_torchrun(tmp_path, straight):
+    args, split = TWENTY[2], tmp_path / "split"
     ok(run_train([*args, "--out-dir", str(split), "--stop-at-step", "10"], nproc=2))
     ok(run_train([*args, "--out-dir", str(split), "--resume"], nproc=2))
-    assert_same_run(straight, split, 10)
+    assert_same_run(straight(2), split, 10)
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_saves_within_a_step_and_resumes_exactly(tmp_path):
-    args = [*RUN, "--max-steps", "20", "--micro-batch-size", "2", "--checkpoint-every", "100"]
-    straight, cut = tmp_path / "straight", tmp_path / "cut"
-    ok(run_train([*args, "--out-dir", str(straight)], nproc=2))
+def test_sigterm_to_torchrun_saves_within_a_step_and_resumes_exactly(tmp_path, straight):
+    args, cut = [*TWENTY[2], "--checkpoint-every", "100"], tmp_path / "cut"
     proc = popen_train([*args, "--out-dir", str(cut)], nproc=2)
     wait_for_step(cut, 4, proc)
     proc.send_signal(signal.SIGTERM)  # what SLURM and spot reclaim send; torchrun forwards it
@@ -80,7 +93,7 @@ def test_sigterm_to_torchrun_saves_within_a_step_and_resumes_exactly(tmp_path):
     saved = [p.name for p in list_checkpoints(cut)]
     assert saved == [f"step_{logged:08d}"]  # the step that was running when the signal came
     ok(run_train([*args, "--out-dir", str(cut), "--resume"], nproc=2))
-    assert_same_run(straight, cut, logged)
+    assert_same_run(straight(2), cut, logged)
 
 
 @pytest.mark.slow
@@ -308,16 +321,14 @@ def test_a_failing_checkpoint_write_is_one_line_and_keeps_earlier_checkpoints(tm
 
 
 @pytest.mark.slow
-def test_resume_on_another_layout_keeps_the_sample_order(tmp_path):
+def test_resume_on_another_layout_keeps_the_sample_order(tmp_path, straight):
     """1 process x mbs 4 x accum 2 stopped at 10, resumed on 2 ranks x mbs 2 x accum 2: the same
     global batches, so the same weights up to rounding, and a note that it is not bitwise."""
-    args = [*RUN, "--max-steps", "20"]
-    straight, moved = tmp_path / "straight", tmp_path / "moved"
-    ok(run_train([*args, "--out-dir", str(straight)]))
+    args, moved = TWENTY[1], tmp_path / "moved"
     ok(run_train([*args, "--out-dir", str(moved), "--stop-at-step", "10"]))
     proc = ok(run_train([*args, "--out-dir", str(moved), "--resume", "--micro-batch-size", "2"], nproc=2))
     assert "bitwise identical to an unbroken one only for the same layout" in proc.stderr
     from conftest import max_rel_diff
-    assert max_rel_diff(final_weights(straight), final_weights(moved)) < 1e-4
-    for a, b in zip(read_metrics(straight), read_metrics(moved), strict=True):
+    assert max_rel_diff(final_weights(straight(1)), final_weights(moved)) < 1e-4
+    for a, b in zip(read_metrics(straight(1)), read_metrics(moved), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
