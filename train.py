@@ -23,8 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from latentwire.checkpoint import (list_checkpoints, load_newest_checkpoint, prune_checkpoints, restore_rng,
-                                   save_checkpoint)
+from latentwire.checkpoint import list_checkpoints, prune_checkpoints, resume_training, save_checkpoint
 from latentwire.config import Diverged, HarnessExit, UserError, load_config, main_guard
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
 from latentwire.distributed import all_reduce_sum, process_group
@@ -151,27 +150,18 @@ def train(cfg, di) -> None:
     # Same layout (world size, micro-batch, accumulation): bitwise the run that never stopped.
     step, epoch, examples_done = 0, 0, 0
     if cfg.run.resume:
-        ckpt = load_newest_checkpoint(out_dir, rank, warn=lambda m: di.is_main and print(m, file=sys.stderr))
-        if ckpt is None:
-            raise UserError(f"no usable checkpoint to resume from in {out_dir / 'checkpoints'}")
-        saved_cfg, state = ckpt["meta"]["config"], ckpt["train_state"]
-        if saved_cfg["max_steps"] != cfg.max_steps:
-            raise UserError(f"--max-steps {cfg.max_steps} differs from the resumed run's {saved_cfg['max_steps']}; "
-                            "the OneCycle schedule is fixed when a run starts")
-        model.load_state_dict(ckpt["weights"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        restore_rng(ckpt["rng"])
-        step, epoch, examples_done = state["step"], state["data"]["epoch"], state["data"]["examples_done"]
+        resumed = resume_training(out_dir, rank, cfg.max_steps, model, optimizer, scheduler, scaler,
+                                  warn=lambda message: di.is_main and print(message, file=sys.stderr))
+        step, epoch, examples_done = resumed.step, resumed.epoch, resumed.examples_done
         if cfg.run.stop_at_step is not None and cfg.run.stop_at_step <= step:
             raise UserError(f"--stop-at-step {cfg.run.stop_at_step} is not after the resumed step {step}")
+        layout = [world, cfg.micro_batch_size, cfg.grad_accum_steps]
         if di.is_main:
-            print(f"resumed from {ckpt['path']} (step {step}, epoch {epoch}, {examples_done} examples into it)")
-            if state["data"]["layout"] != [world, cfg.micro_batch_size, cfg.grad_accum_steps]:
-                print(f"note: layout (world, micro-batch, accumulation) is {[world, cfg.micro_batch_size, cfg.grad_accum_steps]}"
-                      f", the checkpoint's was {state['data']['layout']}: the sample order is kept, but the run is "
-                      "bitwise identical to an unbroken one only for the same layout", file=sys.stderr)
+            print(f"resumed from {resumed.path} (step {step}, epoch {epoch}, {examples_done} examples into it)")
+            if resumed.layout != layout:
+                print(f"note: layout (world, micro-batch, accumulation) is {layout}, the checkpoint's was "
+                      f"{resumed.layout}: the sample order is kept, but the run is bitwise identical to an "
+                      "unbroken one only for the same layout", file=sys.stderr)
     batches = global_batches(loader, sampler, cfg.grad_accum_steps, epoch, examples_done, global_batch)
 
     # --- torch.compile -----------------------------------------------------------------------

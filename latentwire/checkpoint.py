@@ -14,13 +14,14 @@ import json
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import HarnessExit
+from .config import HarnessExit, UserError
 
 STEP_PREFIX = "step_"
 WEIGHTS = "trainable.safetensors"
@@ -147,3 +148,32 @@ def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict | None:
         except CorruptCheckpoint as e:
             warn(f"warning: skipping unreadable checkpoint {e}")
     return None
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where a resumed run continues, and the layout (world, micro-batch, accumulation) it had."""
+    path: Path
+    step: int
+    epoch: int
+    examples_done: int
+    layout: list[int]
+
+
+def resume_training(out_dir: Path, rank: int, max_steps: int, model, optimizer, scheduler, scaler, warn) -> Resumed:
+    """Load the newest usable checkpoint of `out_dir` into the trainable weights, optimizer,
+    schedule, grad scaler and this process's RNGs."""
+    ckpt = load_newest_checkpoint(out_dir, rank, warn)
+    if ckpt is None:
+        raise UserError(f"no usable checkpoint to resume from in {Path(out_dir) / 'checkpoints'}")
+    saved_max_steps, state = ckpt["meta"]["config"]["max_steps"], ckpt["train_state"]
+    if saved_max_steps != max_steps:
+        raise UserError(f"--max-steps {max_steps} differs from the resumed run's {saved_max_steps}; "
+                        "the OneCycle schedule is fixed when a run starts")
+    model.load_state_dict(ckpt["weights"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    restore_rng(ckpt["rng"])
+    data = state["data"]
+    return Resumed(ckpt["path"], state["step"], data["epoch"], data["examples_done"], data["layout"])

@@ -282,6 +282,16 @@ def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flag
     assert snapshot(finished_run) == before
 
 
+@pytest.mark.parametrize("flags, fragment", [
+    (["--max-steps", "3"], "--max-steps 3 differs from the resumed run's 2"),
+    (["--max-steps", "2", "--stop-at-step", "1"], "--stop-at-step 1 is not after the resumed step 2"),
+])
+def test_resume_that_cannot_continue_the_run_is_one_line(finished_run, flags, fragment):
+    before = snapshot(finished_run)
+    assert_one_line_error(run_train([*RUN, "--out-dir", str(finished_run), "--resume", *flags]), fragment)
+    assert snapshot(finished_run) == before
+
+
 def test_out_dir_that_cannot_be_created(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
