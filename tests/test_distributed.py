@@ -1,0 +1,46 @@
+"""The process group every command runs in (`latentwire.distributed.process_group`)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from conftest import REPO, child_env, ok
+from latentwire.distributed import process_group
+
+# Rank 0 is still busy (as when it writes a report) when rank 1's work is done; each rank records
+# when its body ended and when it left the process group.
+LEAVE = """
+import json, sys, time
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+from latentwire.distributed import process_group
+with process_group("cpu", 60) as info:
+    if info.rank == 0:
+        time.sleep(1.0)
+    body_end = time.time()
+    assert dist.is_initialized() and dist.get_world_size() == 2
+print(json.dumps({{"rank": info.rank, "body_end": body_end, "left": time.time(),
+                  "destroyed": not dist.is_initialized()}}))
+"""
+
+
+@pytest.mark.slow
+def test_ranks_leave_the_group_together(tmp_path):
+    """A rank that finishes early waits for the others before destroying the group: a rank that
+    exits while a peer still uses the group can be aborted by gloo (seen in CI as SIGABRT)."""
+    script = tmp_path / "leave.py"
+    script.write_text(LEAVE.format(repo=str(REPO)))
+    proc = ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              str(script)], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                             timeout=300))
+    ranks = {r["rank"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    assert ranks[0]["destroyed"] and ranks[1]["destroyed"]
+    assert ranks[1]["left"] >= ranks[0]["body_end"]
+
+
+def test_without_torchrun_there_is_no_group():
+    with process_group("cpu", 60) as info:
+        assert (info.rank, info.world_size, info.device.type) == (0, 1, "cpu")
+        assert not info.is_distributed and not dist.is_initialized()
