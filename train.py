@@ -29,7 +29,7 @@ from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_
 from latentwire.distributed import all_reduce_sum, process_group
 from latentwire.elastic import apply_elastic_batch
 from latentwire.evaluate import evaluate_wire
-from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
+from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
 from latentwire.flops import FlopModel
 from latentwire.metrics import GpuMonitor, MetricsLogger, Window, memory_stats, peak_flops_per_s
 from latentwire.model import WireEncoder, compiled_forward, count_parameters, forward_ce_sums
@@ -82,8 +82,7 @@ def train(cfg, di) -> None:
     # --- Frozen LLMs, stored in the autocast dtype -------------------------------------------
     # No gradients and no optimizer state means no fp32 master copy is needed: bf16 weights take
     # 16 GB instead of 32 GB for an 8B model.
-    llms = {name: load_frozen_llm(name, source, frozen_weight_dtype(cfg.precision), device)
-            for name, source in (("llama", cfg.llama), ("qwen", cfg.qwen))}
+    llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), device)
 
     if di.is_main:
         prepare_out_dir(out_dir, cfg.run)

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from latentwire.config import load_config  # noqa: E402
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples  # noqa: E402
-from latentwire.llm import load_frozen_llm  # noqa: E402
+from latentwire.llm import load_frozen_llms  # noqa: E402
 from latentwire.model import WireEncoder, forward_ce_sums  # noqa: E402
 from latentwire.precision import frozen_weight_dtype  # noqa: E402
 
@@ -74,8 +74,7 @@ def cpu_config(*overrides):
 def build_model(cfg) -> tuple[dict, WireEncoder]:
     """The two frozen LLMs and the trainable WireEncoder, built as train.py builds them."""
     torch.manual_seed(cfg.seed)
-    llms = {name: load_frozen_llm(name, source, frozen_weight_dtype(cfg.precision), CPU)
-            for name, source in (("llama", cfg.llama), ("qwen", cfg.qwen))}
+    llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), CPU)
     model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()})
     return llms, model.train()
 

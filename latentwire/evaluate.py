@@ -42,12 +42,11 @@ from .checkpoint import META, WEIGHTS, list_checkpoints
 from .config import FIELDS, Config, RunFlags, UserError, check_value, main_guard
 from .data import IGNORE_INDEX, Collator, PromptDataset, load_examples, prompt_text
 from .distributed import process_group
-from .llm import FrozenLLM, load_frozen_llm
+from .llm import FrozenLLM, load_frozen_llms
 from .model import WireEncoder
 from .precision import autocast_for, frozen_weight_dtype
 from .squad_metrics import best_em_f1
 
-LLM_NAMES = ("llama", "qwen")
 # Between the prompt and the answer in both text baselines. The answer's own tokens (the same
 # targets as the wire's) start with the space that makes it a new word, so none is added here.
 SEPARATOR = "\nanswer:"
@@ -501,7 +500,7 @@ def markdown(report: dict) -> str:
         "| | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
         "| prompt tokens (mean) | " + " | ".join(f"{c[f'prompt_tokens_{n}']:.1f}" for n in names) + " |",
-        f"| compression (prompt tokens / M) | " + " | ".join(f"{c[f'compression_{n}']:.1f}x" for n in names) + " |",
+        "| compression (prompt tokens / M) | " + " | ".join(f"{c[f'compression_{n}']:.1f}x" for n in names) + " |",
         "",
         "| per example | bytes | " + " | ".join(f"answer NLL {n}" for n in names) + " |",
         "|---|---:|" + "---:|" * len(names),
@@ -589,8 +588,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args, ckpt: Path, cfg, step, di) -> None:
     dataset = args.dataset or cfg.dataset
     examples = load_examples(dataset, "validation", args.n, cfg.seed)
-    llms = {name: load_frozen_llm(name, getattr(cfg, name), frozen_weight_dtype(cfg.precision), di.device)
-            for name in LLM_NAMES}
+    llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
     plan = Plan(batch_size=args.batch_size or cfg.micro_batch_size,
                 max_new_tokens=args.max_new_tokens or cfg.max_new_tokens, text_baselines=True)

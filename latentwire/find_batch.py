@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .budget import GIB, Fit, fit_line
 from .config import _Parser, load_config, main_guard
 from .distributed import process_group
-from .llm import apply_activation_checkpointing, load_frozen_llm
+from .llm import apply_activation_checkpointing, load_frozen_llms
 from .memtrace import make_optimizer, planning_batch, train_step
 from .model import WireEncoder
 from .plan import positive, write_json
@@ -276,8 +276,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def find(cfg, args, di) -> None:
     cap = round((args.cap_gb or cfg.target_util * cfg.memory_gb) * GIB)
-    llms = {name: load_frozen_llm(name, source, frozen_weight_dtype(cfg.precision), di.device)
-            for name, source in (("llama", cfg.llama), ("qwen", cfg.qwen))}
+    llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
     if cfg.activation_checkpointing:
         for llm in llms.values():
             apply_activation_checkpointing(llm)

@@ -16,6 +16,8 @@ from torch import nn
 from .config import UserError
 
 TINY = "tiny"
+# The two frozen LLMs, named as their configuration fields are.
+LLM_NAMES = ("llama", "qwen")
 TINY_SEED = 1234
 
 # Small but structurally faithful: grouped-query attention, RoPE, SwiGLU, RMSNorm, untied heads,
@@ -144,6 +146,11 @@ def load_frozen_llm(name: str, source: str, dtype: torch.dtype, device: torch.de
     else:
         model, tokenizer = load_pretrained(source, dtype)
     return FrozenLLM(name, freeze(model), tokenizer).to(device)
+
+
+def load_frozen_llms(cfg, dtype: torch.dtype, device: torch.device) -> dict[str, FrozenLLM]:
+    """Both frozen LLMs of a configuration by name, each from its source field (`cfg.llama`, `cfg.qwen`)."""
+    return {name: load_frozen_llm(name, getattr(cfg, name), dtype, device) for name in LLM_NAMES}
 
 
 def apply_activation_checkpointing(llm: FrozenLLM) -> None:

@@ -33,11 +33,11 @@ from .analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_
 from .budget import GIB, Budget, Fit, budget_for, fit_line, largest_fitting
 from .config import UserError, _Parser, load_config, main_guard
 from .known_llms import LLMSpec, llm_parameter_count, llm_spec
+from .llm import LLM_NAMES
 from .memtrace import StepTrace, StepTracer, fake_llms
 from .model import WireEncoder
 
 PROG = "python -m latentwire.plan"
-LLM_NAMES = ("llama", "qwen")
 
 
 @dataclass(frozen=True)

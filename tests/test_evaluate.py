@@ -10,7 +10,7 @@ from conftest import assert_one_line_error, ok, read_metrics, run_module, run_tr
 from latentwire import evaluate as ev
 from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, count_answer_tokens, load_examples, synthetic_examples
-from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
+from latentwire.llm import LLM_NAMES, apply_activation_checkpointing, load_frozen_llm
 from latentwire.model import WireEncoder, forward_ce_sums
 from latentwire.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
 
@@ -62,7 +62,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def llms():
-    return {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ev.LLM_NAMES}
+    return {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
 
 
 def wire_encoder(cfg, llms, seed=0):
@@ -141,7 +141,7 @@ def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
     assert model.training
     # With dropout 0.5 active, two passes would differ; in eval mode they are identical.
     assert ev.evaluate_wire(model, llms, examples, cfg, CPU, rank=0, world=1) == first
-    for name in ev.LLM_NAMES:
+    for name in LLM_NAMES:
         assert {f"eval_nll_{k}_{name}" for k in ("wire", *ev.WIRE_CONTROLS)} <= first.keys()
         assert {f"eval_em_wire_{name}", f"eval_f1_wire_{name}"} <= first.keys()
     assert {"eval_em_wire_joint", "eval_f1_wire_joint"} <= first.keys()
@@ -149,8 +149,8 @@ def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
 
 def test_activation_checkpointed_llms_evaluate_alike(cfg):
     """GPU profiles wrap the frozen layers for recompute; generation with a KV cache must pass through."""
-    plain = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ev.LLM_NAMES}
-    wrapped = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ev.LLM_NAMES}
+    plain = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
+    wrapped = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
     for llm in wrapped.values():
         apply_activation_checkpointing(llm)
     examples = synthetic_examples(4, seed=10)
@@ -278,13 +278,13 @@ def test_the_trained_wire_carries_information(default_run):
     by more than noise (the paired difference over 256 held-out examples)."""
     ckpt = ev.resolve_checkpoint(default_run)
     cfg, _ = ev.read_meta(ckpt)
-    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ev.LLM_NAMES}
+    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
     model = ev.load_wire_encoder(ckpt, cfg, llms, CPU)
     examples = load_examples(cfg.dataset, "validation", 256, cfg.seed)
     plan = ev.Plan(batch_size=32, max_new_tokens=cfg.max_new_tokens, text_baselines=False)
     records = ev.evaluate_examples(model, llms, examples, cfg, CPU, 0, 1, plan)
     m = ev.summarize(records)
-    for name in ev.LLM_NAMES:
+    for name in LLM_NAMES:
         assert m[f"nll_wire_{name}"] < m[f"nll_zeroed_{name}"]
         assert m[f"nll_wire_{name}"] < m[f"nll_shuffled_{name}"]
         for control in ("zeroed", "shuffled"):
@@ -307,12 +307,12 @@ def test_report_has_baselines_compression_and_payload(one_process_report):
     report, md = one_process_report
     assert report["examples"] == 32 and len(report["answers"]) == 32
     for key in ("wire", "text", "text_cut"):
-        for who in (*ev.LLM_NAMES, "joint"):
+        for who in (*LLM_NAMES, "joint"):
             assert 0 <= report["metrics"][f"em_{key}_{who}"] <= report["metrics"][f"f1_{key}_{who}"] <= 100
     # M = 8 wire tokens of d_z = 64 values.
     assert report["payload_bytes"] == {"fp32": 8 * 64 * 4, "bf16": 8 * 64 * 2, "int8": 8 * 64 + 8 * 4}
     c = report["compression"]
-    for name in ev.LLM_NAMES:
+    for name in LLM_NAMES:
         assert c[f"compression_{name}"] == pytest.approx(c[f"prompt_tokens_{name}"] / 8) and c[f"compression_{name}"] > 1
         assert f"| {name} | {report['metrics'][f'nll_wire_{name}']:.3f} |" in md
     assert "## Answers" in md and "## Does the wire carry information?" in md and "wire in int8" in md

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from conftest import FAST, REPO, assert_one_line_error, child_env, ok, read_metrics, run_train
+from conftest import FAST, REPO, assert_one_line_error, child_env, ok, run_train
 from latentwire.metrics import GpuMonitor, memory_stats
 from latentwire.profiling import MemorySnapshots
 
