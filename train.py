@@ -192,6 +192,7 @@ def train(cfg, di) -> None:
     model.train()
     window = Window()
     skipped, bad_in_a_row = 0, 0
+    exit_after_save = None  # preempted or diverged: leave the loop, save, then exit with its code
     save_state = functools.partial(save, cfg, out_dir, model, optimizer, scheduler, scaler, rank, world)
     with make_profiler(cfg, out_dir, rank, device) as profiler, out_of_memory_report(snapshots, cfg):
         while step < cfg.max_steps:
@@ -209,12 +210,11 @@ def train(cfg, di) -> None:
             counts = [sum(c[n] for c in local_counts) for n in llms] + [float(stop.raised)]
             counts = all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=device)).tolist()
             if counts[-1] > 0:
-                save_state(step, epoch, examples_done)
                 if di.is_main:
-                    print(f"preempted ({stop.signal_name or 'signal on another rank'}): saved step {step}; "
+                    print(f"preempted ({stop.signal_name or 'signal on another rank'}): saving step {step}; "
                           f"exiting with code {PREEMPTED_EXIT_CODE}, continue with --resume", flush=True)
-                logger.close()
-                raise SystemExit(PREEMPTED_EXIT_CODE)
+                exit_after_save = SystemExit(PREEMPTED_EXIT_CODE)
+                break
             n_tokens = torch.tensor(counts[:-1], dtype=torch.float32, device=device)
             step, epoch, examples_done = step + 1, next_epoch, next_done
 
@@ -252,10 +252,9 @@ def train(cfg, di) -> None:
             skipped += not finite
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             if bad_in_a_row >= cfg.max_nonfinite_steps:
-                save_state(step, epoch, examples_done)
-                logger.close()
-                raise Diverged(f"{bad_in_a_row} non-finite steps in a row (to step {step}); saved the last good "
-                               f"weights as checkpoint step {step}")
+                exit_after_save = Diverged(f"{bad_in_a_row} non-finite steps in a row (to step {step}); saved the "
+                                           f"last good weights as checkpoint step {step}")
+                break
 
             window.add(samples=global_batch,
                        tokens=int(sum(counts[:-1])) + cfg.num_latents * len(llms) * global_batch,
@@ -287,9 +286,12 @@ def train(cfg, di) -> None:
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 save_state(step, epoch, examples_done)
 
+    # Every way out of the loop (done, --stop-at-step, preempted, diverged) saves the same way.
     save_state(step, epoch, examples_done)
     snapshots.finish()
     logger.close()
+    if exit_after_save is not None:
+        raise exit_after_save
 
 
 # --- Helpers the loop calls --------------------------------------------------------------------
