@@ -26,15 +26,16 @@ from torch.utils.data import DataLoader
 from latentwire.checkpoint import list_checkpoints, prune_checkpoints, resume_training, save_checkpoint
 from latentwire.config import Diverged, HarnessExit, UserError, load_config, main_guard
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
-from latentwire.distributed import all_reduce_sum, process_group
+from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
 from latentwire.evaluate import evaluate_wire
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
 from latentwire.flops import FlopModel
-from latentwire.metrics import GpuMonitor, MetricsLogger, Window, memory_stats, peak_flops_per_s
+from latentwire.metrics import GpuMonitor, MemoryMeter, MetricsLogger, Window, peak_flops_per_s
 from latentwire.model import WireEncoder, compiled_forward, count_parameters, forward_ce_sums
 from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag
-from latentwire.precision import autocast_for, enable_tf32, frozen_weight_dtype, grad_scaler_for, use_tf32
+from latentwire.precision import (autocast_for, cuda_capability, enable_tf32, frozen_weight_dtype, grad_scaler_for,
+                                  matmul_arithmetic, sdpa_kernels, use_tf32)
 from latentwire.profiling import MemorySnapshots, make_profiler
 
 
@@ -72,11 +73,14 @@ def train(cfg, di) -> None:
 
     # --- Numerics: autocast, grad scaler, TF32 -----------------------------------------------
     # bf16 autocast needs no loss scaling (fp32's exponent range); fp16 (V100) needs a GradScaler
-    # or small gradients underflow; fp32 is the reference. TF32 runs the fp32 matmuls left outside
-    # autocast on tensor cores (~8x IEEE fp32 on A100/H100), except in the fp32 reference.
+    # or small gradients underflow; fp32 is the reference. TF32 runs fp32 matmuls (those left
+    # outside autocast, or all of them with --precision fp32) on tensor cores, ~7x IEEE fp32 on
+    # an H100, where the profile asks for it and the card (sm80+) has them.
     autocast = autocast_for(cfg.precision, device)
     scaler = grad_scaler_for(cfg.precision, device)
-    if use_tf32(cfg.precision, device):
+    capability = cuda_capability(device)
+    tf32 = use_tf32(cfg.tf32, capability)
+    if tf32:
         enable_tf32()
 
     # --- Frozen LLMs, stored in the autocast dtype -------------------------------------------
@@ -96,13 +100,15 @@ def train(cfg, di) -> None:
 
     # --- Trainable model, wrapped in DDP -----------------------------------------------------
     # Only the encoder and adapters are DDP's: the frozen LLMs are neither broadcast nor bucketed.
-    # Its only buffers are constants (the LLMs' embedding RMS), equal on every rank once DDP has
-    # synced them at start-up, so it need not re-broadcast them before every forward.
+    # Its only buffers are constants (the LLMs' embedding RMS), equal on every rank, so it need not
+    # re-broadcast them before every forward. The gradients live in DDP's all-reduce buckets
+    # (gradient_as_bucket_view) instead of being copied into them: one copy and one memcpy less.
     model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()}).to(device)
     torch.manual_seed(cfg.seed + rank)
     ddp_model = model
     if di.is_distributed:
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True, **ddp_buffer_options())
 
     # --- Data: a disjoint shard per rank -----------------------------------------------------
     # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank,
@@ -169,12 +175,17 @@ def train(cfg, di) -> None:
     forward = compiled_forward(cfg.compile_mode) if cfg.compile else forward_ce_sums
 
     # --- Fused attention kernels -------------------------------------------------------------
-    # All attention goes through SDPA. On CUDA only flash / memory-efficient / cuDNN kernels are
-    # allowed, so a silent fallback to the O(L^2)-memory math kernel becomes an error instead.
-    sdpa_kernels = cuda_sdpa_kernels if device.type == "cuda" else nullcontext
+    # All attention goes through SDPA. On an sm80+ card in bf16/fp16 only the flash, cuDNN and
+    # memory-efficient kernels are allowed, so a silent fallback to the O(L^2)-memory math kernel
+    # becomes an error instead. Older cards and fp32 have no fused kernel for the LLMs'
+    # grouped-query attention: there math is allowed last, and the run says so.
+    attention_kernels, why = sdpa_kernels(capability, frozen_weight_dtype(cfg.precision))
+    if why and di.is_main:
+        print(f"note: {why}", file=sys.stderr, flush=True)
 
     flop_model = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg)
-    peak_flops = peak_flops_per_s(cfg)
+    # MFU against the peak of the arithmetic the matmuls really run in.
+    peak_flops = peak_flops_per_s(getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=step + 1, total_steps=cfg.max_steps)
     gpu_monitor = GpuMonitor(device)
     # --- Memory snapshot: allocation history on request, and always one on out-of-memory -----
@@ -185,12 +196,12 @@ def train(cfg, di) -> None:
               f"trainable {count_parameters(model, True) / 1e6:.2f}M, "
               f"frozen {sum(count_parameters(l.model, False) for l in llms.values()) / 1e6:.1f}M", flush=True)
 
-    # --- Preemption: SIGTERM / SIGUSR1 only set a flag; ranks agree at the next step ---------
+    # --- Preemption: SIGTERM / SIGUSR1 only set a flag; ranks agree at the end of the step ---
     stop = StopFlag()
 
     # --- The loop ----------------------------------------------------------------------------
     model.train()
-    window = Window()
+    window, memory = Window(), MemoryMeter(device)
     skipped, bad_in_a_row = 0, 0
     exit_after_save = None  # preempted or diverged: leave the loop, save, then exit with its code
     save_state = functools.partial(save, cfg, out_dir, model, optimizer, scheduler, scaler, rank, world)
@@ -200,32 +211,27 @@ def train(cfg, di) -> None:
             next_epoch, next_done, micro_batches = next(batches)
             data_wait = time.perf_counter() - t_wait
 
+            micro_batches = [to_device(b, device) for b in micro_batches]
+
             # --- Exact gradient accumulation ---------------------------------------------
             # Each LLM's loss is its summed token cross-entropy divided by the number of answer
             # tokens in the whole global batch (all micro-batches, all ranks), so the step equals
             # one big batch however it is split. DDP averages gradients over ranks, hence the
-            # factor world_size. The stop flag rides along in the same all-reduce: no extra
-            # collective, and every rank learns of a signal any rank received.
-            local_counts = [count_answer_tokens(b) for b in micro_batches]
-            counts = [sum(c[n] for c in local_counts) for n in llms] + [float(stop.raised)]
-            counts = all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=device)).tolist()
-            if counts[-1] > 0:
-                if di.is_main:
-                    print(f"preempted ({stop.signal_name or 'signal on another rank'}): saving step {step}; "
-                          f"exiting with code {PREEMPTED_EXIT_CODE}, continue with --resume", flush=True)
-                exit_after_save = SystemExit(PREEMPTED_EXIT_CODE)
-                break
-            n_tokens = torch.tensor(counts[:-1], dtype=torch.float32, device=device)
+            # factor world_size. The counts are made and summed on the device: no host sync. The
+            # stop flag rides along in the same all-reduce: no extra collective, and every rank
+            # learns of a signal any rank received.
+            counts = torch.stack([count_answer_tokens(b) for b in micro_batches]).sum(0)
+            counts = all_reduce_sum(torch.cat([counts, torch.full((1,), int(stop.raised), device=device)]))
+            n_tokens = counts[:-1].float()
             step, epoch, examples_done = step + 1, next_epoch, next_done
 
             step_ce = torch.zeros(len(llms), device=device)
             for i, batch in enumerate(micro_batches):
-                batch = to_device(batch, device)
                 last = i == len(micro_batches) - 1
                 # --- One gradient all-reduce per optimizer step: no_sync on the others ----
                 sync = nullcontext() if last or not di.is_distributed else ddp_model.no_sync()
                 with sync:
-                    with autocast(), sdpa_kernels():
+                    with autocast(), attention_kernels():
                         ce_sums = forward(ddp_model, llms, batch)
                     per_llm = ce_sums / n_tokens
                     loss = per_llm.mean() * world
@@ -236,11 +242,15 @@ def train(cfg, di) -> None:
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
 
+            # --- The step's one host sync ------------------------------------------------
+            # Read together: whether the gradient is finite, whether any rank was signalled, and
+            # the global answer-token count for the throughput. The norm is global (after DDP's
+            # all-reduce), so every rank decides alike; a NaN loss on any rank makes it NaN.
+            finite, stop_requested, answer_tokens = torch.stack(
+                [torch.isfinite(grad_norm).long(), counts[-1], counts[:-1].sum()]).tolist()
+
             # --- Non-finite steps are skipped, counted, and stop the run if they persist --
-            # The norm is global (after DDP's all-reduce), so every rank decides alike; a NaN
-            # loss on any rank makes it NaN. This is the loop's one host sync per step.
             # With fp16 the GradScaler skips the update itself and lowers its scale.
-            finite = bool(torch.isfinite(grad_norm))
             lr = scheduler.get_last_lr()[0]
             if finite or scaler.is_enabled():
                 scaler.step(optimizer)
@@ -253,11 +263,11 @@ def train(cfg, di) -> None:
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             if bad_in_a_row >= cfg.max_nonfinite_steps:
                 exit_after_save = Diverged(f"{bad_in_a_row} non-finite steps in a row (to step {step}); saved the "
-                                           f"last good weights as checkpoint step {step}")
+                                           f"last good weights as checkpoint step {step}{nonfinite_hint(cfg.precision)}")
                 break
 
             window.add(samples=global_batch,
-                       tokens=int(sum(counts[:-1])) + cfg.num_latents * len(llms) * global_batch,
+                       tokens=answer_tokens + cfg.num_latents * len(llms) * global_batch,
                        flops=flop_model.step_flops(micro_batches),
                        data_wait=data_wait)
 
@@ -275,13 +285,21 @@ def train(cfg, di) -> None:
                           "loss": sum(per_llm_loss) / len(per_llm_loss),
                           **{f"loss_{n}": v for n, v in zip(llms, per_llm_loss)},
                           "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
-                          **window.rates(peak_flops), **memory_stats(device), **gpu_monitor.read()}
+                          **window.rates(peak_flops), **memory.read(), **gpu_monitor.read()}
                 if eval_due:
                     record.update(evaluate_wire(model, llms, eval_examples, cfg, device, rank, world))
                 logger.log(record)
                 window = Window() if eval_due else window.next()
+                memory.start_window()
 
             if step == cfg.max_steps or step == cfg.run.stop_at_step:
+                break
+            # --- Preemption: the step is done; save it and leave ------------------------------
+            if stop_requested:
+                if di.is_main:
+                    print(f"preempted ({stop.signal_name or 'signal on another rank'}): saving step {step}; "
+                          f"exiting with code {PREEMPTED_EXIT_CODE}, continue with --resume", flush=True)
+                exit_after_save = SystemExit(PREEMPTED_EXIT_CODE)
                 break
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 save_state(step, epoch, examples_done)
@@ -353,9 +371,13 @@ def out_of_memory_report(snapshots, cfg):
                           f"--micro-batch-size or see python -m latentwire.plan --profile {cfg.run.profile}") from None
 
 
-def cuda_sdpa_kernels():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+def nonfinite_hint(precision: str) -> str:
+    """fp16 overflows where bf16 does not: an LLM trained in bf16 (Qwen2.5 is a known case) may
+    produce inf activations under fp16 autocast on a V100."""
+    if precision != "fp16":
+        return ""
+    return ("; in fp16, LLMs trained in bf16 (Qwen2.5 among them) can overflow: lower --lr, or try "
+            "--precision fp32 if memory allows")
 
 
 def save(cfg, out_dir, model, optimizer, scheduler, scaler, rank, world, step, epoch, examples_done) -> None:

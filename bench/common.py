@@ -100,7 +100,7 @@ def take(loader: DataLoader, n: int) -> list[dict]:
 def forward_backward(forward, model, llms: dict, batch: dict, micro_steps: int) -> None:
     """One micro-batch as a minimal loop writes it: each LLM's answer cross-entropy per answer
     token, averaged over the LLMs and over the step's micro-batches, then backward."""
-    tokens = torch.tensor(list(count_answer_tokens(batch).values()), dtype=torch.float32)
+    tokens = count_answer_tokens(batch).float()
     loss = (forward(model, llms, batch) / tokens).mean() / micro_steps
     loss.backward()
 

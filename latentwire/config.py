@@ -50,9 +50,13 @@ FIELDS: dict[str, Field] = {
     "supports_bf16": Field(bool, "whether the card has bf16 tensor cores"),
     "peak_tflops_bf16": Field(float, "dense bf16 peak TFLOP/s of one device", nullable=True, positive=True),
     "peak_tflops_fp16": Field(float, "dense fp16 peak TFLOP/s of one device", nullable=True, positive=True),
-    "peak_tflops_fp32": Field(float, "dense fp32 (TF32 on Ampere+) peak TFLOP/s", nullable=True, positive=True),
+    "peak_tflops_tf32": Field(float, "dense TF32 tensor-core peak TFLOP/s (Ampere and newer)", nullable=True,
+                              positive=True),
+    "peak_tflops_fp32": Field(float, "dense IEEE fp32 peak TFLOP/s (no tensor cores)", nullable=True, positive=True),
     # --- numerics -------------------------------------------------------------------------
     "precision": Field(str, "autocast dtype", choices=("bf16", "fp16", "fp32")),
+    "tf32": Field(bool, "TF32 tensor cores for fp32 matmuls on Ampere and newer (--precision fp32 --tf32 false: "
+                        "the IEEE fp32 reference)"),
     "compile": Field(bool, "torch.compile the forward pass"),
     "compile_mode": Field(str, "torch.compile mode",
                           choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
@@ -72,8 +76,8 @@ FIELDS: dict[str, Field] = {
     "final_div_factor": Field(float, "final lr = initial lr / final_div_factor", positive=True),
     "seed": Field(int, "seed of model init, data order and dropout", non_negative=True),
     # --- model ----------------------------------------------------------------------------
-    "llama": Field(str, "Llama-family LLM: hub id, local directory, or 'tiny'"),
-    "qwen": Field(str, "Qwen-family LLM: hub id, local directory, or 'tiny'"),
+    "llama": Field(str, "Llama-family LLM: hub id, local directory, 'tiny', or 'random:HUB_ID_OR_CONFIG_JSON'"),
+    "qwen": Field(str, "Qwen-family LLM: hub id, local directory, 'tiny', or 'random:HUB_ID_OR_CONFIG_JSON'"),
     "num_latents": Field(int, "M, the number of soft tokens on the wire", positive=True),
     "d_z": Field(int, "width of one wire token", positive=True),
     "encoder_dim": Field(int, "width of the byte encoder", positive=True),

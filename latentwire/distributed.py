@@ -76,6 +76,20 @@ def process_group(device_type: str, timeout_s: int) -> Iterator[DistInfo]:
             dist.destroy_process_group()
 
 
+def ddp_buffer_options() -> dict:
+    """DDP keyword arguments that skip the buffer broadcast before every forward. torch 2.13 names
+    it `forward_sync_buffers=False` (and deprecates `broadcast_buffers`); older versions have only
+    `broadcast_buffers=False`, which also skips the sync at construction: harmless here, since
+    the buffers are constants computed alike on every rank."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place; a no-op in a world of one."""
     if dist.is_initialized():

@@ -13,7 +13,9 @@ Each gets SQuAD exact match and F1 (in %, best over the gold answers) and the an
 the summed cross-entropy of the first gold answer's tokens plus EOS over their count, exactly the
 training loss quantity, so the targets are the same for every input and the NLLs compare.
 Controls for the wire (NLL only): `zeroed` (the wire is all zeros before the adapters),
-`shuffled` (every example gets another example's wire), and the wire sent as `bf16` or `int8`.
+`shuffled` (every example gets another example's wire), and the wire sent as `bf16` or `int8`
+where that changes what the adapters read (under bf16 autocast they read the wire in bf16
+anyway, so a bf16 payload is the wire itself and has no control of its own).
 
 The tiny LLMs of the cpu profile are random networks that never saw text, so on that profile the
 text baselines score about nothing: only the wire, trained through them, can.
@@ -42,7 +44,7 @@ from .checkpoint import META, WEIGHTS, list_checkpoints
 from .config import FIELDS, Config, RunFlags, UserError, check_value, main_guard
 from .data import IGNORE_INDEX, Collator, PromptDataset, load_examples, prompt_text
 from .distributed import process_group
-from .llm import FrozenLLM, load_frozen_llms
+from .llm import FrozenLLM, load_frozen_llms, padded_attention
 from .model import WireEncoder
 from .precision import autocast_for, frozen_weight_dtype
 from .squad_metrics import best_em_f1
@@ -50,7 +52,7 @@ from .squad_metrics import best_em_f1
 # Between the prompt and the answer in both text baselines. The answer's own tokens (the same
 # targets as the wire's) start with the space that makes it a new word, so none is added here.
 SEPARATOR = "\nanswer:"
-WIRE_CONTROLS = ("zeroed", "shuffled", "bf16", "int8")
+PAYLOADS = ("bf16", "int8")
 EXAMPLES_IN_MARKDOWN = 5
 # The wire "carries information" when its answer NLL is below each control's by more than this
 # many standard errors of the paired difference: a bare "lower" can be noise.
@@ -123,8 +125,9 @@ def continuation_nll(llm: FrozenLLM, prompts: Prompts, continuations: list[list[
     embeds = torch.cat([prompts.embeds, llm.model.get_input_embeddings()(ids).to(prompts.embeds.dtype)], dim=1)
     mask = torch.cat([prompts.mask, cont_mask], dim=1)
     # The last prompt position predicts the first continuation token: keep the last length+1 logits.
-    logits = llm.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions(mask),
-                       use_cache=False, logits_to_keep=length + 1).logits
+    with padded_attention([llm.model]):
+        logits = llm.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions(mask),
+                           use_cache=False, logits_to_keep=length + 1).logits
     ce = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
     return ce.sum(1).tolist(), [len(c) + 1 for c in continuations]
 
@@ -161,23 +164,24 @@ def greedy_generate(llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_c
     stop_ids = torch.tensor(sorted(stops), device=prompts.embeds.device)
     embeds, mask, cache = prompts.embeds, prompts.mask, None
     generated, done = [], torch.zeros(embeds.shape[0], dtype=torch.bool, device=embeds.device)
-    for _ in range(max_new_tokens):
-        pos = positions(mask)
-        if cache is None:
-            out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=use_cache,
-                        logits_to_keep=1)
-        else:  # only the newest token; the cache holds the keys and values of all earlier ones
-            out = model(inputs_embeds=embeds[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values if use_cache else None
-        next_ids = out.logits[:, -1].argmax(-1)
-        generated.append(next_ids)
-        done |= torch.isin(next_ids, stop_ids)
-        if done.all():
-            break
-        # Finished rows keep generating (their tokens are cut below): a batch advances together.
-        embeds = torch.cat([embeds, table(next_ids)[:, None].to(embeds.dtype)], dim=1)
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+    with padded_attention([model]):
+        for _ in range(max_new_tokens):
+            pos = positions(mask)
+            if cache is None:
+                out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=use_cache,
+                            logits_to_keep=1)
+            else:  # only the newest token; the cache holds the keys and values of all earlier ones
+                out = model(inputs_embeds=embeds[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
+                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values if use_cache else None
+            next_ids = out.logits[:, -1].argmax(-1)
+            generated.append(next_ids)
+            done |= torch.isin(next_ids, stop_ids)
+            if done.all():
+                break
+            # Finished rows keep generating (their tokens are cut below): a batch advances together.
+            embeds = torch.cat([embeds, table(next_ids)[:, None].to(embeds.dtype)], dim=1)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
     return [cut_after_stop(row, stops) for row in torch.stack(generated, 1).tolist()]
 
 
@@ -223,6 +227,16 @@ def int8_roundtrip(z: torch.Tensor) -> torch.Tensor:
     return (z / scale).round().clamp(-127, 127) * scale
 
 
+def payload_controls(precision: str) -> tuple[str, ...]:
+    """The payload round trips that change what the adapters compute: not the autocast dtype's own,
+    which their first Linear applies to the wire anyway."""
+    return tuple(p for p in PAYLOADS if p != precision)
+
+
+def wire_controls(precision: str) -> tuple[str, ...]:
+    return ("zeroed", "shuffled", *payload_controls(precision))
+
+
 def payload_bytes(num_latents: int, d_z: int) -> dict[str, int]:
     """Bytes on the wire per example (the wire is shared by all LLMs; adapters run at the receiver)."""
     values = num_latents * d_z
@@ -256,8 +270,9 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
     records = [{"index": i, "nll_sum": {}, "tokens": {}, "em": {}, "f1": {}, "answer": {}} for i in indices]
 
     z = model.wire(batch["bytes"], batch["byte_mask"])
+    payloads = {"bf16": lambda: z.to(torch.bfloat16).to(z.dtype), "int8": lambda: int8_roundtrip(z)}
     wires = {"wire": z, "zeroed": torch.zeros_like(z), "shuffled": model.wire(partner["bytes"], partner["byte_mask"]),
-             "bf16": z.to(torch.bfloat16).to(z.dtype), "int8": int8_roundtrip(z)}
+             **{p: payloads[p]() for p in payload_controls(cfg.precision)}}
     for key, wire in wires.items():
         prompts = {name: wire_prompts(llm, model.adapters[name](wire)) for name, llm in llms.items()}
         add_nll(records, key, llms, prompts, targets)
@@ -341,7 +356,7 @@ def summarize(records: list[dict]) -> dict[str, float]:
 def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], cfg, device: torch.device,
                   rank: int, world: int) -> dict[str, float]:
     """The periodic evaluation of train.py: the wire's answers (EM/F1 per LLM and joint) and answer
-    NLL, with the zeroed / shuffled / bf16 / int8 controls; flat `eval_*` scalars, equal on every
+    NLL, with the controls of `wire_controls`; flat `eval_*` scalars, equal on every
     rank. A collective: every rank calls it. Pass the bare model, not its DDP wrapper."""
     plan = Plan(batch_size=cfg.micro_batch_size, max_new_tokens=cfg.max_new_tokens, text_baselines=False)
     records = evaluate_examples(model, llms, examples, cfg, device, rank, world, plan)
@@ -526,9 +541,13 @@ def control_row(report: dict, name: str) -> str:
 
 
 def payload_row(report: dict, precision: str, names: list[str]) -> str:
-    # The fp32 payload is the wire itself; the others are its bf16 and int8 round trips.
-    key = "wire" if precision == "fp32" else precision
+    # The fp32 payload is the wire itself; so is the payload in the autocast dtype, which the
+    # adapters read the wire in anyway; the others are round trips with controls of their own.
+    lossless = f"nll_{precision}_{names[0]}" not in report["metrics"]
+    key = "wire" if lossless else precision
     label = f"wire in {precision}" + (" (+ one fp32 scale per token)" if precision == "int8" else "")
+    if lossless and precision != "fp32":
+        label += " (what the adapters read under its autocast: the wire itself)"
     nlls = " | ".join(f"{report['metrics'][f'nll_{key}_{n}']:.3f}" for n in names)
     return f"| {label} | {report['payload_bytes'][precision]} | {nlls} |"
 

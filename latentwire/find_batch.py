@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import gc
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from .llm import apply_activation_checkpointing, load_frozen_llms
 from .memtrace import make_optimizer, planning_batch, train_step
 from .model import WireEncoder
 from .plan import positive, write_json
-from .precision import frozen_weight_dtype
+from .precision import cuda_capability, frozen_weight_dtype, sdpa_kernels
 
 PROG = "python -m latentwire.find_batch"
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
@@ -115,6 +114,8 @@ class Probe:
     def __init__(self, cfg, llms: dict, device: torch.device, steps: int, cap_bytes: int):
         self.cfg, self.llms, self.device, self.steps, self.cap_bytes = cfg, llms, device, steps, cap_bytes
         self.answers = {name: (len(llm.prefix_ids), llm.model.config.vocab_size) for name, llm in llms.items()}
+        # train.py's attention kernels for this card and dtype
+        self.attention_kernels, _ = sdpa_kernels(cuda_capability(device), frozen_weight_dtype(cfg.precision))
         self.resident = resident_bytes(llm.model for llm in llms.values())
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
@@ -147,17 +148,7 @@ class Probe:
         optimizer = make_optimizer(self.cfg, model, fused=self.device.type == "cuda")
         batch, n_targets = planning_batch(self.cfg, self.answers, micro_batch, self.device)
         for _ in range(self.steps):
-            train_step(self.cfg, model, self.llms, optimizer, batch, n_targets, self.device, sdpa_kernels(self.device))
-
-
-def sdpa_kernels(device: torch.device):
-    """train.py's attention kernels: on CUDA flash / memory-efficient / cuDNN, never the math fallback."""
-    if device.type != "cuda":
-        return nullcontext
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                SDPBackend.CUDNN_ATTENTION])
+            train_step(self.cfg, model, self.llms, optimizer, batch, n_targets, self.device, self.attention_kernels)
 
 
 def free_memory(device: torch.device) -> None:

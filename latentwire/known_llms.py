@@ -3,6 +3,7 @@
 The planner needs each LLM's transformers configuration (shapes and parameter count) and whether
 its tokenizer puts a BOS before the answer (one more position per sample). It takes them from
 - `tiny`: the cpu profile's offline models (`latentwire.llm`),
+- `random:SOURCE`: SOURCE's configuration, read by its family's tiny tokenizer (`latentwire.llm`),
 - a local directory: its `config.json` and `tokenizer_config.json`,
 - a hub id in `KNOWN_LLMS`: exact configurations shipped here, so planning needs no download.
 
@@ -51,11 +52,14 @@ class LLMSpec:
 
 
 def llm_spec(name: str, source: str) -> LLMSpec:
-    """`name` is 'llama' or 'qwen'; `source` is 'tiny', a local directory or a known hub id."""
-    from .llm import TINY
+    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'random:SOURCE', a local directory or a known hub id."""
+    from .llm import RANDOM, TINY, tiny_tokenizer
 
     if source == TINY:
         return _tiny_spec(name)
+    if source.startswith(RANDOM):
+        has_bos = tiny_tokenizer(name).bos_token_id is not None  # the tokenizer llm.random_model reads it with
+        return LLMSpec(source, random_config(source), has_bos, "random weights, configuration of " + source[len(RANDOM):])
     if os.path.isdir(os.path.expanduser(source)):
         return _local_spec(source)
     if source in KNOWN_LLMS:
@@ -63,6 +67,34 @@ def llm_spec(name: str, source: str) -> LLMSpec:
         return LLMSpec(source, _config_from_values(values), has_bos, "configuration shipped in latentwire.known_llms")
     raise UserError(f"no configuration for {source!r}: name a local model directory (with config.json) "
                     f"or one of {', '.join(KNOWN_LLMS)}")
+
+
+def random_config(source: str):
+    """The configuration behind `random:SOURCE`: a hub id of `KNOWN_LLMS`, a model directory
+    (its config.json) or the path of a config.json."""
+    from .llm import RANDOM
+
+    target = source[len(RANDOM):]
+    if target in KNOWN_LLMS:
+        return _config_from_values(KNOWN_LLMS[target][0])
+    path = os.path.expanduser(target)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not path.endswith(".json"):
+        raise UserError(f"{source}: name a config.json, a model directory or one of {', '.join(KNOWN_LLMS)}")
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except OSError as e:
+        raise UserError(f"{source}: cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{source}: {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise UserError(f"{source}: {path} has no field 'model_type'")
+    try:
+        return _config_from_values(values)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{source}: {path}: {str(e).splitlines()[0]}") from None
 
 
 def _config_from_values(values: dict):

@@ -1,12 +1,22 @@
-"""The two frozen LLMs: loading (hub id, local directory, or a tiny one built offline) and freezing.
+"""The two frozen LLMs: loading (hub id, local directory, a tiny one built offline, or a real
+architecture with random weights) and freezing.
 
-`tiny` builds a small randomly initialised Llama or Qwen2 and a tokenizer trained here on the
-built-in synthetic corpus, so the cpu profile needs no download. Both are built from fixed seeds,
-so every rank, every run and the evaluation build the very same models.
+- `tiny` builds a small randomly initialised Llama or Qwen2 and a tokenizer trained here on the
+  built-in synthetic corpus, so the cpu profile needs no download.
+- `random:SOURCE` builds the architecture of SOURCE (a hub id whose configuration ships in
+  `latentwire.known_llms`, a model directory, or a config.json) with random weights, directly on
+  the rank's device, and the tiny tokenizer of its family: the same FLOPs and memory as the real
+  model, to benchmark or plan a card before downloading 32 GB.
+- a hub id or a local directory loads the real weights, tensor by tensor onto the rank's device.
+The random ones are built from fixed seeds, so every rank, every run and the evaluation build the
+very same models.
 """
 from __future__ import annotations
 
+import glob
+import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -16,9 +26,20 @@ from torch import nn
 from .config import UserError
 
 TINY = "tiny"
+RANDOM = "random:"
 # The two frozen LLMs, named as their configuration fields are.
 LLM_NAMES = ("llama", "qwen")
 TINY_SEED = 1234
+RANDOM_SEED = 4321
+# Training feeds [wire ; answer] rows that are never packed and padded only on the right, so the
+# LLMs attend causally with no mask at all. Under a name of its own (transformers' SDPA attention,
+# registered again), transformers builds no mask: under "sdpa" it would read the position ids on
+# every forward to look for packed rows (a host sync per LLM call) and, under torch.compile, build
+# an explicit causal mask, which rules out the flash kernel and repeats the grouped K/V heads.
+# Evaluation pads prompts on the left and switches to "sdpa" (`padded_attention`).
+CAUSAL_ATTENTION = "latentwire_causal_sdpa"
+# Rows of the embedding table squared in fp32 at a time: the table itself is up to 2 GiB in bf16.
+EMBED_RMS_CHUNK_ELEMENTS = 2 ** 20
 
 # Small but structurally faithful: grouped-query attention, RoPE, SwiGLU, RMSNorm, untied heads,
 # and different widths and vocabularies so the two adapters really differ.
@@ -53,9 +74,13 @@ class FrozenLLM:
 
     def embed_rms(self) -> float:
         """RMS of the input-embedding table: adapters scale their output to it, so soft tokens look
-        to the LLM like the token embeddings it was trained on."""
-        w = self.model.get_input_embeddings().weight
-        return w.detach().float().pow(2).mean().sqrt().item()
+        to the LLM like the token embeddings it was trained on. Summed in fp32 a chunk of rows at
+        a time: an fp32 copy of a whole table (2 GiB for Qwen2.5-7B, and its square as much
+        again) would not fit next to the weights on a 32 GB card."""
+        w = self.model.get_input_embeddings().weight.detach()
+        rows = max(1, EMBED_RMS_CHUNK_ELEMENTS // w.shape[-1])
+        squares = sum(chunk.float().square().sum(dtype=torch.float64) for chunk in w.split(rows))
+        return math.sqrt(squares.item() / w.numel())
 
     def answer_logits(self, soft: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the last T+1 positions of [soft ; embed(input_ids)], i.e. the predictions of the
@@ -65,9 +90,26 @@ class FrozenLLM:
         out = self.model(inputs_embeds=embeds, use_cache=False, logits_to_keep=input_ids.shape[1] + 1)
         return out.logits
 
-    def to(self, device) -> "FrozenLLM":
-        self.model.to(device)
-        return self
+
+def causal_attention() -> str:
+    """The attention implementation the frozen LLMs are built with (see CAUSAL_ATTENTION)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_ATTENTION, sdpa_attention_forward)
+    return CAUSAL_ATTENTION
+
+
+@contextmanager
+def padded_attention(models: list[nn.Module]):
+    """Within it, the LLMs take attention masks (left-padded prompts, KV cache): transformers' "sdpa"."""
+    for model in models:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        for model in models:
+            model.set_attn_implementation(causal_attention())
 
 
 def freeze(model: nn.Module) -> nn.Module:
@@ -114,38 +156,99 @@ def tiny_model(family: str, tokenizer) -> nn.Module:
                  pad_token_id=tokenizer.pad_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED + (family == "qwen"))
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=torch.float32)
 
 
-# --- loading ----------------------------------------------------------------------------------
+# --- loading ---------------------------------------------------------------------------------
 
-def load_pretrained(source: str, dtype: torch.dtype):
-    """A hub id or a local directory. Hub ids download only because the user named one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def random_model(name: str, source: str, dtype: torch.dtype, device: torch.device):
+    """`random:SOURCE`: SOURCE's architecture with seeded random weights, allocated and initialised
+    on `device` (no host copy of 16 GB), read through its family's tiny tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from .known_llms import random_config
+
+    config = random_config(source)
+    tokenizer = tiny_tokenizer(name)
+    if len(tokenizer) > config.vocab_size:
+        raise UserError(f"{source}: vocabulary of {config.vocab_size} is smaller than the {len(tokenizer)} ids "
+                        "of the tokenizer that reads it")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        torch.manual_seed(RANDOM_SEED + LLM_NAMES.index(name))
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
+    return model, tokenizer
+
+
+def load_pretrained(source: str, dtype: torch.dtype, device: torch.device):
+    """A hub id or a local directory. Hub ids download only because the user named one.
+
+    The model is built on `device` and its weights are copied in one tensor at a time, so a rank
+    holds at most one tensor (the largest is the embedding table, about 1 GiB) in host memory
+    instead of the whole model (31 GB for the two LLMs, on each of a node's ranks)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     looks_local = source.startswith((".", "/", "~")) or os.path.isdir(os.path.expanduser(source))
     if looks_local and not os.path.isdir(os.path.expanduser(source)):
         raise UserError(f"model directory {source} does not exist")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        config = AutoConfig.from_pretrained(source)
+        files = weight_files(source)
     except OSError as e:
         raise UserError(f"cannot load model {source!r}: {str(e).splitlines()[0]}") from None
     if tokenizer.eos_token_id is None:
         raise UserError(f"model {source!r}: its tokenizer has no EOS token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # right padding never reaches the loss
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
+    copy_weights(model, files, source)
     return model, tokenizer
 
 
+def weight_files(source: str) -> list[str]:
+    """The .safetensors files of a local directory or of a hub repository (downloaded once)."""
+    directory = os.path.expanduser(source)
+    if not os.path.isdir(directory):
+        from huggingface_hub import snapshot_download
+
+        directory = snapshot_download(source, allow_patterns=["*.safetensors"])
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise UserError(f"model {source!r} has no .safetensors weights")
+    return files
+
+
+def copy_weights(model: nn.Module, files: list[str], source: str) -> None:
+    """Each checkpoint tensor read from the memory-mapped file and copied into its parameter (cast
+    to the parameter's dtype); every parameter must be filled, directly or through a tied one."""
+    from safetensors import safe_open
+
+    targets = model.state_dict()
+    filled = set()
+    with torch.no_grad():
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    if key in targets:
+                        targets[key].copy_(f.get_tensor(key))
+                        filled.add(targets[key].data_ptr())
+    missing = [key for key, t in targets.items() if t.data_ptr() not in filled]
+    if missing:
+        raise UserError(f"model {source!r}: its checkpoint has no tensor for {missing[0]}"
+                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+
+
 def load_frozen_llm(name: str, source: str, dtype: torch.dtype, device: torch.device) -> FrozenLLM:
-    """`name` is 'llama' or 'qwen'; `source` is 'tiny', a hub id or a local directory."""
+    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'random:SOURCE', a hub id or a local directory."""
     if source == TINY:
         tokenizer = tiny_tokenizer(name)
-        model = tiny_model(name, tokenizer).to(dtype)
+        model = tiny_model(name, tokenizer).to(dtype=dtype, device=device)
+    elif source.startswith(RANDOM):
+        model, tokenizer = random_model(name, source, dtype, device)
     else:
-        model, tokenizer = load_pretrained(source, dtype)
-    return FrozenLLM(name, freeze(model), tokenizer).to(device)
+        model, tokenizer = load_pretrained(source, dtype, device)
+    return FrozenLLM(name, freeze(model), tokenizer)
 
 
 def load_frozen_llms(cfg, dtype: torch.dtype, device: torch.device) -> dict[str, FrozenLLM]:

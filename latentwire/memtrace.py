@@ -20,7 +20,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.utils._pytree import tree_leaves
 
 from .data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE
-from .llm import FrozenLLM, apply_activation_checkpointing, freeze
+from .llm import FrozenLLM, apply_activation_checkpointing, causal_attention, freeze
 from .model import WireEncoder, forward_ce_sums
 from .precision import autocast_for, frozen_weight_dtype
 
@@ -174,21 +174,11 @@ def fake_llms(cfg, specs: dict) -> dict[str, FrozenLLM]:
     dtype = frozen_weight_dtype(cfg.precision)
     llms = {}
     for name, spec in specs.items():
-        model = AutoModelForCausalLM.from_config(spec.config, attn_implementation="sdpa", dtype=dtype)
+        model = AutoModelForCausalLM.from_config(spec.config, attn_implementation=causal_attention(), dtype=dtype)
         llms[name] = FrozenLLM(name, freeze(model), tokenizer=None)
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(llms[name])
     return llms
-
-
-def unpacked_sequences():
-    """Within it, transformers takes every row of a batch for one sequence, as it finds in a real
-    run by reading the position ids. Under FakeTensorMode it cannot read them, assumes packed
-    sequences and builds an explicit causal mask, which also makes it repeat the grouped K/V heads
-    (4x for Llama-3.1-8B, 7x for Qwen2.5-7B); a real run passes is_causal and no mask instead."""
-    import transformers.masking_utils
-
-    return mock.patch.object(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
 
 
 class StepTracer:
@@ -218,7 +208,7 @@ class StepTracer:
                      lambda *_: seen.update(optimizer=tracker.categories()["optimizer"])))
         # Around backward too: activation checkpointing recomputes the attention there.
         attention = cuda_attention() if self.cfg.device == "cuda" else nullcontext()
-        with tracker, attention, unpacked_sequences():
+        with tracker, attention:
             for _ in range(steps):
                 train_step(self.cfg, self.model, self.llms, self.optimizer, batch, n_targets, torch.device("cpu"))
                 tracker.reset_mod_stats()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -14,27 +13,68 @@ import torch
 GIB = 2 ** 30
 
 
-def peak_flops_per_s(cfg) -> float | None:
-    """The card's dense peak for the precision the matmuls run in; None where unknown (CPU)."""
-    tflops = {"bf16": cfg.peak_tflops_bf16, "fp16": cfg.peak_tflops_fp16, "fp32": cfg.peak_tflops_fp32}[cfg.precision]
-    return None if tflops is None else tflops * 1e12
+def peak_flops_per_s(peak_tflops: float | None) -> float | None:
+    """The card's dense peak for the arithmetic the matmuls really run in (`precision.matmul_arithmetic`),
+    in FLOP/s; None where unknown (CPU)."""
+    return None if peak_tflops is None else peak_tflops * 1e12
 
 
-def memory_stats(device: torch.device) -> dict:
-    """CUDA: the caching allocator's current and peak allocated and reserved bytes, and how often
-    it had to free its cache and retry (a sign of fragmentation just below out-of-memory).
-    CPU: the process's current and peak resident set; the allocator fields are null."""
-    if device.type == "cuda":
-        s = torch.cuda.memory_stats(device)
-        return {"mem_gb": s["allocated_bytes.all.current"] / GIB, "peak_mem_gb": s["allocated_bytes.all.peak"] / GIB,
-                "reserved_gb": s["reserved_bytes.all.current"] / GIB,
-                "peak_reserved_gb": s["reserved_bytes.all.peak"] / GIB, "alloc_retries": s["num_alloc_retries"]}
-    with open("/proc/self/statm") as f:
-        current = int(f.read().split()[1]) * resource.getpagesize()
-    # The kernel updates the high-water mark lazily, so it can trail the current resident set.
-    peak = max(current, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # ru_maxrss: KiB on Linux
-    return {"mem_gb": current / GIB, "peak_mem_gb": peak / GIB,
-            "reserved_gb": None, "peak_reserved_gb": None, "alloc_retries": None}
+def _cpu_resident() -> tuple[int, int]:
+    """(current, peak since the last reset) resident set of this process, in bytes (Linux)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024  # kB
+    return fields["VmRSS"], max(fields["VmHWM"], fields["VmRSS"])
+
+
+def _reset_cpu_peak() -> None:
+    # Writing 5 to clear_refs sets the peak resident set (VmHWM) back to the current one (Linux 4.0+).
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not permitted here: the peak then runs from the process's start
+
+
+class MemoryMeter:
+    """Memory of this rank's device, per window between two log lines and over the whole run.
+
+    `peak_mem_gb` is the window's peak, so an evaluation or an autotuning spike shows in the window
+    it happened in and not in every later one; `run_peak_mem_gb` is the run's. CUDA: the caching
+    allocator's allocated and reserved bytes, and how often it had to free its cache and retry (a
+    sign of fragmentation just below out-of-memory). CPU: the process's resident set; the allocator
+    fields are null."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.run_peak = 0
+        self.start_window()
+
+    def _raw(self) -> dict:
+        if self.device.type == "cuda":
+            s = torch.cuda.memory_stats(self.device)
+            return {"mem": s["allocated_bytes.all.current"], "peak": s["allocated_bytes.all.peak"],
+                    "reserved_gb": s["reserved_bytes.all.current"] / GIB,
+                    "peak_reserved_gb": s["reserved_bytes.all.peak"] / GIB, "alloc_retries": s["num_alloc_retries"]}
+        current, peak = _cpu_resident()
+        return {"mem": current, "peak": peak, "reserved_gb": None, "peak_reserved_gb": None, "alloc_retries": None}
+
+    def read(self) -> dict:
+        raw = self._raw()
+        self.run_peak = max(self.run_peak, raw["peak"])
+        return {"mem_gb": raw.pop("mem") / GIB, "peak_mem_gb": raw.pop("peak") / GIB,
+                "run_peak_mem_gb": self.run_peak / GIB, **raw}
+
+    def start_window(self) -> None:
+        """The peak so far counts for the run; the next window's peak starts from what is in use now."""
+        self.run_peak = max(self.run_peak, self._raw()["peak"])
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_cpu_peak()
 
 
 class GpuMonitor:

@@ -26,13 +26,15 @@ class Attention(nn.Module):
         self.v = nn.Linear(kv_dim or dim, dim)
         self.out = nn.Linear(dim, dim)
 
-    def forward(self, q_in: torch.Tensor, kv_in: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, q_in: torch.Tensor, kv_in: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         b, lq, d = q_in.shape
         q = self.q(q_in).view(b, lq, self.heads, -1).transpose(1, 2)
         k = self.k(kv_in).view(b, kv_in.shape[1], self.heads, -1).transpose(1, 2)
         v = self.v(kv_in).view(b, kv_in.shape[1], self.heads, -1).transpose(1, 2)
-        # key_mask [B, Lk] -> [B, 1, 1, Lk]: True keys are attended to, padding never is.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :],
+        # key_mask [B, Lk] -> [B, 1, 1, Lk]: True keys are attended to, padding never is. None: no
+        # key is padding, and without a mask SDPA may pick the flash kernel.
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(b, lq, d))
 
@@ -54,7 +56,7 @@ class Block(nn.Module):
         self.mlp = MLP(dim, dropout)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, kv: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None, kv: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm_q(x)
         kv = h if kv is None else self.norm_kv(kv)
         x = x + self.drop(self.attn(h, kv, key_mask))
@@ -97,9 +99,8 @@ class LatentPooler(nn.Module):
 
     def forward(self, feats: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
         z = self.queries.expand(feats.shape[0], -1, -1)
-        all_latents = torch.ones(z.shape[:2], dtype=torch.bool, device=z.device)
         for cross, self_attn in zip(self.cross, self.self_attn):
-            z = self_attn(cross(z, byte_mask, kv=feats), all_latents)
+            z = self_attn(cross(z, byte_mask, kv=feats), None)  # latents are never padding: no mask
         return self.norm(z)
 
 

@@ -127,7 +127,7 @@ def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
     batch = collate(cfg, llms, examples)
     with torch.no_grad():
         training_sums = forward_ce_sums(model.eval(), llms, batch)
-    for i, (name, count) in enumerate(count_answer_tokens(batch).items()):
+    for i, (name, count) in enumerate(zip(batch["answers"], count_answer_tokens(batch).tolist())):
         assert sum(r["tokens"][f"wire_{name}"] for r in records) == count
         assert sum(r["nll_sum"][f"wire_{name}"] for r in records) == pytest.approx(training_sums[i].item(), rel=1e-5)
 
@@ -142,7 +142,7 @@ def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
     # With dropout 0.5 active, two passes would differ; in eval mode they are identical.
     assert ev.evaluate_wire(model, llms, examples, cfg, CPU, rank=0, world=1) == first
     for name in LLM_NAMES:
-        assert {f"eval_nll_{k}_{name}" for k in ("wire", *ev.WIRE_CONTROLS)} <= first.keys()
+        assert {f"eval_nll_{k}_{name}" for k in ("wire", *ev.wire_controls(cfg.precision))} <= first.keys()
         assert {f"eval_em_wire_{name}", f"eval_f1_wire_{name}"} <= first.keys()
     assert {"eval_em_wire_joint", "eval_f1_wire_joint"} <= first.keys()
 

@@ -1,0 +1,297 @@
+"""The GPU path's choices, each taken on CPU with the inputs a GPU would give it (capability,
+dtype, device type): TF32, attention kernels, MFU peaks, memory windows, host syncs per step,
+frozen-LLM loading straight onto the device, and the memory a GPU-sized embedding table costs."""
+import json
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from conftest import FAST, REPO, assert_one_line_error, ok, read_metrics, run_train
+
+CPU = torch.device("cpu")
+MiB = 2 ** 20
+
+
+# --- TF32 -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def restore_matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_tf32_switch_leaves_the_precision_query_working(restore_matmul_precision):
+    """Inductor's GEMM autotuning (max-autotune) calls torch.get_float32_matmul_precision(); the new
+    fp32_precision API makes that call raise."""
+    from latentwire.precision import enable_tf32
+
+    enable_tf32()
+    assert torch.get_float32_matmul_precision() == "high"
+    assert torch.backends.cuda.matmul.allow_tf32
+
+
+def test_tf32_only_where_asked_and_the_card_has_it():
+    from latentwire.precision import use_tf32
+
+    assert use_tf32(True, (9, 0)) and use_tf32(True, (8, 0))
+    assert not use_tf32(True, (7, 0))  # V100: no TF32 units
+    assert not use_tf32(False, (9, 0))  # --tf32 false: the IEEE fp32 reference
+    assert not use_tf32(True, None)  # CPU
+
+
+# --- attention kernels --------------------------------------------------------------------------
+
+def test_attention_kernels_follow_the_card_and_the_dtype():
+    from torch.nn.attention import SDPBackend
+
+    from latentwire.precision import sdpa_backends
+
+    fused = {SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION}
+    backends, why = sdpa_backends((8, 0), torch.bfloat16)
+    assert set(backends) == fused and why is None  # no silent math fallback where flash runs
+    assert set(sdpa_backends((9, 0), torch.float16)[0]) == fused
+    for capability, dtype in (((7, 0), torch.float16), ((9, 0), torch.float32)):
+        backends, why = sdpa_backends(capability, dtype)
+        assert backends[-1] == SDPBackend.MATH and SDPBackend.FLASH_ATTENTION not in backends
+        assert SDPBackend.EFFICIENT_ATTENTION in backends  # the encoder's masked attention
+        assert f"sm{capability[0]}{capability[1]}" in why and "math" in why
+
+
+def test_the_pooler_passes_no_mask_where_nothing_is_padded(monkeypatch):
+    """An all-True mask would rule out the flash kernel for the latents' self-attention."""
+    import torch.nn.functional as F
+
+    from latentwire.model import LatentPooler
+    from latentwire.config import load_config
+
+    cfg = load_config(["--profile", "cpu"])
+    pooler = LatentPooler(cfg.num_latents, cfg.d_z, cfg.encoder_dim, cfg.encoder_heads, 0.0)
+    masks, sdpa = [], F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    byte_mask = torch.ones(2, 32, dtype=torch.bool)
+    byte_mask[0, 20:] = False
+    pooler(torch.randn(2, 32, cfg.encoder_dim), byte_mask)
+    assert [m is None for m in masks] == [False, True, False, True]  # cross (padded bytes), self (latents)
+
+
+def test_ddp_skips_the_per_forward_buffer_broadcast_under_either_name():
+    from latentwire.distributed import ddp_buffer_options
+
+    options = ddp_buffer_options()
+    assert options in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
+
+
+def test_cpu_keeps_every_kernel():
+    from latentwire.precision import sdpa_kernels
+
+    factory, why = sdpa_kernels(None, torch.float32)
+    assert why is None
+    with factory():
+        pass
+
+
+# --- MFU peak ---------------------------------------------------------------------------------
+
+def test_mfu_peak_follows_the_arithmetic_in_use():
+    from latentwire.config import load_config
+    from latentwire.precision import matmul_arithmetic
+
+    h100 = load_config(["--profile", "h100"])
+    peak = lambda precision, tf32: getattr(h100, "peak_tflops_" + matmul_arithmetic(precision, tf32))
+    assert peak("bf16", True) == 989.4
+    assert peak("fp32", False) == 66.9  # IEEE fp32: TF32 is off
+    assert peak("fp32", True) == 494.7
+    assert getattr(load_config(["--profile", "a100-80gb"]), "peak_tflops_" + matmul_arithmetic("fp32", False)) == 19.5
+    assert getattr(load_config(["--profile", "rtx6000ada"]), "peak_tflops_fp32") == 91.1
+    v100 = load_config(["--profile", "v100"])
+    assert v100.peak_tflops_fp16 == 125.0 and not v100.tf32
+
+
+# --- memory per window ------------------------------------------------------------------------
+
+def test_peak_memory_is_per_window_and_the_run_peak_is_kept():
+    from latentwire.metrics import MemoryMeter
+
+    meter = MemoryMeter(CPU)
+    spike = torch.ones(256 * MiB, dtype=torch.uint8)  # touched: resident
+    del spike
+    first = meter.read()
+    meter.start_window()
+    second = meter.read()
+    assert first["peak_mem_gb"] - first["mem_gb"] > 0.2
+    assert second["peak_mem_gb"] - second["mem_gb"] < 0.1  # the spike was in the first window only
+    assert second["run_peak_mem_gb"] >= first["peak_mem_gb"]
+    assert second["reserved_gb"] is None and second["alloc_retries"] is None
+
+
+def test_cuda_window_resets_the_allocator_peak(monkeypatch):
+    from latentwire.metrics import GIB, MemoryMeter
+
+    stats = {"allocated_bytes.all.current": GIB, "allocated_bytes.all.peak": 5 * GIB,
+             "reserved_bytes.all.current": 2 * GIB, "reserved_bytes.all.peak": 6 * GIB, "num_alloc_retries": 1}
+
+    def reset(device):
+        stats["allocated_bytes.all.peak"] = stats["allocated_bytes.all.current"]
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: dict(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    meter = MemoryMeter(torch.device("cuda", 0))  # starts a window: load-time peaks count for the run only
+    assert meter.read() == {"mem_gb": 1.0, "peak_mem_gb": 1.0, "run_peak_mem_gb": 5.0, "reserved_gb": 2.0,
+                            "peak_reserved_gb": 6.0, "alloc_retries": 1}
+
+
+# --- host syncs per step ----------------------------------------------------------------------
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor's value on the host: on CUDA each is a sync. Calls made
+    by the DataLoader (host tensors by design) and by the optimizer (on CUDA it is fused and reads
+    nothing; on CPU its step counters are host tensors) are left out."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS and not self._host_side():
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _host_side() -> bool:
+        import traceback
+        return any(("torch/utils/data" in f.filename or "torch/optim" in f.filename)
+                   for f in traceback.extract_stack())
+
+
+def host_reads(tmp_path, steps: int) -> int:
+    import train
+
+    args = ["--profile", "cpu", *FAST, "--log-every", "1000", "--micro-batch-size", "2", "--grad-accum-steps", "2",
+            "--max-steps", str(steps), "--out-dir", str(tmp_path / f"steps{steps}")]
+    with HostReads() as reads:
+        train.main(args)
+    return reads.count
+
+
+def test_one_host_sync_per_step(tmp_path):
+    """Runs of 2 and 5 steps log and save alike (first and last step), so the difference is what 3
+    steps in the middle read: one host sync each, as train.py says."""
+    assert (host_reads(tmp_path, 5) - host_reads(tmp_path, 2)) / 3 == 1
+
+
+# --- frozen LLMs ------------------------------------------------------------------------------
+
+def test_embed_rms_needs_no_fp32_copy_of_the_table():
+    """A v100 holds 29 GiB of bf16 weights in 32 GiB: an fp32 copy of Qwen2.5-7B's table (2 GiB, and
+    its square as much again) would not fit beside them."""
+    from types import SimpleNamespace
+
+    from latentwire.find_batch import CpuPeak
+    from latentwire.llm import FrozenLLM
+
+    table = torch.nn.Embedding(32768, 1024, dtype=torch.bfloat16)
+    llm = FrozenLLM("llama", SimpleNamespace(get_input_embeddings=lambda: table), tokenizer=None)
+    with CpuPeak() as peak:
+        rms = llm.embed_rms()
+    table_bytes = table.weight.numel() * table.weight.element_size()
+    assert peak.bytes < table_bytes / 4
+    assert rms == pytest.approx(table.weight.float().pow(2).mean().sqrt().item(), rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def saved_reader(tmp_path_factory):
+    """The tiny Qwen reader saved as a hub checkpoint is (safetensors, config, tokenizer)."""
+    from latentwire.llm import tiny_model, tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("reader")
+    tokenizer = tiny_tokenizer("qwen")
+    tiny_model("qwen", tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_checkpoint_loads_tensor_by_tensor_into_the_model_built_on_the_device(saved_reader):
+    from transformers import AutoModelForCausalLM
+
+    from latentwire.llm import load_frozen_llm
+
+    llm = load_frozen_llm("qwen", str(saved_reader), torch.bfloat16, CPU)
+    reference = AutoModelForCausalLM.from_pretrained(saved_reader, dtype=torch.bfloat16).state_dict()
+    loaded = llm.model.state_dict()
+    assert loaded.keys() == reference.keys()
+    assert all(torch.equal(loaded[k], reference[k]) for k in reference)
+    assert not any(p.requires_grad for p in llm.model.parameters())
+
+
+def test_a_checkpoint_missing_a_tensor_is_a_user_error(saved_reader, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from latentwire.config import UserError
+    from latentwire.llm import load_frozen_llm
+
+    broken = tmp_path / "broken"
+    shutil.copytree(saved_reader, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    del weights["model.norm.weight"]
+    save_file(weights, str(broken / "model.safetensors"))
+    with pytest.raises(UserError, match="no tensor for model.norm.weight"):
+        load_frozen_llm("qwen", str(broken), torch.float32, CPU)
+
+
+# --- random: LLMs -----------------------------------------------------------------------------
+
+SMALL_LLAMA = dict(model_type="llama", vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def test_random_llm_is_the_configured_architecture_seeded_and_planned_alike(tmp_path):
+    from latentwire.known_llms import llm_spec
+    from latentwire.llm import load_frozen_llm
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    a, b = (load_frozen_llm("llama", f"random:{config}", torch.float32, CPU) for _ in range(2))
+    assert a.model.config.hidden_size == 64 and a.model.config.vocab_size == 4096
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))  # every rank alike
+    assert a.prefix_ids == [a.tokenizer.bos_token_id]  # the Llama family's tokenizer: BOS before the answer
+    spec = llm_spec("llama", f"random:{config}")
+    assert spec.has_bos and spec.config.vocab_size == 4096
+    # A shipped hub configuration plans exactly as the hub id does.
+    for name, hub_id in (("llama", "meta-llama/Llama-3.1-8B"), ("qwen", "Qwen/Qwen2.5-7B")):
+        real, random = llm_spec(name, hub_id), llm_spec(name, f"random:{hub_id}")
+        assert random.config.to_dict() == real.config.to_dict() and random.has_bos == real.has_bos
+
+
+@pytest.mark.parametrize("source, message", [
+    ("random:nobody/Nothing-1B", "name a config.json, a model directory or one of"),
+    ("random:/no/such/config.json", "cannot read /no/such/config.json"),
+])
+def test_a_bad_random_source_is_one_line(tmp_path, source, message):
+    proc = run_train(["--profile", "cpu", "--llama", source, "--out-dir", str(tmp_path / "run")])
+    assert_one_line_error(proc, message)
+    assert proc.returncode == 2 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_train_runs_with_a_random_llm_from_a_config_file(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(SMALL_LLAMA))
+    out = tmp_path / "run"
+    ok(run_train(["--profile", "cpu", *FAST, "--llama", f"random:{config}", "--max-steps", "3",
+                  "--micro-batch-size", "4", "--out-dir", str(out)]))
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["loss"] > 0 for r in records)
+    meta = json.loads(next((out / "checkpoints").iterdir()).joinpath("meta.json").read_text())
+    assert meta["config"]["llama"] == f"random:{config}"
