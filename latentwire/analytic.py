@@ -8,8 +8,10 @@ Bytes per parameter, by role:
 - trainable weights: fp32 (autocast keeps fp32 master weights and casts per op), 4 bytes, plus
   fp32 gradients, 4 bytes, plus the optimizer's state (`OPTIMIZERS`).
 - under DDP every GPU holds all of the above (it is replicated, not sharded: more GPUs do not
-  divide it), plus DDP's gradient buckets, another 4 bytes per trainable parameter, which
-  `latentwire.budget` reserves with NCCL's buffers.
+  divide it), plus DDP's gradient buckets, 4 bytes per trainable parameter, which
+  `latentwire.budget` reserves with NCCL's buffers. train.py keeps the gradients inside those
+  buckets (gradient_as_bucket_view), so under DDP this static count holds them twice: it errs
+  high by 4 bytes per trainable parameter (0.37 GiB for 100M).
 Activations are not here: they depend on the batch, and `latentwire.plan` traces them.
 """
 from __future__ import annotations

@@ -10,9 +10,10 @@ caching allocator's fragmentation. The numbers, and why:
 - NCCL, 1 GiB, only with more than one rank: a ring all-reduce keeps, per channel, a send and a
   receive connection with buffers for NCCL's Simple (4 MiB), LL128 (4.7 MiB) and LL (0.5 MiB)
   protocols, and uses up to 32 channels on H100 NVLink: a few hundred MiB, more with NVLS.
-- DDP gradient buckets, only with more than one rank: DDP all-reduces flat buckets that copy the
-  gradients (train.py keeps the default gradient_as_bucket_view=False): 4 bytes per trainable
-  parameter.
+- DDP gradient buckets, only with more than one rank: DDP all-reduces flat buckets, and with
+  gradient_as_bucket_view (train.py) the gradients are views into them, allocated once for the
+  whole run: 4 bytes per trainable parameter. The traced peak falls in backward, before most
+  gradients exist, so the buckets are reserved here.
 - Fragmentation, 10% of the memory that is not weights: the caching allocator carves requests
   out of 2 MiB and 20 MiB segments and keeps freed blocks cached, so reserved memory runs above
   allocated memory, more when shapes vary. Weights are allocated once, whole. `find_batch`

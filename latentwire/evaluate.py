@@ -227,6 +227,11 @@ def int8_roundtrip(z: torch.Tensor) -> torch.Tensor:
     return (z / scale).round().clamp(-127, 127) * scale
 
 
+def payload_roundtrip(z: torch.Tensor, payload: str) -> torch.Tensor:
+    """The wire as the receiver decodes it from a `payload` ('bf16' or 'int8') message."""
+    return z.to(torch.bfloat16).to(z.dtype) if payload == "bf16" else int8_roundtrip(z)
+
+
 def payload_controls(precision: str) -> tuple[str, ...]:
     """The payload round trips that change what the adapters compute: not the autocast dtype's own,
     which their first Linear applies to the wire anyway."""
@@ -270,9 +275,8 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
     records = [{"index": i, "nll_sum": {}, "tokens": {}, "em": {}, "f1": {}, "answer": {}} for i in indices]
 
     z = model.wire(batch["bytes"], batch["byte_mask"])
-    payloads = {"bf16": lambda: z.to(torch.bfloat16).to(z.dtype), "int8": lambda: int8_roundtrip(z)}
     wires = {"wire": z, "zeroed": torch.zeros_like(z), "shuffled": model.wire(partner["bytes"], partner["byte_mask"]),
-             **{p: payloads[p]() for p in payload_controls(cfg.precision)}}
+             **{p: payload_roundtrip(z, p) for p in payload_controls(cfg.precision)}}
     for key, wire in wires.items():
         prompts = {name: wire_prompts(llm, model.adapters[name](wire)) for name, llm in llms.items()}
         add_nll(records, key, llms, prompts, targets)

@@ -12,6 +12,7 @@ from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, count_answer_tokens, load_examples, synthetic_examples
 from latentwire.llm import LLM_NAMES, apply_activation_checkpointing, load_frozen_llm
 from latentwire.model import WireEncoder, forward_ce_sums
+from latentwire.precision import autocast_for
 from latentwire.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
 
 CPU = torch.device("cpu")
@@ -339,3 +340,19 @@ def test_train_logs_periodic_evaluation_equal_to_the_command(tmp_path):
     assert {f"eval_{k}": v for k, v in report["metrics"].items() if f"eval_{k}" in logged[4]} == \
         pytest.approx({k: v for k, v in logged[4].items() if k.startswith("eval_")}, rel=1e-6)
     assert sum(k.startswith("eval_") for k in logged[4]) == 16  # 5 wire NLLs x 2 LLMs + EM/F1 x 3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_every_payload_control_changes_what_the_adapters_compute(precision):
+    """Under bf16 autocast the adapters' first Linear reads the wire in bf16 anyway: a bf16 payload
+    would be the wire itself, a control that cannot differ. Every control kept must differ."""
+    cfg = load_config(["--profile", "cpu", "--precision", precision])
+    torch.manual_seed(0)
+    model = WireEncoder(cfg, {"llama": (32, 1.0)})
+    z = torch.randn(3, cfg.num_latents, cfg.d_z)
+    autocast = autocast_for(precision, CPU)
+    with torch.no_grad(), autocast():
+        wire = model.adapters["llama"](z)
+        for payload in ev.PAYLOADS:
+            received = model.adapters["llama"](ev.payload_roundtrip(z, payload))
+            assert torch.equal(received, wire) == (payload not in ev.payload_controls(precision)), payload
