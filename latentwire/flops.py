@@ -94,13 +94,19 @@ class FlopModel:
 # torch 2.13 counts the CUDA SDPA kernels but not the CPU flash kernel the cpu profile runs;
 # register the same formulas for it so FlopCounterMode sees attention on CPU too.
 
+def _as_query_heads(query_shape, *shapes) -> list[tuple]:
+    """Grouped K/V shapes with the query's head count: the LLMs' calls pass fewer K/V heads
+    (enable_gqa); torch 2.12+'s formulas count them so, 2.11's assert equal head counts."""
+    return [(s[0], query_shape[1], *s[2:]) for s in shapes]
+
+
 def _cpu_flash_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
+    return sdpa_flop_count(query_shape, *_as_query_heads(query_shape, key_shape, value_shape))
 
 
 def _cpu_flash_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
                         **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, *_as_query_heads(query_shape, key_shape, value_shape))
 
 
 def register_cpu_attention_flops() -> None:
