@@ -18,9 +18,12 @@ The peak, per device:
   memory events report them, summed in order: the CPU counterpart of max_memory_allocated, plus the
   frozen weights already resident. Unlike the process RSS it counts tensor memory only and is
   the same on every run (glibc's free lists and page reuse make RSS noisy), so tests can hold it
-  to the plan. Nothing enforces a cap while a CPU step runs (Linux would overcommit, then kill the
-  process), so a trial over the cap raises `torch.OutOfMemoryError` once its steps are done; an
-  allocation the CPU allocator refuses (a RuntimeError) becomes the same error.
+  to the plan. Kernels' own buffers go through the same allocator and are counted too: on a CPU
+  whose oneDNN runs bf16 matmuls, its copy of each LLM head's weight per sample, which the plan's
+  trace does not see (`latentwire.memtrace`). Nothing enforces a cap while a CPU step runs (Linux
+  would overcommit, then kill the process), so a trial over the cap raises `torch.OutOfMemoryError`
+  once its steps are done; an allocation the CPU allocator refuses (a RuntimeError) becomes the
+  same error.
 
 The default cap is the profile's target share of the card (target_util x memory_gb), the question
 the plan answers. Trials use no DDP: a rank that ran out of memory inside one of its collectives

@@ -15,7 +15,10 @@ largest micro-batch whose peak, with the reserve of `latentwire.budget`, fits th
 target utilisation.
 
 It traces the eager step: torch.compile (on in the GPU profiles) usually keeps fewer
-activations, so the plan errs on the safe side. `--analytic` is the quick calculator of
+activations, so the plan errs on the safe side. It counts what operators return, which is what a
+CUDA step allocates less the kernels' workspaces (in the reserve). A CPU bf16 step on a CPU whose
+oneDNN runs bf16 matmuls holds more: a copy of each LLM head's weight per sample while the head's
+matmul runs (`latentwire.memtrace`). `--analytic` is the quick calculator of
 `latentwire.analytic`, also printed beside the traced numbers as a cross-check.
 """
 from __future__ import annotations
