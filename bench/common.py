@@ -39,12 +39,14 @@ DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # --- command line and settings ----------------------------------------------------------------
 
-def parse_settings(description: str, quick, full):
+def parse_settings(description: str, quick, full, extra=None):
     """`--quick` picks the `quick` settings (the tests' few steps), otherwise `full` (a meaningful
-    measurement); every settings field is also a flag that overrides either. Sets the thread count
-    and prints the command and the resolved settings, so a summary line can be traced to how it
-    was measured."""
+    measurement); every settings field is also a flag that overrides either; `extra(parser)` may add
+    a script's own flags. Sets the thread count and prints the command and the resolved settings,
+    so a summary line can be traced to how it was measured."""
     p = argparse.ArgumentParser(description=description)
+    if extra is not None:
+        extra(p)
     p.add_argument("--quick", action="store_true", help="a few steps only: checks the script runs")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads per process (1: ranks and loaders do not oversubscribe the cores)")

@@ -1,0 +1,165 @@
+"""torch.compile of the training step, one region at a time (latentwire.compiling).
+
+On the cpu profile's tiny LLMs with activation checkpointing on, as the GPU profiles run them.
+The backend is aot_eager: dynamo's graphs and guards and AOTAutograd's forward/backward split,
+exactly what inductor is handed, without inductor's minutes of C++ compiling. train.py's
+`--compile true` run (tests/test_train.py::test_compiled_loss_equals_eager) goes through inductor.
+"""
+import random
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from latentwire.compiling import compile_kwargs, compile_regions, compiled_step, stable_shapes
+from latentwire.config import load_config
+from latentwire.data import IGNORE_INDEX, PAD_BYTE
+from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
+from latentwire.model import WireEncoder, forward_ce_sums
+
+CPU = torch.device("cpu")
+BACKEND = "aot_eager"
+MICRO_BATCH = 32
+
+
+def graphs() -> int:
+    """Graphs dynamo has compiled in this process (each compile or recompile of any region)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def build():
+    cfg = load_config(["--profile", "cpu", "--dropout", "0"])
+    llms = load_frozen_llms(cfg, torch.float32, CPU)
+    for llm in llms.values():
+        apply_activation_checkpointing(llm)
+    torch.manual_seed(0)
+    model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()})
+    return cfg, model, llms
+
+
+def make_batch(llms: dict, rows: int, prompt_width: int, answer_widths: dict, seed: int) -> dict:
+    """A collated batch of the given padded widths: random bytes and tokens, rows of random real
+    lengths (the first one full), padding and labels laid out as data.Collator lays them out."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, prompt_width + 1, (rows,), generator=g)
+    lengths[0] = prompt_width
+    byte_mask = torch.arange(prompt_width) < lengths[:, None]
+    byte_ids = torch.randint(0, 256, (rows, prompt_width), generator=g).masked_fill(~byte_mask, PAD_BYTE)
+    answers = {}
+    for name, llm in llms.items():
+        width, vocab = answer_widths[name], llm.model.config.vocab_size
+        real = torch.randint(1, width + 1, (rows,), generator=g)
+        real[0] = width
+        targets = torch.randint(0, vocab, (rows, width + 1), generator=g)
+        labels = targets.masked_fill(torch.arange(width + 1) > real[:, None], IGNORE_INDEX)
+        answers[name] = {"input_ids": torch.randint(0, vocab, (rows, width), generator=g), "labels": labels}
+    return {"bytes": byte_ids, "byte_mask": byte_mask, "answers": answers}
+
+
+def widths(n: int = 20) -> list[tuple[int, dict]]:
+    """(prompt width, answer width per LLM) of n batches: prompt widths multiples of 32 (the cpu
+    profile's pad_multiple), answer widths multiples of 8, as the collator pads them. The first
+    three make sizes coincide as real batches now and then do: prompt width = micro-batch (32),
+    both answer widths equal (24), the LLMs' sequence (8 latents + 24) = micro-batch. Duck sizing
+    would give coinciding sizes one symbol, a guard that a later batch breaks (the step compiled
+    as one graph compiles 3 times here)."""
+    rng = random.Random(0)
+    out = [(32, {"llama": 24, "qwen": 24}), (64, {"llama": 24, "qwen": 24}), (64, {"llama": 24, "qwen": 8})]
+    while len(out) < n:
+        out.append((32 * rng.randint(1, 8), {"llama": 8 * rng.randint(1, 3), "qwen": 8 * rng.randint(1, 3)}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled_run():
+    """20 batches of varied prompt and answer lengths through the compiled step, forward and
+    backward; the graphs compiled after each."""
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    cfg, model, llms = build()
+    step = compiled_step(model, llms, cfg.compile_mode, backend=BACKEND)
+    batches = [make_batch(llms, MICRO_BATCH, p, w, seed) for seed, (p, w) in enumerate(widths())]
+    graphs_before, graphs_after = [], []
+    for batch in batches:
+        graphs_before.append(graphs())
+        step(model, llms, batch).sum().backward()
+        graphs_after.append(graphs())
+    model.zero_grad(set_to_none=True)
+    yield {"model": model, "llms": llms, "step": step, "batches": batches,
+           "compiled_in": [i for i, (a, b) in enumerate(zip(graphs_before, graphs_after)) if b > a],
+           "graphs": graphs_after[-1] - graphs_before[0]}
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_twenty_batches_of_varied_lengths_compile_the_step_at_most_twice(compiled_run):
+    compiled_in = compiled_run["compiled_in"]
+    assert compiled_in[0] == 0 and len(compiled_in) <= 2, f"steps that compiled: {compiled_in}"
+    # Encoder block, pooler, Llama layer, Qwen2 layer: one graph each (a recompile allowed each),
+    # not one per decoder layer.
+    assert 4 <= compiled_run["graphs"] <= 8
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager(compiled_run):
+    model, llms, step = compiled_run["model"], compiled_run["llms"], compiled_run["step"]
+    batch = compiled_run["batches"][-1]
+
+    def loss_and_grads(run):
+        loss = run(model, llms, batch)
+        loss.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    compiled_loss, compiled_grads = loss_and_grads(step)
+    eager_loss, eager_grads = loss_and_grads(forward_ce_sums)  # compiled regions, told to run eagerly below
+    with torch.compiler.set_stance("force_eager"):
+        forced_loss, forced_grads = loss_and_grads(step)
+    torch.testing.assert_close(forced_loss, compiled_loss, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(eager_loss, compiled_loss, rtol=1e-5, atol=1e-4)
+    for name, grad in compiled_grads.items():
+        torch.testing.assert_close(forced_grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_evaluation_under_force_eager_compiles_nothing(compiled_run):
+    """Compiled regions would recompile for evaluation's calls (eval mode, no_grad, padded
+    attention, a KV cache): evaluation runs under torch.compiler.set_stance("force_eager")."""
+    model, llms = compiled_run["model"], compiled_run["llms"]
+    before = graphs()
+    model.eval()
+    try:
+        with torch.compiler.set_stance("force_eager"), torch.no_grad():
+            forward_ce_sums(model, llms, compiled_run["batches"][0])
+    finally:
+        model.train()
+    assert graphs() == before
+
+
+def test_regions_are_the_checkpointed_decoder_layers_and_the_encoder_blocks():
+    cfg, model, llms = build()
+    names = list(model.state_dict())
+    regions = compile_regions(model, llms, cfg.compile_mode, backend=BACKEND)
+    decoder_layers = [layer for llm in llms.values() for layer in llm.model.get_decoder().layers]
+    assert all(isinstance(layer, CheckpointWrapper) for layer in decoder_layers)  # compiled with its recompute
+    assert regions == [*model.encoder.blocks, model.pooler, *decoder_layers]
+    assert list(model.state_dict()) == names  # checkpoints keep their tensor names
+
+
+def test_stable_shapes_is_scoped():
+    import torch.fx.experimental._config as fx_config
+    outside = (torch._dynamo.config.specialize_float, fx_config.use_duck_shape)
+    with stable_shapes():
+        assert (torch._dynamo.config.specialize_float, fx_config.use_duck_shape) == (True, False)
+    assert (torch._dynamo.config.specialize_float, fx_config.use_duck_shape) == outside
+
+
+def test_compile_arguments_follow_the_profile():
+    """What train.py passes to torch.compile for the GPU profiles: their mode, through inductor,
+    every size symbolic; a test backend takes no mode."""
+    h100 = load_config(["--profile", "h100"])
+    assert compile_kwargs(h100.compile_mode) == {"backend": "inductor", "dynamic": True,
+                                                 "mode": "max-autotune-no-cudagraphs"}
+    assert compile_kwargs(h100.compile_mode, backend="aot_eager") == {"backend": "aot_eager", "dynamic": True}
