@@ -10,9 +10,10 @@ from conftest import REPO, child_env, ok
 from latentwire.distributed import process_group
 
 # Rank 0 is still busy (as when it writes a report) when rank 1's work is done; each rank records
-# when its body ended and when it left the process group.
+# when its body ended and when it left the process group, in a file of its own (two ranks printing
+# to one stdout can interleave their lines).
 LEAVE = """
-import json, sys, time
+import json, pathlib, sys, time
 sys.path.insert(0, {repo!r})
 import torch.distributed as dist
 from latentwire.distributed import process_group
@@ -21,8 +22,8 @@ with process_group("cpu", 60) as info:
         time.sleep(1.0)
     body_end = time.time()
     assert dist.is_initialized() and dist.get_world_size() == 2
-print(json.dumps({{"rank": info.rank, "body_end": body_end, "left": time.time(),
-                  "destroyed": not dist.is_initialized()}}))
+pathlib.Path(f"rank{{info.rank}}.json").write_text(json.dumps(
+    {{"body_end": body_end, "left": time.time(), "destroyed": not dist.is_initialized()}}))
 """
 
 
@@ -32,10 +33,10 @@ def test_ranks_leave_the_group_together(tmp_path):
     exits while a peer still uses the group can be aborted by gloo (seen in CI as SIGABRT)."""
     script = tmp_path / "leave.py"
     script.write_text(LEAVE.format(repo=str(REPO)))
-    proc = ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              str(script)], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                             timeout=300))
-    ranks = {r["rank"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       str(script)], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                      timeout=300))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert ranks[0]["destroyed"] and ranks[1]["destroyed"]
     assert ranks[1]["left"] >= ranks[0]["body_end"]
 
