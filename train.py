@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from latentwire.checkpoint import list_checkpoints, prune_checkpoints, resume_training, save_checkpoint
+from latentwire.compiling import compiled_step
 from latentwire.config import Diverged, HarnessExit, UserError, load_config, main_guard
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
@@ -32,7 +33,7 @@ from latentwire.evaluate import evaluate_wire
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
 from latentwire.flops import FlopModel
 from latentwire.metrics import GpuMonitor, MemoryMeter, MetricsLogger, Window, peak_flops_per_s
-from latentwire.model import WireEncoder, compiled_forward, count_parameters, forward_ce_sums
+from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
 from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag
 from latentwire.precision import (autocast_for, cuda_capability, enable_tf32, frozen_weight_dtype, grad_scaler_for,
                                   matmul_arithmetic, sdpa_kernels, use_tf32)
@@ -169,10 +170,13 @@ def train(cfg, di) -> None:
                       "unbroken one only for the same layout", file=sys.stderr)
     batches = global_batches(loader, sampler, cfg.grad_accum_steps, epoch, examples_done, global_batch)
 
-    # --- torch.compile -----------------------------------------------------------------------
-    # Fuses the encoder's and the LLMs' elementwise ops and norms into few kernels; compiled once
-    # with dynamic shapes, since prompt and answer lengths vary from batch to batch.
-    forward = compiled_forward(cfg.compile_mode) if cfg.compile else forward_ce_sums
+    # --- torch.compile, one region at a time -------------------------------------------------
+    # Fuses each decoder layer's, encoder block's and the pooler's elementwise ops and norms into
+    # few kernels. Each is compiled on its own, after activation checkpointing wrapped it, as
+    # torchtitan compiles each TransformerBlock: the layers of one LLM share one graph, so compile
+    # time does not grow with depth. Sizes are symbolic and never duck-sized, so varying prompt and
+    # answer lengths do not recompile.
+    forward = compiled_step(model, llms, cfg.compile_mode) if cfg.compile else forward_ce_sums
 
     # --- Fused attention kernels -------------------------------------------------------------
     # All attention goes through SDPA. On an sm80+ card in bf16/fp16 only the flash, cuDNN and
@@ -287,7 +291,9 @@ def train(cfg, di) -> None:
                           "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
                           **window.rates(peak_flops), **memory.read(), **gpu_monitor.read()}
                 if eval_due:
-                    record.update(evaluate_wire(model, llms, eval_examples, cfg, device, rank, world))
+                    # Evaluation's eval-mode, padded, KV-cached calls would recompile every region.
+                    with torch.compiler.set_stance("force_eager"):
+                        record.update(evaluate_wire(model, llms, eval_examples, cfg, device, rank, world))
                 logger.log(record)
                 window = Window() if eval_due else window.next()
                 memory.start_window()

@@ -153,14 +153,5 @@ def forward_ce_sums(wire_encoder: nn.Module, llms: dict, batch: dict) -> torch.T
     return torch.stack(sums)
 
 
-def compiled_forward(mode: str):
-    """`forward_ce_sums` under torch.compile, with dynamic shapes (prompt and answer lengths vary,
-    so one graph instead of a recompile per padded length) and float settings (norm eps, dropout
-    p, attention scale) kept as constants rather than graph inputs, which would make dynamo trace
-    everything twice (compile 67 s -> 19 s on the cpu profile)."""
-    torch._dynamo.config.specialize_float = True
-    return torch.compile(forward_ce_sums, mode=mode, dynamic=True)
-
-
 def count_parameters(module: nn.Module, trainable: bool) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad == trainable)
