@@ -1,7 +1,10 @@
-"""SQuAD exact match and F1, as the official evaluation script computes them.
+"""SQuAD exact match and F1, as the official SQuAD v1.1 evaluation script computes them.
 
 Both compare answers after normalisation (lower case, no punctuation, no articles a/an/the,
-single spaces) and take the best score over all gold answers of an example.
+single spaces) and take the best score over all gold answers of an example. The v1.1 rule applies
+to every dataset here (SQuAD v1.1, HotpotQA, whose official script scores F1 alike, local files in
+SQuAD's layout, the synthetic set): none of them has unanswerable questions, which is what SQuAD
+v2.0's rule (two empty answers score F1 1) is for.
 """
 from __future__ import annotations
 
@@ -25,10 +28,8 @@ def exact_match(prediction: str, gold: str) -> float:
 def f1(prediction: str, gold: str) -> float:
     pred_tokens = normalize_answer(prediction).split()
     gold_tokens = normalize_answer(gold).split()
-    # A gold answer that normalises to nothing (e.g. "The") would score 0 against every prediction
-    # under the v1.1 script, even an identical one; the v2.0 script's rule scores it as exact match.
-    if not pred_tokens or not gold_tokens:
-        return float(pred_tokens == gold_tokens)
+    # A gold answer that normalises to nothing (e.g. "The") scores F1 0 against every prediction,
+    # an identical one too (exact match still counts it): v1.1 has no special case for it.
     common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
     if common == 0:
         return 0.0

@@ -42,8 +42,9 @@ def test_exact_match_and_f1():
     # Tokens are a bag: counted with multiplicity, order ignored.
     assert f1("york new new", "new york") == pytest.approx(2 * (2 / 3) * 1.0 / (2 / 3 + 1.0))
     assert f1("London", "Paris") == 0.0
-    # A gold answer that normalises to nothing matches only an answer that does too.
-    assert f1("the", "The") == 1.0 and f1("Paris", "the") == 0.0
+    # SQuAD v1.1: a gold answer that normalises to nothing gets F1 0 from any prediction, even an
+    # identical one (v2.0's rule would give 1); exact match still counts the two as equal.
+    assert f1("the", "The") == 0.0 and f1("Paris", "the") == 0.0 and exact_match("the", "The") == 1.0
 
 
 def test_several_gold_answers_take_the_best_of_each_metric():
