@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,6 +199,8 @@ def check_value(field: str, value, where: str):
         value = float(value)
     if type(value) is not spec.kind:
         raise UserError(f"{where}: field {field!r} must be {spec.kind.__name__}, got {value!r}")
+    if spec.kind is float and not math.isfinite(value):  # JSON's Infinity/NaN, or --lr inf
+        raise UserError(f"{where}: field {field!r} must be a finite number, got {value!r}")
     if spec.choices and value not in spec.choices:
         raise UserError(f"{where}: field {field!r} must be one of {', '.join(spec.choices)}, got {value!r}")
     if spec.positive and not value > 0:

@@ -54,6 +54,7 @@ def broken(tmp_path, mutate) -> str:
     (lambda p: p["cpu"].update(micro_batch_size=0), ["'micro_batch_size' must be > 0"]),
     (lambda p: p["cpu"].update(precision="fp8"), ["'precision' must be one of bf16, fp16, fp32"]),
     (lambda p: p["cpu"].update(compile="yes"), ["'compile' must be bool"]),
+    (lambda p: p["cpu"].update(lr=float("inf")), ["'lr' must be a finite number, got inf"]),  # JSON Infinity
     (lambda p: p["cpu"].update(extends="nowhere"), ["'extends' names unknown profile 'nowhere'"]),
     (lambda p: p["cpu"].update(supports_bf16=False, precision="bf16"), ["bf16 on a card without bf16"]),
 ])
@@ -84,6 +85,8 @@ def test_flags_override_profile_fields():
     (["--grad-accum-steps", "0"], "'grad_accum_steps' must be > 0"),
     (["--lr", "0"], "'lr' must be > 0"),
     (["--lr", "fast"], "argument --lr: invalid"),
+    (["--lr", "inf"], "--lr: field 'lr' must be a finite number, got inf"),
+    (["--max-grad-norm", "nan"], "'max_grad_norm' must be a finite number, got nan"),
     (["--precision", "fp64"], "'precision' must be one of"),
     (["--compile", "maybe"], "expected true or false"),
     (["--stop-at-step", "0"], "--stop-at-step must be > 0"),
