@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> None:
 def train(cfg, di) -> None:
     device, rank, world = di.device, di.rank, di.world_size
     out_dir = Path(cfg.out_dir)
-    # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads or anything
-    # on disk changes (a bad model path fails in the LLM block, still before any write).
+    # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads. Nothing on
+    # disk changes until every input (models, batch sizes, a checkpoint to resume) has passed.
     check_out_dir(out_dir, cfg.run)
     examples = load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed)
     eval_examples = load_examples(cfg.dataset, "validation", cfg.eval_examples, cfg.seed) if cfg.eval_every else []
@@ -88,9 +88,6 @@ def train(cfg, di) -> None:
     # No gradients and no optimizer state means no fp32 master copy is needed: bf16 weights take
     # 16 GB instead of 32 GB for an 8B model.
     llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), device)
-
-    if di.is_main:
-        prepare_out_dir(out_dir, cfg.run)
 
     # --- Activation checkpointing of the frozen decoder layers -------------------------------
     # Gradients flow through the frozen LLMs to the wire, so their activations are kept for
@@ -156,11 +153,15 @@ def train(cfg, di) -> None:
     # Same layout (world size, micro-batch, accumulation): bitwise the run that never stopped.
     step, epoch, examples_done = 0, 0, 0
     if cfg.run.resume:
-        resumed = resume_training(out_dir, rank, cfg.max_steps, model, optimizer, scheduler, scaler,
+        resumed = resume_training(out_dir, rank, cfg.to_dict(), model, optimizer, scheduler, scaler,
                                   warn=lambda message: di.is_main and print(message, file=sys.stderr))
         step, epoch, examples_done = resumed.step, resumed.epoch, resumed.examples_done
         if cfg.run.stop_at_step is not None and cfg.run.stop_at_step <= step:
             raise UserError(f"--stop-at-step {cfg.run.stop_at_step} is not after the resumed step {step}")
+        if step >= cfg.max_steps:
+            if di.is_main:
+                print(f"{resumed.path} is the run's last step ({cfg.max_steps}): nothing to do, nothing changed")
+            return
         layout = [world, cfg.micro_batch_size, cfg.grad_accum_steps]
         if di.is_main:
             print(f"resumed from {resumed.path} (step {step}, epoch {epoch}, {examples_done} examples into it)")
@@ -169,6 +170,10 @@ def train(cfg, di) -> None:
                       f"{resumed.layout}: the sample order is kept, but the run is bitwise identical to an "
                       "unbroken one only for the same layout", file=sys.stderr)
     batches = global_batches(loader, sampler, cfg.grad_accum_steps, epoch, examples_done, global_batch)
+
+    # Every input has been checked: only now may --overwrite delete the old run.
+    if di.is_main:
+        prepare_out_dir(out_dir, cfg.run)
 
     # --- torch.compile, one region at a time -------------------------------------------------
     # Fuses each decoder layer's, encoder block's and the pooler's elementwise ops and norms into

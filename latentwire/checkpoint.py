@@ -160,16 +160,43 @@ class Resumed:
     layout: list[int]
 
 
-def resume_training(out_dir: Path, rank: int, max_steps: int, model, optimizer, scheduler, scaler, warn) -> Resumed:
+# Settings the restored optimizer and OneCycle schedule carry in their state: a new value given
+# on --resume would be silently overridden by the checkpoint's, while meta.json recorded it.
+RESTORED_SETTINGS = ("max_steps", "lr", "weight_decay", "adam_beta1", "adam_beta2", "pct_start", "div_factor",
+                     "final_div_factor", "anneal_strategy")
+
+
+def check_restored_settings(config: dict, saved: dict) -> None:
+    """Refuse, in one line, a resume that changes a setting the checkpoint's state fixes."""
+    changed = [f"--{name.replace('_', '-')} {config[name]} (the run's: {saved.get(name)})"
+               for name in RESTORED_SETTINGS if config[name] != saved.get(name)]
+    if changed:
+        raise UserError(f"{', '.join(changed)}: the optimizer and the OneCycle schedule are restored from the "
+                        "checkpoint with the run's values; resume without changing them, or start a new run")
+
+
+def check_weights(state: dict, expected: dict, path: Path, model: str) -> None:
+    """Names and shapes must match `model` (what the caller builds): a one-line error, not a dump."""
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        what = f"lacks tensor {missing[0]!r}" if missing else f"has unknown tensor {unexpected[0]!r}"
+        raise UserError(f"{path} does not fit {model}: it {what}")
+    for name, tensor in expected.items():
+        if state[name].shape != tensor.shape:
+            raise UserError(f"{path} does not fit {model}: tensor {name!r} has shape "
+                            f"{tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
+
+
+def resume_training(out_dir: Path, rank: int, config: dict, model, optimizer, scheduler, scaler, warn) -> Resumed:
     """Load the newest usable checkpoint of `out_dir` into the trainable weights, optimizer,
-    schedule, grad scaler and this process's RNGs."""
+    schedule, grad scaler and this process's RNGs. `config` is the resolved configuration of the
+    resuming run (Config.to_dict())."""
     ckpt = load_newest_checkpoint(out_dir, rank, warn)
     if ckpt is None:
         raise UserError(f"no usable checkpoint to resume from in {Path(out_dir) / 'checkpoints'}")
-    saved_max_steps, state = ckpt["meta"]["config"]["max_steps"], ckpt["train_state"]
-    if saved_max_steps != max_steps:
-        raise UserError(f"--max-steps {max_steps} differs from the resumed run's {saved_max_steps}; "
-                        "the OneCycle schedule is fixed when a run starts")
+    state = ckpt["train_state"]
+    check_restored_settings(config, ckpt["meta"]["config"])
+    check_weights(ckpt["weights"], model.state_dict(), ckpt["path"] / WEIGHTS, "the configured model")
     model.load_state_dict(ckpt["weights"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

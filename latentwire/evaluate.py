@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .checkpoint import META, WEIGHTS, list_checkpoints
+from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
 from .config import FIELDS, Config, RunFlags, UserError, check_value, main_guard
 from .data import IGNORE_INDEX, Collator, PromptDataset, load_examples, prompt_text
 from .distributed import process_group
@@ -411,21 +411,9 @@ def load_wire_encoder(ckpt: Path, cfg, llms: dict, device: torch.device) -> Wire
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
     model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()})
-    check_weights(state, model.state_dict(), path)
+    check_weights(state, model.state_dict(), path, "the model of its meta.json")
     model.load_state_dict(state)
     return model.to(device)
-
-
-def check_weights(state: dict, expected: dict, path: Path) -> None:
-    """Names and shapes must match the model meta.json describes: a one-line error, not a dump."""
-    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        what = f"lacks tensor {missing[0]!r}" if missing else f"has unknown tensor {unexpected[0]!r}"
-        raise UserError(f"{path} does not fit the model of its meta.json: it {what}")
-    for name, tensor in expected.items():
-        if state[name].shape != tensor.shape:
-            raise UserError(f"{path} does not fit the model of its meta.json: tensor {name!r} has shape "
-                            f"{tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
 
 
 # --- the report -------------------------------------------------------------------------------

@@ -271,6 +271,8 @@ def write(path, text):
     (lambda t: ["--lr", "-1"], "'lr' must be > 0"),
     (lambda t: ["--precision", "int8"], "'precision' must be one of"),
     (lambda t: ["--max-steps", "3", "--resume"], "no usable checkpoint"),
+    # Checked after the models load: still before --overwrite deletes anything.
+    (lambda t: ["--num-examples", "4"], "dataset of 4 examples is smaller than one global batch"),
 ])
 def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flags, fragment):
     before = snapshot(finished_run)
@@ -283,13 +285,26 @@ def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flag
 
 
 @pytest.mark.parametrize("flags, fragment", [
-    (["--max-steps", "3"], "--max-steps 3 differs from the resumed run's 2"),
+    (["--max-steps", "3"], "--max-steps 3 (the run's: 2)"),
     (["--max-steps", "2", "--stop-at-step", "1"], "--stop-at-step 1 is not after the resumed step 2"),
+    # The checkpoint's optimizer and schedule would override these silently.
+    (["--max-steps", "2", "--lr", "0.5"], "--lr 0.5 (the run's: 0.003)"),
+    (["--max-steps", "2", "--weight-decay", "0.5", "--adam-beta1", "0.5"],
+     "--weight-decay 0.5 (the run's: 0.01), --adam-beta1 0.5 (the run's: 0.9)"),
+    (["--max-steps", "2", "--num-latents", "3"], "does not fit the configured model: tensor"),
 ])
 def test_resume_that_cannot_continue_the_run_is_one_line(finished_run, flags, fragment):
     before = snapshot(finished_run)
     assert_one_line_error(run_train([*RUN, "--out-dir", str(finished_run), "--resume", *flags]), fragment)
     assert snapshot(finished_run) == before
+
+
+def test_resuming_a_finished_run_changes_nothing(finished_run):
+    newest = list_checkpoints(finished_run)[-1]
+    before, inode = snapshot(finished_run), newest.stat().st_ino
+    proc = ok(run_train([*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--resume"]))
+    assert "the run's last step (2): nothing to do" in proc.stdout
+    assert snapshot(finished_run) == before and newest.stat().st_ino == inode  # not even rewritten
 
 
 def test_out_dir_that_cannot_be_created(tmp_path):
