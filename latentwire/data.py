@@ -140,9 +140,14 @@ def _quiet_datasets():
 def _load_hub(name: str, split: str) -> tuple[list[dict], str]:
     datasets = _quiet_datasets()
     hub_split = "train" if split == "train" else "validation"
-    if name == "squad":
-        return datasets.load_dataset("rajpurkar/squad", split=hub_split).to_list(), f"squad ({hub_split})"
-    ds = datasets.load_dataset("hotpotqa/hotpot_qa", "distractor", split=hub_split)
+    try:
+        if name == "squad":
+            return datasets.load_dataset("rajpurkar/squad", split=hub_split).to_list(), f"squad ({hub_split})"
+        ds = datasets.load_dataset("hotpotqa/hotpot_qa", "distractor", split=hub_split)
+    except OSError as e:  # offline (ConnectionError), not cached, a vanished cache directory
+        raise UserError(f"cannot load dataset {name}: {str(e).splitlines()[0]}; it downloads once from the "
+                        "Hugging Face Hub, then reads the local cache (or pass a local .json/.jsonl/.parquet file)"
+                        ) from None
     return [hotpot_to_squad(r) for r in ds.to_list()], f"hotpot_qa ({hub_split})"
 
 

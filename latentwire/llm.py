@@ -190,20 +190,32 @@ def load_pretrained(source: str, dtype: torch.dtype, device: torch.device):
     looks_local = source.startswith((".", "/", "~")) or os.path.isdir(os.path.expanduser(source))
     if looks_local and not os.path.isdir(os.path.expanduser(source)):
         raise UserError(f"model directory {source} does not exist")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+    # transformers says what it cannot build with OSError (files), ValueError (an unknown
+    # model_type, a tokenizer it cannot instantiate) or KeyError (a config missing a field).
+    with one_line_error(f"cannot read the configuration of model {source!r}"):
         config = AutoConfig.from_pretrained(source)
+    with one_line_error(f"cannot load the tokenizer of model {source!r}"):
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    with one_line_error(f"cannot load model {source!r}"):
         files = weight_files(source)
-    except OSError as e:
-        raise UserError(f"cannot load model {source!r}: {str(e).splitlines()[0]}") from None
     if tokenizer.eos_token_id is None:
         raise UserError(f"model {source!r}: its tokenizer has no EOS token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # right padding never reaches the loss
-    with torch.device(device):
+    with one_line_error(f"cannot build model {source!r} from its configuration"), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
     copy_weights(model, files, source)
     return model, tokenizer
+
+
+@contextmanager
+def one_line_error(what: str):
+    """transformers' and the hub's failures to read a model become `what: <their first line>`."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError) as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"{what}: {first.rstrip(':')}") from None
 
 
 def weight_files(source: str) -> list[str]:

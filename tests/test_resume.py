@@ -260,12 +260,22 @@ def write(path, text):
     return str(path)
 
 
+def model_dir(tmp_path, config: dict) -> str:
+    """A model directory holding only a config.json."""
+    (tmp_path / "model").mkdir()
+    write(tmp_path / "model" / "config.json", json.dumps(config))
+    return str(tmp_path / "model")
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (lambda t: ["--dataset", str(t / "missing.jsonl")], "does not exist"),
     (lambda t: ["--dataset", write(t / "empty.jsonl", "")], "has no examples"),
     (lambda t: ["--dataset", write(t / "bad.jsonl", '{"context": "c", "question": "q"}\n')], "'answers.text'"),
     (lambda t: ["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
     (lambda t: ["--llama", str(t / "no_such_model_dir")], "does not exist"),
+    (lambda t: ["--llama", model_dir(t, {"model_type": "no_such_architecture"})], "does not recognize this architecture"),
+    (lambda t: ["--llama", model_dir(t, {"model_type": "llama"})], "cannot load the tokenizer of model"),
+    (lambda t: ["--qwen", model_dir(t, {"model_type": "qwen2"})], "has no .safetensors weights"),
     (lambda t: ["--micro-batch-size", "0"], "must be > 0"),
     (lambda t: ["--grad-accum-steps", "0"], "must be > 0"),
     (lambda t: ["--lr", "-1"], "'lr' must be > 0"),
@@ -305,6 +315,14 @@ def test_resuming_a_finished_run_changes_nothing(finished_run):
     proc = ok(run_train([*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--resume"]))
     assert "the run's last step (2): nothing to do" in proc.stdout
     assert snapshot(finished_run) == before and newest.stat().st_ino == inode  # not even rewritten
+
+
+def test_a_hub_dataset_offline_is_one_line(finished_run, tmp_path):
+    before = snapshot(finished_run)
+    proc = run_train([*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--overwrite", "--dataset", "squad"],
+                     HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "empty_cache"))
+    assert_one_line_error(proc, "cannot load dataset squad", "Hugging Face Hub")
+    assert snapshot(finished_run) == before
 
 
 def test_out_dir_that_cannot_be_created(tmp_path):
