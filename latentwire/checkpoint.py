@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import HarnessExit, UserError
+from .config import Diverged, HarnessExit, UserError
 
 STEP_PREFIX = "step_"
 WEIGHTS = "trainable.safetensors"
@@ -67,10 +67,23 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def first_non_finite(weights: dict) -> str | None:
+    """The name of the first tensor holding a NaN or an inf; all are checked in one host sync."""
+    finite = torch.stack([torch.isfinite(t).all() for t in weights.values()]).tolist()
+    return next((name for name, ok in zip(weights, finite) if not ok), None)
+
+
 def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, meta: dict, rank: int) -> Path:
-    """Collective: every rank calls it. Rank 0 writes the shared state, each rank its RNG."""
+    """Collective: every rank calls it. Rank 0 writes the shared state, each rank its RNG.
+    Non-finite weights are never saved: resuming from them could only diverge again. (A finite
+    gradient times a bad learning rate makes them so without the gradient norm noticing.)"""
     from safetensors.torch import save_file
 
+    bad = first_non_finite(weights)
+    if bad is not None:  # the weights are DDP's, the same on every rank: every rank stops here
+        newest = list_checkpoints(out_dir)
+        raise Diverged(f"the weights are not finite at step {step} ({bad}), so they were not saved; the newest "
+                       f"good checkpoint is {newest[-1].name if newest else 'none'}; is the learning rate sane?")
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
     if rank == 0:

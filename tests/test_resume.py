@@ -155,26 +155,29 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
     assert sorted(p.name for p in bad.iterdir()) == before
 
 
+def run_with_fault(tmp_path, fault: str, args) -> subprocess.CompletedProcess:
+    """train.py as `python train.py ARGS`, with `fault` (Python source, `train` imported) injected."""
+    script = tmp_path / "faulty_train.py"
+    script.write_text("\n".join([
+        "import sys", f"sys.path.insert(0, {str(REPO)!r}); sys.argv[0] = {str(REPO / 'train.py')!r}",
+        "import train", "from latentwire.config import main_guard", fault,
+        "main_guard(lambda: train.main(sys.argv[1:]))"]))
+    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
 NAN_AT = """
-import sys, torch
-sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
-import train
-from latentwire.config import main_guard
 real, calls = train.forward_ce_sums, [0]
 def poisoned(*args):
     calls[0] += 1
     out = real(*args)
     return out * float("nan") if calls[0] in {bad} else out
 train.forward_ce_sums = poisoned
-main_guard(lambda: train.main(sys.argv[1:]))
 """
 
 
 def run_with_nan(tmp_path, bad_calls, args):
-    script = tmp_path / "nan_train.py"
-    script.write_text(NAN_AT.format(repo=str(REPO), train=str(REPO / "train.py"), bad=set(bad_calls)))
-    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=child_env(), capture_output=True,
-                          text=True, timeout=300)
+    return run_with_fault(tmp_path, NAN_AT.format(bad=set(bad_calls)), args)
 
 
 @pytest.mark.slow
@@ -205,6 +208,32 @@ def test_non_finite_steps_in_a_row_stop_the_run_cleanly(tmp_path):
                   "--out-dir", str(tmp_path / "one")]))
     a, b = final_weights(out), final_weights(tmp_path / "one")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# The optimizer's step 3 runs with a NaN learning rate: its gradient is finite, the weights it
+# leaves are not.
+NAN_LR_AT_STEP_3 = """
+import torch
+real_step, calls = torch.optim.AdamW.step, [0]
+def nan_lr_step(self, *args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 3:
+        for group in self.param_groups:
+            group["lr"] = float("nan")
+    return real_step(self, *args, **kwargs)
+torch.optim.AdamW.step = nan_lr_step
+"""
+
+
+@pytest.mark.slow
+def test_non_finite_weights_are_never_saved(tmp_path):
+    out = tmp_path / "run"
+    proc = run_with_fault(tmp_path, NAN_LR_AT_STEP_3, [*RUN, "--grad-accum-steps", "1", "--max-steps", "6",
+                                                        "--checkpoint-every", "2", "--out-dir", str(out)])
+    assert_one_line_error(proc, "the weights are not finite at step 4", "newest good checkpoint is step_00000002")
+    assert proc.returncode == 3
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000002"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
 
 
 RAISE_ON_RANK_1 = """
@@ -334,10 +363,7 @@ def test_out_dir_that_cannot_be_created(tmp_path):
 
 
 FAIL_SECOND_SAVE = """
-import errno, sys
-sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
-import safetensors.torch, train
-from latentwire.config import main_guard
+import errno, safetensors.torch
 real, calls = safetensors.torch.save_file, [0]
 def full_disk(*args, **kwargs):
     calls[0] += 1
@@ -345,18 +371,14 @@ def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     return real(*args, **kwargs)
 safetensors.torch.save_file = full_disk
-main_guard(lambda: train.main(sys.argv[1:]))
 """
 
 
 @pytest.mark.slow
 def test_a_failing_checkpoint_write_is_one_line_and_keeps_earlier_checkpoints(tmp_path):
-    script = tmp_path / "full_disk.py"
-    script.write_text(FAIL_SECOND_SAVE.format(repo=str(REPO), train=str(REPO / "train.py")))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(script), *RUN, "--max-steps", "6", "--checkpoint-every", "2",
-                           "--out-dir", str(out)], cwd=REPO, env=child_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = run_with_fault(tmp_path, FAIL_SECOND_SAVE,
+                          [*RUN, "--max-steps", "6", "--checkpoint-every", "2", "--out-dir", str(out)])
     assert_one_line_error(proc, "saving checkpoint step_00000004 failed", "No space left on device")
     assert proc.returncode == 4
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]  # no temporary left
