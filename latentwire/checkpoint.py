@@ -96,22 +96,38 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
             save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
             torch.save(train_state, tmp / TRAIN_STATE)
             (tmp / META).write_text(json.dumps({**meta, "step": step, "versions": versions()}, indent=2))
-    except OSError as e:  # disk full, quota, a vanished mount: earlier checkpoints stay as they are
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteFailed(f"saving checkpoint {final.name} failed: {e.strerror or e}; "
-                                    f"earlier checkpoints are intact") from None
+    except Exception as e:  # noqa: BLE001 - each writer reports a full disk in its own way
+        raise _write_failed(tmp, final, e) from None
     _barrier()
     if rank == 0:
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        try:
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        except OSError as e:
+            raise _write_failed(tmp, final, e) from None
     _barrier()
     return final
+
+
+def _write_failed(tmp: Path, final: Path, error: Exception) -> CheckpointWriteFailed:
+    """Remove the partial write (deleting works on a full disk) and say why it failed. A full disk
+    is an OSError from Python's own writes, a SafetensorError from safetensors and a RuntimeError
+    ("unexpected pos", no errno) from torch.save, so the free space is reported whatever it says."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    message = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    reason = (message.splitlines() or [""])[0]
+    try:
+        free = f"; {shutil.disk_usage(final.parent).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = ""
+    return CheckpointWriteFailed(f"saving checkpoint {final.name} failed: {type(error).__name__}: {reason}{free}; "
+                                 "earlier checkpoints are intact")
 
 
 def list_checkpoints(out_dir: Path) -> list[Path]:

@@ -385,6 +385,43 @@ def test_a_failing_checkpoint_write_is_one_line_and_keeps_earlier_checkpoints(tm
     load_checkpoint(out / "checkpoints" / "step_00000002", rank=0)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """`small_disk(bytes)`: a tmpfs of that size (tests run as root in CI; skipped where mounting
+    is refused), unmounted afterwards."""
+    mounts = []
+
+    def mount(size: int):
+        path = tmp_path / f"disk{len(mounts)}"
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounts.append(path)
+        return path
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fills_in", ["trainable.safetensors", "train_state.pt"])
+def test_a_full_disk_during_a_checkpoint_exits_4_and_leaves_no_partial_write(finished_run, small_disk, fills_in):
+    """A real full disk: room for one checkpoint and part of the next, which runs out of space in
+    safetensors' writer (a SafetensorError) or in torch.save (a RuntimeError), not an OSError."""
+    files = {p.name: p.stat().st_size for p in list_checkpoints(finished_run)[-1].iterdir()}
+    order = ["rng_rank0.pt", "trainable.safetensors", "train_state.pt"]  # as save_checkpoint writes them
+    room = sum(files.values()) + sum(files[name] for name in order[:order.index(fills_in)]) + files[fills_in] // 2
+    out = small_disk(room + 64 * 1024) / "run"  # and the metrics and TensorBoard files
+    proc = run_train([*RUN, "--max-steps", "4", "--checkpoint-every", "2", "--out-dir", str(out)])
+    assert_one_line_error(proc, "saving checkpoint step_00000004 failed", "MiB free there",
+                          "earlier checkpoints are intact")
+    assert proc.returncode == 4
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]  # no temporary left
+    load_checkpoint(out / "checkpoints" / "step_00000002", rank=0)
+
+
 @pytest.mark.slow
 def test_resume_on_another_layout_keeps_the_sample_order(tmp_path, straight):
     """1 process x mbs 4 x accum 2 stopped at 10, resumed on 2 ranks x mbs 2 x accum 2: the same
