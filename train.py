@@ -34,7 +34,7 @@ from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
 from latentwire.flops import FlopModel
 from latentwire.metrics import GpuMonitor, MemoryMeter, MetricsLogger, Window, peak_flops_per_s
 from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
-from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag
+from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag, ignore_stop_signals
 from latentwire.precision import (autocast_for, cuda_capability, enable_tf32, frozen_weight_dtype, grad_scaler_for,
                                   matmul_arithmetic, sdpa_kernels, use_tf32)
 from latentwire.profiling import MemorySnapshots, make_profiler
@@ -119,10 +119,12 @@ def train(cfg, di) -> None:
     # Workers tokenise and pad while the model computes; pinned host memory makes the
     # host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a
     # fork of every worker at each epoch. The loader's own generator keeps its worker seeds
-    # off the global RNG, so dropout draws do not depend on when an epoch starts.
+    # off the global RNG, so dropout draws do not depend on when an epoch starts. Workers
+    # ignore the preemption signals, so a signal to the whole process group cannot kill them
+    # before the trainer has saved.
     loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate,
                         drop_last=True, num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-                        persistent_workers=cfg.num_workers > 0,
+                        persistent_workers=cfg.num_workers > 0, worker_init_fn=ignore_stop_signals,
                         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
                         generator=torch.Generator().manual_seed(cfg.seed + rank))
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
@@ -284,8 +286,10 @@ def train(cfg, di) -> None:
             # Every rank answers its share of the split and the results are gathered, so all ranks
             # hold the same numbers, equal to `python -m latentwire.evaluate` on this step's
             # weights. It joins the step's log record after the window's rates are taken, and the
-            # next window starts after it, so evaluation never counts as training time.
-            eval_due = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+            # next window starts after it, so evaluation never counts as training time. A
+            # preempted run skips it: the grace before SIGKILL is for saving.
+            eval_due = (cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+                        and not stop_requested)
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
             if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps or eval_due:

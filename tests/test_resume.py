@@ -82,7 +82,9 @@ def test_stop_and_resume_under_torchrun(tmp_path, straight):
 
 @pytest.mark.slow
 def test_sigterm_to_torchrun_saves_within_a_step_and_resumes_exactly(tmp_path, straight):
-    args, cut = [*TWENTY[2], "--checkpoint-every", "100"], tmp_path / "cut"
+    """torchrun passes SIGTERM to each trainer's whole process group: with loader workers in it
+    (every GPU profile has them), a worker killed by it used to fail the trainer before it saved."""
+    args, cut = [*TWENTY[2], "--checkpoint-every", "100", "--num-workers", "2"], tmp_path / "cut"
     proc = popen_train([*args, "--out-dir", str(cut)], nproc=2)
     wait_for_step(cut, 4, proc)
     proc.send_signal(signal.SIGTERM)  # what SLURM and spot reclaim send; torchrun forwards it
