@@ -7,13 +7,19 @@
 #                                                    SLURM: one torchrun per node, c10d rendezvous
 #                                                    on the first node of the allocation
 #
-# Preemption under SLURM: 120 s before the time limit (or on scancel --signal=USR1 / preemption)
-# this script receives SIGUSR1, forwards SIGTERM to the training processes, which save a
-# checkpoint at the next step boundary and exit with code 75; the script then requeues the job,
-# and the requeued job adds --resume by itself.
+# It exits with the run's own code (0 done, 2 bad input, 3 diverged, 4 checkpoint write failed,
+# 5 out of memory, 75 preempted), printing a bad input's `error:` line once: torchrun runs inside
+# latentwire.launch, which reads each rank's outcome (plain torchrun exits 1 whatever happened).
+#
+# Preemption: SIGTERM or SIGUSR1 to this script reaches the training processes as SIGTERM; they
+# finish the step, save it and exit with code 75. Under SLURM that comes 120 s before the time
+# limit (or on scancel --signal=USR1 / preemption); the script then requeues the job, and the
+# requeued job adds --resume by itself.
 #
 # Environment it reads: NPROC_PER_NODE (processes per node), MASTER_PORT (rendezvous port, 29500),
-# PYTHON (the interpreter, default: python3).
+# PYTHON (the interpreter; default: the checkout's .venv, else python3),
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds torchrun waits for a signalled rank to save before it
+# kills it; default here 120, torch >= 2.13 reads it).
 #
 #SBATCH --job-name=latentwire
 #SBATCH --ntasks-per-node=1
@@ -30,26 +36,35 @@ if [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURM_SUBMIT_DIR:-}" && ! -f "$(dirname "$
 else
     ROOT="$(cd "$(dirname "$0")" && pwd)"
 fi
+if [[ -z "${PYTHON:-}" && -x "$ROOT/.venv/bin/python" ]]; then
+    PYTHON="$ROOT/.venv/bin/python"
+fi
 PYTHON="${PYTHON:-python3}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 profile=""
+profiles="$ROOT/hw_profiles.json"
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[i]}" in
         --profile) profile="${args[i + 1]:-}" ;;
         --profile=*) profile="${args[i]#--profile=}" ;;
+        --hw-profiles) profiles="${args[i + 1]:-}" ;;
+        --hw-profiles=*) profiles="${args[i]#--hw-profiles=}" ;;
     esac
 done
 if [[ -z "$profile" ]]; then
     echo "error: launch.sh needs --profile KEY (a key of hw_profiles.json)" >&2
     exit 2
 fi
-device="$(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import json, sys
+device="$("$PYTHON" -c 'import sys
+from pathlib import Path
 from latentwire.config import UserError, read_profiles, resolve_profile
 try:
-    print(resolve_profile(read_profiles(), sys.argv[1])["device"])
+    path = Path(sys.argv[2])
+    print(resolve_profile(read_profiles(path), sys.argv[1], path)["device"])
 except UserError as e:
-    sys.exit(f"error: {e}")' "$profile")" || exit 2
+    sys.exit(f"error: {e}")' "$profile" "$profiles")" || exit 2
 
 # --- processes per node ----------------------------------------------------------------------
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then
@@ -78,6 +93,16 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"  # DataLoader workers fork after tokenizers load
+# A signalled rank finishes its step and saves before exiting: give it time before SIGKILL.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
+
+# Wait for a background process; a trapped signal interrupts `wait`, so wait again until it has
+# exited, and return its exit code.
+wait_for() {
+    local status=0
+    while kill -0 "$1" 2>/dev/null; do wait "$1" || status=$?; done
+    return "$status"
+}
 
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     # --- SLURM: one torchrun per node; every node meets at the first node's rendezvous ------
@@ -90,15 +115,15 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     fi
     echo "launch.sh: SLURM job $SLURM_JOB_ID, $nodes node(s) x $nproc process(es), rendezvous $head_node:$port"
     srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-        "$PYTHON" -m torch.distributed.run --nnodes="$nodes" --nproc_per_node="$nproc" \
+        "$PYTHON" -m latentwire.launch --nnodes="$nodes" --nproc_per_node="$nproc" \
         --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:$port" \
         "$ROOT/train.py" "$@" "${resume[@]}" &
     step_pid=$!
     preempted=0
+    # srun passes SIGTERM on to each node's torchrun, which passes it to its ranks.
     trap 'preempted=1; kill -TERM "$step_pid" 2>/dev/null' USR1 TERM
     status=0
-    # `wait` returns early when a trapped signal arrives: wait again for the step to finish saving.
-    while kill -0 "$step_pid" 2>/dev/null; do wait "$step_pid" || status=$?; done
+    wait_for "$step_pid" || status=$?
     if [[ "$preempted" == 1 ]]; then
         echo "launch.sh: preempted; requeueing job $SLURM_JOB_ID to resume"
         scontrol requeue "$SLURM_JOB_ID"
@@ -107,4 +132,16 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
 fi
 # --- one node ---------------------------------------------------------------------------------
 echo "launch.sh: 1 node x $nproc process(es) ($device)"
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$nproc" "$ROOT/train.py" "$@"
+"$PYTHON" -m latentwire.launch --standalone --nproc_per_node="$nproc" "$ROOT/train.py" "$@" &
+launcher_pid=$!
+# A signal goes straight to the ranks (torchrun's children), not through torchrun: torchrun would
+# pass it on too, but then kill the ranks after its shutdown timeout, which torch < 2.13 fixes at 30 s.
+stop_ranks() {
+    local ranks
+    ranks="$(cat /proc/"$launcher_pid"/task/*/children 2>/dev/null || true)"
+    kill -TERM ${ranks:-$launcher_pid} 2>/dev/null || true  # before the ranks exist: torchrun
+}
+trap stop_ranks USR1 TERM
+status=0
+wait_for "$launcher_pid" || status=$?
+exit "$status"

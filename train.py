@@ -34,7 +34,7 @@ from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
 from latentwire.flops import FlopModel
 from latentwire.metrics import GpuMonitor, MemoryMeter, MetricsLogger, Window, peak_flops_per_s
 from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
-from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag, ignore_stop_signals
+from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag, shield_worker_from_stop_signals
 from latentwire.precision import (autocast_for, cuda_capability, enable_tf32, frozen_weight_dtype, grad_scaler_for,
                                   matmul_arithmetic, sdpa_kernels, use_tf32)
 from latentwire.profiling import MemorySnapshots, make_profiler
@@ -120,11 +120,11 @@ def train(cfg, di) -> None:
     # host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a
     # fork of every worker at each epoch. The loader's own generator keeps its worker seeds
     # off the global RNG, so dropout draws do not depend on when an epoch starts. Workers
-    # ignore the preemption signals, so a signal to the whole process group cannot kill them
+    # leave the trainer's process group, so a preemption signal to the group cannot kill them
     # before the trainer has saved.
     loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate,
                         drop_last=True, num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-                        persistent_workers=cfg.num_workers > 0, worker_init_fn=ignore_stop_signals,
+                        persistent_workers=cfg.num_workers > 0, worker_init_fn=shield_worker_from_stop_signals,
                         prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
                         generator=torch.Generator().manual_seed(cfg.seed + rank))
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world

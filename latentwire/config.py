@@ -291,10 +291,18 @@ def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config
 
 def main_guard(main):
     """Run `main()`; a HarnessExit becomes `error: ...` on stderr and its exit code (2 for bad
-    input), with no traceback."""
+    input), with no traceback. Under launch.sh (`latentwire.launch`) every rank leaves its outcome
+    for the launcher instead, which prints the error line once."""
     import sys
+
+    from .launch import record_outcome
     try:
-        return main()
+        main()
     except HarnessExit as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not record_outcome(e.exit_code, str(e)):
+            print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except SystemExit as e:  # preempted: 75
+        record_outcome(e.code if isinstance(e.code, int) else 1, None)
+        raise
+    record_outcome(0, None)

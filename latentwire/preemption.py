@@ -1,9 +1,10 @@
 """Preemption: SIGTERM (spot instances, `scancel`, torchrun shutting down) and SIGUSR1 (SLURM's
 `--signal`) only set a flag. The loop ORs the flag over all ranks at the next step boundary, so
 every rank saves the same step and exits together with PREEMPTED_EXIT_CODE. DataLoader workers
-ignore both signals (`ignore_stop_signals`): the trainer decides when to stop."""
+are kept out of the way of both (`shield_worker_from_stop_signals`): the trainer decides when to stop."""
 from __future__ import annotations
 
+import os
 import signal
 
 # EX_TEMPFAIL from sysexits.h: "try again later". A checkpoint was saved; `--resume` continues.
@@ -25,11 +26,12 @@ class StopFlag:
         return self.signal_name is not None
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`. torchrun signals each trainer's whole process group, its loader
-    workers included, and torch's own SIGTERM handler in a worker exits unless the signal came from
-    the trainer: the trainer then fails ("DataLoader worker ... is killed by signal") before it can
-    save. Ignoring the signals leaves the worker to the trainer, which shuts it down on exit (and a
-    worker whose trainer died exits by itself)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+def shield_worker_from_stop_signals(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: the worker leaves the trainer's process group. torchrun signals
+    each trainer's whole process group, and torch's SIGTERM handler in a worker exits when the
+    signal did not come from its trainer: the trainer then failed ("DataLoader worker ... is killed
+    by signal") before it could save. Outside the group only the trainer stops its workers (its
+    SIGTERM still ends them), and a worker whose trainer died exits by itself. SIGUSR1, which no
+    trainer sends, is ignored."""
+    os.setpgrp()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)

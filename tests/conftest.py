@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 FAST = ["--num-examples", "512", "--num-workers", "0", "--log-every", "1"]
 # The reference numerics of the correctness rules.
 EXACT = ["--precision", "fp32", "--dropout", "0", "--compile", "false"]
+# The run the resume and preemption tests split and compare.
+RUN = ["--profile", "cpu", *EXACT, *FAST, "--micro-batch-size", "4", "--grad-accum-steps", "2"]
+# 20 steps on one process, and the same global batch on two ranks under torchrun.
+TWENTY = {1: [*RUN, "--max-steps", "20"], 2: [*RUN, "--max-steps", "20", "--micro-batch-size", "2"]}
 
 
 @pytest.fixture(autouse=True)
@@ -87,3 +92,37 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines[0]
+
+
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory):
+    """`straight(nproc)`: the unbroken run of TWENTY[nproc], made once and shared by the tests
+    that split the same run (stopped, signalled, resumed) and compare."""
+    runs = {}
+
+    def get(nproc: int):
+        if nproc not in runs:
+            runs[nproc] = tmp_path_factory.mktemp(f"straight{nproc}") / "run"
+            ok(run_train([*TWENTY[nproc], "--out-dir", str(runs[nproc])], nproc=nproc))
+        return runs[nproc]
+    return get
+
+
+def wait_for_step(out, step, proc, timeout=300):
+    """Until `out`'s metrics log `step` (the event a signal test waits for), while `proc` runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = out / "metrics.jsonl"
+        if path.exists() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines() if l):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached")
+
+
+def assert_same_run(straight, resumed, from_step):
+    a, b = final_weights(straight), final_weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise
+    losses = lambda out: [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(out)]
+    assert losses(resumed) == losses(straight)  # every step once, the resumed ones identical
+    assert [m["step"] for m in read_metrics(resumed)][from_step:] == list(range(from_step + 1, 21))

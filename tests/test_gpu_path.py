@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import FAST, REPO, assert_one_line_error, ok, read_metrics, run_train
+from conftest import FAST, assert_one_line_error, ok, read_metrics, run_train
 
 CPU = torch.device("cpu")
 MiB = 2 ** 20

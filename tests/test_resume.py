@@ -10,27 +10,9 @@ import time
 import pytest
 import torch
 
-from conftest import (EXACT, FAST, REPO, assert_one_line_error, child_env, final_weights, ok, read_metrics,
-                      run_train)
+from conftest import (REPO, RUN, TWENTY, assert_one_line_error, assert_same_run, child_env, final_weights, ok,
+                      read_metrics, run_train, wait_for_step)
 from latentwire.checkpoint import list_checkpoints, load_checkpoint
-
-RUN = ["--profile", "cpu", *EXACT, *FAST, "--micro-batch-size", "4", "--grad-accum-steps", "2"]
-# 20 steps on one process, and the same global batch on two ranks under torchrun.
-TWENTY = {1: [*RUN, "--max-steps", "20"], 2: [*RUN, "--max-steps", "20", "--micro-batch-size", "2"]}
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """`straight(nproc)`: the unbroken run of TWENTY[nproc], made once and shared by the tests
-    that split the same run and compare."""
-    runs = {}
-
-    def get(nproc: int):
-        if nproc not in runs:
-            runs[nproc] = tmp_path_factory.mktemp(f"straight{nproc}") / "run"
-            ok(run_train([*TWENTY[nproc], "--out-dir", str(runs[nproc])], nproc=nproc))
-        return runs[nproc]
-    return get
 
 
 def popen_train(args, nproc=1, **env):
@@ -38,25 +20,6 @@ def popen_train(args, nproc=1, **env):
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
     return subprocess.Popen([*launcher, str(REPO / "train.py"), *args], cwd=REPO, env=child_env(**env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for_step(out, step, proc, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        path = out / "metrics.jsonl"
-        if path.exists() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines() if l):
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached")
-
-
-def assert_same_run(straight, resumed, from_step):
-    a, b = final_weights(straight), final_weights(resumed)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise
-    losses = lambda out: [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(out)]
-    assert losses(resumed) == losses(straight)  # every step once, the resumed ones identical
-    assert [m["step"] for m in read_metrics(resumed)][from_step:] == list(range(from_step + 1, 21))
 
 
 @pytest.mark.slow

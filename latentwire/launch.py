@@ -1,0 +1,76 @@
+"""torchrun, ending with the run's own exit code: `python -m latentwire.launch [torchrun flags] train.py [flags]`.
+
+Plain torchrun exits 1 whatever its ranks' codes were, prints a bad input's `error:` line once per
+rank, and adds its own traceback. launch.sh runs this module instead: the same torchrun (its flag
+parser and its `run`, in this process), with every rank leaving its outcome, exit code and error
+line, in a directory named by LATENTWIRE_OUTCOME_DIR (`config.main_guard` writes it). At the end
+the run's error line is printed once and the run's code is the exit code: the lowest rank's
+non-zero code (2 bad input, 3 diverged, 4 checkpoint write failed, 5 out of memory, 75 preempted);
+1 with one line naming the rank when a rank died without an outcome (its traceback is above).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+OUTCOME_DIR = "LATENTWIRE_OUTCOME_DIR"
+
+
+def record_outcome(code: int, error: str | None) -> bool:
+    """Leave this rank's outcome for the launcher, if one is waiting for it; True if so (the
+    launcher then prints the error line, once for all ranks)."""
+    directory = os.environ.get(OUTCOME_DIR)
+    if not directory:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    (Path(directory) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "error": error}))
+    return True
+
+
+def run_outcome(directory: Path) -> dict | None:
+    """The outcome of the lowest rank that ended with a non-zero code, or None if none did."""
+    outcomes = sorted((json.loads(p.read_text()) for p in directory.glob("rank*.json")), key=lambda o: o["rank"])
+    return next((o for o in outcomes if o["code"] != 0), None)
+
+
+def silence_torchrun() -> None:
+    """torchrun's own log lines (a rank failed, closing signals sent) repeat what the outcome says."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    silence_torchrun()
+    with tempfile.TemporaryDirectory(prefix="latentwire-outcome-") as directory:
+        os.environ[OUTCOME_DIR] = directory
+        failed = None
+        try:
+            run(args)
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            failed = f"rank {rank} failed with exit code {failure.exitcode}"
+        except SignalException as e:  # torchrun itself was signalled and has stopped the ranks
+            failed = f"torchrun received {e.sigval.name}"
+        outcome = run_outcome(Path(directory))
+    if outcome is not None:
+        if outcome["error"]:
+            print(f"error: {outcome['error']}", file=sys.stderr, flush=True)
+        return outcome["code"]
+    if failed:
+        print(f"error: {failed}, with no outcome of its own (see its output above)", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
