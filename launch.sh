@@ -76,6 +76,10 @@ elif [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
 else
     nproc=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
+if [[ -n "${NPROC_PER_NODE:-}" && ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: NPROC_PER_NODE must be a positive integer, got '$NPROC_PER_NODE'" >&2
+    exit 2
+fi
 if [[ -z "$nproc" || "$nproc" -lt 1 ]]; then
     echo "error: profile $profile needs a GPU and none is visible (set NPROC_PER_NODE to override)" >&2
     exit 2

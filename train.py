@@ -10,7 +10,6 @@ One loop, top to bottom. Each optimization is a labelled block saying why it is 
 from __future__ import annotations
 
 import functools
-import os
 import random
 import shutil
 import sys
@@ -25,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from latentwire.checkpoint import list_checkpoints, prune_checkpoints, resume_training, save_checkpoint
 from latentwire.compiling import compiled_step
-from latentwire.config import Diverged, HarnessExit, UserError, load_config, main_guard
+from latentwire.config import Diverged, HarnessExit, UserError, check_can_create, load_config, main_guard
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
@@ -335,9 +334,7 @@ def check_out_dir(out_dir: Path, run) -> None:
     holds_run = (out_dir / "metrics.jsonl").exists() or bool(list_checkpoints(out_dir))
     if holds_run and not (run.resume or run.overwrite):
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"out_dir {out_dir} cannot be created: {existing} is not a writable directory")
+    check_can_create(out_dir, "out_dir")
 
 
 def prepare_out_dir(out_dir: Path, run) -> None:

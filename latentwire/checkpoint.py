@@ -169,14 +169,24 @@ def load_checkpoint(path: Path, rank: int) -> dict:
     return {"path": path, "meta": meta, "weights": weights, "train_state": train_state, "rng": rng}
 
 
-def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict | None:
-    """The newest checkpoint that loads; a partial or corrupt newer one is skipped with a warning."""
+def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
+    """The newest checkpoint that loads; a partial or corrupt newer one is skipped with a warning.
+    If none loads, one error line says why the newest did not."""
+    unreadable = []
     for path in reversed(list_checkpoints(out_dir)):
         try:
-            return load_checkpoint(path, rank)
+            ckpt = load_checkpoint(path, rank)
         except CorruptCheckpoint as e:
-            warn(f"warning: skipping unreadable checkpoint {e}")
-    return None
+            unreadable.append(str(e))
+            continue
+        for reason in unreadable:
+            warn(f"warning: skipping unreadable checkpoint {reason}")
+        return ckpt
+    where = Path(out_dir) / "checkpoints"
+    if not unreadable:
+        raise UserError(f"no usable checkpoint to resume from in {where}: there is none")
+    older = f" (and {len(unreadable) - 1} older ones)" if len(unreadable) > 1 else ""
+    raise UserError(f"no usable checkpoint to resume from in {where}: {unreadable[0]}{older}")
 
 
 @dataclass(frozen=True)
@@ -221,8 +231,6 @@ def resume_training(out_dir: Path, rank: int, config: dict, model, optimizer, sc
     schedule, grad scaler and this process's RNGs. `config` is the resolved configuration of the
     resuming run (Config.to_dict())."""
     ckpt = load_newest_checkpoint(out_dir, rank, warn)
-    if ckpt is None:
-        raise UserError(f"no usable checkpoint to resume from in {Path(out_dir) / 'checkpoints'}")
     state = ckpt["train_state"]
     check_restored_settings(config, ckpt["meta"]["config"])
     check_weights(ckpt["weights"], model.state_dict(), ckpt["path"] / WEIGHTS, "the configured model")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,6 +238,26 @@ def check_consistency(v: dict, where: str) -> None:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage and exits 2; we want one line
         raise UserError(message)
+
+
+def positive(kind):
+    """An argparse type: a finite number of `kind` above 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+        return value
+    return parse
+
+
+def check_can_create(path: Path, what: str) -> None:
+    """`path` is a directory, or can be made one: checked before any work, not when it is written."""
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path} cannot be created: {existing} is not a writable directory")
 
 
 def parse_bool(text: str) -> bool:

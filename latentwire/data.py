@@ -134,6 +134,7 @@ def _quiet_datasets():
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failures become one `error:` line
     return datasets
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
-from .config import FIELDS, Config, RunFlags, UserError, check_value, main_guard
+from .config import FIELDS, Config, RunFlags, UserError, _Parser, check_can_create, check_value, main_guard, positive
 from .data import IGNORE_INDEX, Collator, PromptDataset, load_examples, prompt_text
 from .distributed import process_group
 from .llm import FrozenLLM, load_frozen_llms, padded_attention
@@ -554,21 +554,6 @@ def write_report(report: dict, out_dir: Path, stem: str) -> tuple[Path, Path]:
 
 # --- the command line -------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage and exits 2; we want one line
-        raise UserError(message)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m latentwire.evaluate",
                 description="EM/F1 and answer NLL from a LatentWire checkpoint's wire, with text baselines.")
@@ -576,10 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", help="held-out data: synthetic, squad, hotpot_qa or a local file (default: the run's)")
     # torchrun's own parser reads `--n` as an ambiguous abbreviation of its flags (--nnodes, ...)
     # before the module sees it, so under torchrun the long name is needed.
-    p.add_argument("--n", "--eval-examples", dest="n", type=positive_int, default=500,
+    p.add_argument("--n", "--eval-examples", dest="n", type=positive(int), default=500,
                    help="number of held-out examples (under torchrun: --eval-examples)")
-    p.add_argument("--batch-size", type=positive_int, help="examples per forward (default: the run's micro-batch)")
-    p.add_argument("--max-new-tokens", type=positive_int, help="generation limit (default: the run's)")
+    p.add_argument("--batch-size", type=positive(int), help="examples per forward (default: the run's micro-batch)")
+    p.add_argument("--max-new-tokens", type=positive(int), help="generation limit (default: the run's)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: the run's")
     p.add_argument("--out-dir", help="where the .json and .md go (default: RUN/eval)")
     return p
@@ -598,6 +583,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args, ckpt: Path, cfg, step, di) -> None:
     dataset = args.dataset or cfg.dataset
+    out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
+    check_can_create(out_dir, "output directory")
     examples = load_examples(dataset, "validation", args.n, cfg.seed)
     llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
@@ -607,7 +594,6 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     if not di.is_main:
         return
     report = build_report(ckpt, step, cfg, dataset, examples, records, llms, plan, di.world_size)
-    out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
     paths = write_report(report, out_dir, f"{ckpt.name}_{Path(dataset).stem}_n{len(examples)}")
     print(markdown(report), flush=True)
     print("wrote " + " and ".join(map(str, paths)), flush=True)

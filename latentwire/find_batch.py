@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 
 from .budget import GIB, Fit, fit_line
-from .config import _Parser, load_config, main_guard
+from .config import _Parser, check_can_create, load_config, main_guard, positive
 from .distributed import process_group
 from .llm import apply_activation_checkpointing, load_frozen_llms
 from .memtrace import make_optimizer, planning_batch, train_step
 from .model import WireEncoder
-from .plan import positive, write_json
+from .plan import write_json
 from .precision import cuda_capability, frozen_weight_dtype, sdpa_kernels
 
 PROG = "python -m latentwire.find_batch"
@@ -269,6 +269,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def find(cfg, args, di) -> None:
+    out = Path(cfg.out_dir)
+    json_path, tb_dir = Path(args.json or out / "find_batch.json"), Path(args.tb_dir or out / "find_batch_tb")
+    check_can_create(json_path.parent, "output directory")
+    check_can_create(tb_dir, "--tb-dir")
     cap = round((args.cap_gb or cfg.target_util * cfg.memory_gb) * GIB)
     llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
     if cfg.activation_checkpointing:
@@ -285,12 +289,11 @@ def find(cfg, args, di) -> None:
         say(f"fit: peak = {fit.fixed / GIB:.3f} GiB + {fit.per_sample / GIB:.4f} GiB x micro-batch, R^2 = {fit.r2:.5f}")
     say(f"largest micro-batch that fits: {best}" if best else "not even micro-batch 1 fits", flush=True)
     if di.is_main:
-        out = Path(cfg.out_dir)
-        write_json(args.json or str(out / "find_batch.json"),
+        write_json(str(json_path),
                    {"profile": cfg.run.profile, "world_size": di.world_size, "device": di.device.type,
                     "cap_bytes": cap, "steps": args.steps, "max_micro_batch": best,
                     "fit": None if fit is None else asdict(fit), "trials": [asdict(t) for t in trials]})
-        write_tensorboard(args.tb_dir or str(out / "find_batch_tb"), trials, fit)
+        write_tensorboard(str(tb_dir), trials, fit)
 
 
 if __name__ == "__main__":

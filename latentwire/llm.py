@@ -204,16 +204,20 @@ def load_pretrained(source: str, dtype: torch.dtype, device: torch.device):
         tokenizer.pad_token = tokenizer.eos_token  # right padding never reaches the loss
     with one_line_error(f"cannot build model {source!r} from its configuration"), torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
-    copy_weights(model, files, source)
+    with one_line_error(f"cannot read the weights of model {source!r}"):
+        copy_weights(model, files, source)
     return model, tokenizer
 
 
 @contextmanager
 def one_line_error(what: str):
-    """transformers' and the hub's failures to read a model become `what: <their first line>`."""
+    """transformers', safetensors' and the hub's failures to read a model become `what: <their
+    first line>`."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise UserError(f"{what}: {first.rstrip(':')}") from None
 

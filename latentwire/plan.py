@@ -34,7 +34,7 @@ import torch
 
 from .analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
 from .budget import GIB, Budget, Fit, budget_for, fit_line, largest_fitting
-from .config import UserError, _Parser, load_config, main_guard
+from .config import UserError, _Parser, load_config, main_guard, positive
 from .known_llms import LLMSpec, llm_parameter_count, llm_spec
 from .llm import LLM_NAMES
 from .memtrace import StepTrace, StepTracer, fake_llms
@@ -232,18 +232,6 @@ def _count(text: str) -> int:
     if value < 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a non-negative count, got {text!r}")
     return round(value)
-
-
-def positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        return value
-    return parse
 
 
 CALCULATOR_FLAGS = ("params", "model_size_gb", "trainable_params", "gpu_memory_gb")

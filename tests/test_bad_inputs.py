@@ -1,0 +1,335 @@
+"""Bad input at every entry point (DESIGN.md, "Exit codes"): exit code 2, one `error: ...` line on
+stderr, no traceback, and nothing on disk changed: an existing run directory is byte-identical
+afterwards. (tests/test_resume.py's table checks the wording of the common train.py cases.)
+
+One small real run is trained once for the module. Each case gets a fresh copy of it, snapshots
+every path and file of the copy, runs one bad command that points at the copy (as --out-dir, with
+--resume or --overwrite, as evaluate's --ckpt, or as plan's and find_batch's output directory
+where the case is about something else), and compares. Commands that would replace a run are given
+--overwrite, so that a bad input that slips through shows up as a changed run, not as "already
+holds a run".
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import REPO, assert_one_line_error, child_env, ok, run_train
+
+pytestmark = pytest.mark.slow
+
+# The reference run: the fewest steps that leave metrics, TensorBoard events and a checkpoint.
+REF_ARGS = ["--profile", "cpu", "--num-examples", "64", "--max-steps", "2", "--micro-batch-size", "4",
+            "--grad-accum-steps", "1", "--num-workers", "0"]
+CKPT = "checkpoints/step_00000002"
+GOOD = {"context": "Ada lives in Paris.", "question": "Where does Ada live?", "answers": {"text": ["Paris"]}}
+NO_QUESTION = {"context": GOOD["context"], "answers": GOOD["answers"]}
+NO_CONTEXT = {"question": GOOD["question"], "answers": GOOD["answers"]}
+NO_ANSWERS = {"context": GOOD["context"], "question": GOOD["question"]}
+EMPTY_ANSWERS = {**GOOD, "answers": {"text": []}}
+TIMEOUT_S = 300
+NOBODY = 65534
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "run"
+    ok(run_train([*REF_ARGS, "--out-dir", str(out)]))
+    assert (out / CKPT / "trainable.safetensors").is_file() and (out / "metrics.jsonl").is_file()
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tmp_path_factory) -> Path:
+    """The datasets json/parquet readers write an Arrow cache: not in the home directory, not in a run."""
+    return tmp_path_factory.mktemp("hf_datasets_cache")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Local model directories that cannot load, each in its own way."""
+    from latentwire.llm import TINY_SPECS, tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("models")
+    dirs = {name: root / name for name in ("empty", "unknown_type", "config_not_json", "no_weights", "garbage_weights")}
+    for path in dirs.values():
+        path.mkdir()
+    llama_config = json.dumps({"model_type": "llama", **TINY_SPECS["llama"]})
+    (dirs["unknown_type"] / "config.json").write_text(json.dumps({"model_type": "no_such_architecture",
+                                                                   "hidden_size": 64, "vocab_size": 1000}))
+    (dirs["config_not_json"] / "config.json").write_text('{"model_type": "llama",')
+    for name in ("no_weights", "garbage_weights"):
+        (dirs[name] / "config.json").write_text(llama_config)
+        tiny_tokenizer("llama").save_pretrained(str(dirs[name]))
+    (dirs["garbage_weights"] / "model.safetensors").write_bytes(b"\x00not a safetensors file" * 10)
+    return dirs
+
+
+# --- one case -------------------------------------------------------------------------------------
+
+@dataclass
+class Ctx:
+    run: Path  # a fresh copy of the reference run; the snapshot covers it
+    tmp: Path  # scratch for input files, outside the run
+    models: dict[str, Path]
+    cleanup: Path | None = None  # a directory made outside tmp_path, removed after the command
+
+    def write(self, name: str, content: str | bytes) -> str:
+        path = self.tmp / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+
+    def jsonl(self, name: str, records: list) -> str:
+        return self.write(name, "".join(json.dumps(r) + "\n" for r in records))
+
+    def parquet(self, name: str, records: list[dict]) -> str:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = self.tmp / name
+        pq.write_table(pa.Table.from_pylist(records), path)
+        return str(path)
+
+    def profiles(self, mutate: Callable[[dict], object]) -> str:
+        """hw_profiles.json with one change."""
+        profiles = json.loads((REPO / "hw_profiles.json").read_text())
+        mutate(profiles)
+        return self.write("hw_profiles.json", json.dumps(profiles))  # allow_nan: inf is written as Infinity
+
+    def ckpt_file(self, name: str) -> Path:
+        return self.run / CKPT / name
+
+    def garbage(self, name: str) -> None:
+        self.ckpt_file(name).write_bytes(b"\x00garbage" * 64)
+
+    def leave_only_a_partial_checkpoint(self) -> None:
+        """The only checkpoint renamed to the temporary name a save killed midway leaves."""
+        (self.run / CKPT).rename(self.run / "checkpoints" / ".step_00000002.tmp")
+
+    def truncate(self, name: str) -> None:
+        path = self.ckpt_file(name)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    def meta(self, **config) -> None:
+        path = self.ckpt_file("meta.json")
+        meta = json.loads(path.read_text())
+        meta["config"].update(config)
+        path.write_text(json.dumps(meta, indent=2))
+
+    def reshape_queries(self) -> None:
+        """The wire's learned queries saved with half the soft tokens (as if trained with another
+        --num-latents), the rest of the checkpoint and its meta.json unchanged."""
+        from safetensors.torch import load_file, save_file
+
+        path = self.ckpt_file("trainable.safetensors")
+        state = load_file(str(path))
+        queries = state["pooler.queries"]
+        state["pooler.queries"] = queries[: queries.shape[0] // 2].clone()
+        save_file(state, str(path))
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under root (directories as None) and every file's bytes."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def changes(before: dict, after: dict) -> str:
+    added, removed = sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys())
+    changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
+    return "; ".join(f"{what} {paths[:4]}{' ...' if len(paths) > 4 else ''}"
+                     for what, paths in (("added", added), ("removed", removed), ("changed", changed)) if paths)
+
+
+def base_args(entry: str, run: Path) -> list[str]:
+    """What every case of an entry point starts from; the case's own flags come after and win."""
+    if entry == "train" or entry.startswith("launch"):
+        return [*REF_ARGS, "--out-dir", str(run)]
+    if entry == "plan":
+        return ["--profile", "cpu", "--out-dir", str(run), "--json", str(run / "plan.json")]
+    if entry == "find_batch":  # one trial of one step, should a bad input get through
+        return ["--profile", "cpu", "--out-dir", str(run), "--micro-batch-size", "1", "--max-micro-batch", "1",
+                "--steps", "1"]
+    if entry == "evaluate":  # the report would go to RUN/eval
+        return ["--ckpt", str(run), "--n", "8", "--batch-size", "8", "--max-new-tokens", "4"]
+    raise ValueError(entry)
+
+
+def invoke(entry: str, args: list[str], cwd: Path, env: dict, prefix: list[str]) -> subprocess.CompletedProcess:
+    if entry == "train":
+        cmd = [sys.executable, str(REPO / "train.py")]
+    elif entry.startswith("launch"):
+        cmd = [str(REPO / "launch.sh")]
+        env = {"PYTHON": sys.executable, "NPROC_PER_NODE": entry[len("launch"):], **env}
+    else:
+        cmd = [sys.executable, "-m", f"latentwire.{entry}"]
+    return subprocess.run([*prefix, *cmd, *args], cwd=cwd if entry.startswith("launch") else REPO,
+                          env=child_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+# --- the cases ------------------------------------------------------------------------------------
+# Each is (entry point, build): build(ctx) prepares inputs (and may damage the run copy before the
+# snapshot) and returns the flags after base_args, or a dict with "args" and optionally "env" and
+# "prefix". Entry points: train (python train.py), launch1 / launch2 (./launch.sh --profile cpu with
+# NPROC_PER_NODE=1 / 2), plan, find_batch, evaluate (python -m latentwire.<entry>).
+
+OW = "--overwrite"
+
+
+def unwritable_parent(c: Ctx) -> dict:
+    """out_dir in a directory this user may not write. root may write anywhere, so as root the
+    command runs as nobody, in a directory nobody can reach but not write."""
+    if os.geteuid() != 0:
+        locked = c.run / "locked"
+        locked.mkdir()
+        locked.chmod(0o555)
+        return {"args": ["--out-dir", str(locked / "run")]}
+    top = Path(tempfile.mkdtemp(prefix="latentwire-locked-"))
+    top.chmod(0o755)
+    (top / "locked").mkdir(mode=0o555)
+    c.cleanup = top
+    return {"args": ["--out-dir", str(top / "locked" / "run")], "env": {"HOME": str(top)},
+            "prefix": ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]}
+
+
+def profiles(mutate: Callable[[dict], object]) -> Callable[[Ctx], list[str]]:
+    """A train/launch case: --overwrite with hw_profiles.json changed by `mutate`."""
+    return lambda c: [OW, "--hw-profiles", c.profiles(mutate)]
+
+
+def dataset(name: str, content: str | bytes | list) -> Callable[[Ctx], list[str]]:
+    """A train/launch case: --overwrite with --dataset a file of this content (a list: one JSON record a line)."""
+    return lambda c: [OW, "--dataset", c.jsonl(name, content) if isinstance(content, list) else c.write(name, content)]
+
+
+def llm(flag: str, model: str, prefix: str = "") -> Callable[[Ctx], list[str]]:
+    """A train/launch case: --overwrite with --llama or --qwen one of the model_dirs."""
+    return lambda c: [OW, f"--{flag}", prefix + str(c.models[model])]
+
+
+CASES = {
+    # --- hardware profile files (--hw-profiles FILE, --profile KEY) --------------------------------
+    "train-profiles-not-json": ("train", lambda c: [OW, "--hw-profiles", c.write("p.json", '{"cpu": {"a": 1,}}')]),
+    "train-profiles-field-wrong-type": ("train", profiles(lambda p: p["cpu"].update(micro_batch_size="8"))),
+    "train-profiles-unknown-field": ("train", profiles(lambda p: p["cpu"].update(learning_rate=0.1))),
+    "train-profiles-missing-file": ("train", lambda c: [OW, "--hw-profiles", str(c.tmp / "no_such_profiles.json")]),
+    "train-profiles-lr-Infinity": ("train", profiles(lambda p: p["cpu"].update(lr=float("inf")))),
+    "train-profiles-extends-cycle": ("train", profiles(lambda p: p["cpu"].update(extends="cpu"))),
+    "plan-profiles-not-json": ("plan", lambda c: ["--hw-profiles", c.write("p.json", "not json at all")]),
+    "find_batch-profiles-field-wrong-type": ("find_batch", lambda c: [
+        "--hw-profiles", c.profiles(lambda p: p["cpu"].update(compile="yes"))]),
+    "launch2-profiles-not-json": ("launch2", lambda c: [OW, "--hw-profiles", c.write("p.json", '{"cpu": ')]),
+
+    # --- flag values -----------------------------------------------------------------------------
+    "train-max-steps-negative": ("train", lambda c: [OW, "--max-steps", "-5"]),
+    "train-lr-nan": ("train", lambda c: [OW, "--lr", "nan"]),
+    "train-weight-decay-inf": ("train", lambda c: [OW, "--weight-decay", "inf"]),
+    "train-max-grad-norm-inf": ("train", lambda c: [OW, "--max-grad-norm", "inf"]),
+    "train-micro-batch-size-not-int": ("train", lambda c: [OW, "--micro-batch-size", "2.5"]),
+    "train-unknown-flag": ("train", lambda c: [OW, "--learning-rate", "0.001"]),
+    "plan-num-gpus-zero": ("plan", lambda c: ["--num-gpus", "0"]),
+    "plan-lr-inf": ("plan", lambda c: ["--lr", "inf"]),
+    "find_batch-cap-gb-inf": ("find_batch", lambda c: ["--cap-gb", "inf"]),
+    "find_batch-steps-negative": ("find_batch", lambda c: ["--steps", "-1"]),
+    "evaluate-n-zero": ("evaluate", lambda c: ["--n", "0"]),
+    "evaluate-device-unknown": ("evaluate", lambda c: ["--device", "tpu"]),
+    "launch2-micro-batch-size-zero": ("launch2", lambda c: [OW, "--micro-batch-size", "0"]),
+    "launch-nproc-per-node-not-a-number": ("launch1", lambda c: {"args": [OW], "env": {"NPROC_PER_NODE": "x"}}),
+
+    # --- dataset files (--dataset PATH) ----------------------------------------------------------
+    "train-data-empty-json": ("train", dataset("d.json", "")),
+    "train-data-empty-parquet": ("train", dataset("d.parquet", b"")),
+    "train-data-not-utf8-jsonl": ("train", dataset("d.jsonl", b'{"context": "\xff\xfe\xfd"}\n')),
+    "train-data-json-number": ("train", dataset("d.json", "42")),
+    "train-data-json-list-of-strings": ("train", dataset("d.json", json.dumps(["a", "b"] * 40))),
+    "train-data-jsonl-numbers": ("train", dataset("d.jsonl", "1\n2\n3\n")),
+    "train-data-parquet-missing-answers": ("train", lambda c: [
+        OW, "--dataset", c.parquet("d.parquet", [NO_ANSWERS] * 40)]),
+    "train-data-json-empty-answers": ("train", dataset("d.json", json.dumps([GOOD] * 40 + [EMPTY_ANSWERS]))),
+    "train-data-wrong-suffix": ("train", dataset("d.csv", "context,question\n")),
+    "evaluate-data-missing-context": ("evaluate", lambda c: ["--dataset", c.jsonl("d.jsonl", [NO_CONTEXT] * 8)]),
+    "launch2-data-smaller-than-global-batch-overwrite": ("launch2", dataset("d.jsonl", [GOOD] * 6)),
+
+    # --- model directories (--llama / --qwen DIR) -------------------------------------------------
+    "train-llama-config-not-json": ("train", llm("llama", "config_not_json")),
+    "train-llama-tokenizer-but-no-weights": ("train", llm("llama", "no_weights")),
+    "train-llama-garbage-weights": ("train", llm("llama", "garbage_weights")),
+    "train-llama-random-unknown-model-type": ("train", llm("llama", "unknown_type", prefix="random:")),
+    "plan-llama-unknown-model-type": ("plan", lambda c: ["--llama", str(c.models["unknown_type"])]),
+    "find_batch-llama-empty-dir": ("find_batch", lambda c: ["--llama", str(c.models["empty"])]),
+    "evaluate-meta-llama-unknown-model-type": ("evaluate", lambda c: c.meta(llama=str(c.models["unknown_type"])) or []),
+
+    # --- checkpoints (--resume, evaluate --ckpt) ---------------------------------------------------
+    "train-resume-truncated-weights": ("train", lambda c: c.truncate("trainable.safetensors") or ["--resume"]),
+    "train-resume-truncated-train-state": ("train", lambda c: c.truncate("train_state.pt") or ["--resume"]),
+    "train-resume-garbage-meta": ("train", lambda c: c.garbage("meta.json") or ["--resume"]),
+    "train-resume-wrong-tensor-shapes": ("train", lambda c: c.reshape_queries() or ["--resume"]),
+    "evaluate-ckpt-truncated-weights": ("evaluate", lambda c: c.truncate("trainable.safetensors") or []),
+    "evaluate-ckpt-wrong-tensor-shapes": ("evaluate", lambda c: c.reshape_queries() or []),
+    "evaluate-ckpt-garbage-meta": ("evaluate", lambda c: c.garbage("meta.json") or []),
+    "evaluate-ckpt-meta-field-wrong-type": ("evaluate", lambda c: c.meta(d_z="64") or []),
+    "evaluate-ckpt-no-complete-checkpoint": ("evaluate", lambda c: c.leave_only_a_partial_checkpoint() or []),
+    "launch2-resume-garbage-weights": ("launch2", lambda c: c.garbage("trainable.safetensors") or ["--resume"]),
+
+    # --- out_dir ---------------------------------------------------------------------------------
+    "train-out-dir-is-a-file": ("train", lambda c: [OW, "--out-dir", str(c.run / "metrics.jsonl")]),
+    "train-out-dir-parent-not-writable": ("train", unwritable_parent),
+    "train-overwrite-and-resume": ("train", lambda c: [OW, "--resume"]),
+    "train-resume-fresh-out-dir": ("train", lambda c: ["--resume", "--out-dir", str(c.run / "fresh")]),
+    "find_batch-out-dir-is-a-file": ("find_batch", lambda c: ["--out-dir", str(c.run / "metrics.jsonl")]),
+    "evaluate-out-dir-is-a-file": ("evaluate", lambda c: ["--out-dir", str(c.run / "metrics.jsonl")]),
+}
+
+
+def run_case(entry: str, build, root: Path, reference_run: Path, model_dirs: dict, hf_cache: Path) -> str:
+    """One case in its own directory `root`: what went wrong, or "" if nothing did."""
+    run, scratch = root / "run", root / "inputs"
+    shutil.copytree(reference_run, run)
+    scratch.mkdir()
+    ctx = Ctx(run, scratch, model_dirs)
+    spec = build(ctx)
+    spec = spec if isinstance(spec, dict) else {"args": spec}
+    env = {"HF_DATASETS_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **spec.get("env", {})}
+    before = snapshot(run)
+    try:
+        proc = invoke(entry, [*base_args(entry, run), *spec["args"]], scratch, env, spec.get("prefix", []))
+    finally:
+        if ctx.cleanup is not None:
+            shutil.rmtree(ctx.cleanup, ignore_errors=True)
+
+    problems = []
+    changed = changes(before, snapshot(run))
+    if changed:
+        problems.append(f"the run directory changed: {changed}")
+    if proc.returncode != 2:
+        problems.append(f"exit code {proc.returncode}, expected 2")
+    try:
+        assert_one_line_error(proc)
+    except AssertionError:
+        problems.append("stderr is not exactly one `error: ...` line without a traceback")
+    return "; ".join(problems) + f"\n--- stderr (tail) ---\n{proc.stderr[-3000:]}" if problems else ""
+
+
+@pytest.fixture(scope="module")
+def results(reference_run, model_dirs, hf_cache, tmp_path_factory) -> dict[str, str]:
+    """Every case, two at a time: the cases are single-threaded processes (OMP_NUM_THREADS=1), so
+    on CI's two cores that nearly halves the wall time (4.7 to 2.6 minutes here)."""
+    root = tmp_path_factory.mktemp("cases")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_case, entry, build, root / name, reference_run, model_dirs, hf_cache)
+                   for name, (entry, build) in CASES.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_exits_2_with_one_line_and_leaves_the_run_untouched(case, results):
+    assert not results[case], results[case]
