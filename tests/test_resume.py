@@ -62,14 +62,17 @@ def test_sigterm_to_torchrun_saves_within_a_step_and_resumes_exactly(tmp_path, s
 
 
 @pytest.mark.slow
-def test_sigusr1_single_process_exits_75(tmp_path):
+def test_sigusr1_single_process_exits_75_and_skips_the_step_s_evaluation(tmp_path):
+    """Every step evaluates, but not the one that saves: the grace before SIGKILL is for saving."""
     out = tmp_path / "run"
-    proc = popen_train([*RUN, "--max-steps", "200", "--out-dir", str(out)])
+    proc = popen_train([*RUN, "--max-steps", "200", "--eval-every", "1", "--eval-examples", "8", "--out-dir", str(out)])
     wait_for_step(out, 2, proc)
     proc.send_signal(signal.SIGUSR1)
     proc.communicate(timeout=120)
     assert proc.returncode == 75
-    assert len(list_checkpoints(out)) == 1
+    records = read_metrics(out)
+    assert [p.name for p in list_checkpoints(out)] == [f"step_{records[-1]['step']:08d}"]
+    assert all("eval_nll_wire_llama" in r for r in records[:-1]) and "eval_nll_wire_llama" not in records[-1]
 
 
 @pytest.mark.slow
