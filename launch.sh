@@ -18,8 +18,8 @@
 #
 # Environment it reads: NPROC_PER_NODE (processes per node), MASTER_PORT (rendezvous port, 29500),
 # PYTHON (the interpreter; default: the checkout's .venv, else python3),
-# TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds torchrun waits for a signalled rank to save before it
-# kills it; default here 120, torch >= 2.13 reads it).
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds torchrun, when it is signalled itself, waits for the
+# ranks to save before it kills them; default here 120, torch >= 2.13 reads it).
 #
 #SBATCH --job-name=latentwire
 #SBATCH --ntasks-per-node=1
@@ -103,9 +103,8 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 # Wait for a background process; a trapped signal interrupts `wait`, so wait again until it has
 # exited, and return its exit code.
 wait_for() {
-    local status=0
-    while kill -0 "$1" 2>/dev/null; do wait "$1" || status=$?; done
-    return "$status"
+    while kill -0 "$1" 2>/dev/null; do wait "$1" || true; done
+    wait "$1"  # bash keeps an exited child's status for this
 }
 
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
@@ -125,7 +124,7 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     step_pid=$!
     preempted=0
     # srun passes SIGTERM on to each node's torchrun, which passes it to its ranks.
-    trap 'preempted=1; kill -TERM "$step_pid" 2>/dev/null' USR1 TERM
+    trap 'preempted=1; kill -TERM "$step_pid" 2>/dev/null || true' USR1 TERM
     status=0
     wait_for "$step_pid" || status=$?
     if [[ "$preempted" == 1 ]]; then

@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
 def train(cfg, di) -> None:
     device, rank, world = di.device, di.rank, di.world_size
     out_dir = Path(cfg.out_dir)
+    # --- Preemption: SIGTERM / SIGUSR1 only set a flag; ranks agree at the end of a step -----
+    # Set first: a signal while the LLMs load (minutes for two 8B models) still ends in a
+    # saved first step and exit 75, not a killed rank with nothing to resume.
+    stop = StopFlag()
     # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads. Nothing on
     # disk changes until every input (models, batch sizes, a checkpoint to resume) has passed.
     check_out_dir(out_dir, cfg.run)
@@ -206,9 +210,6 @@ def train(cfg, di) -> None:
               f"trainable {count_parameters(model, True) / 1e6:.2f}M, "
               f"frozen {sum(count_parameters(l.model, False) for l in llms.values()) / 1e6:.1f}M", flush=True)
 
-    # --- Preemption: SIGTERM / SIGUSR1 only set a flag; ranks agree at the end of the step ---
-    stop = StopFlag()
-
     # --- The loop ----------------------------------------------------------------------------
     model.train()
     window, memory = Window(), MemoryMeter(device)
@@ -285,10 +286,12 @@ def train(cfg, di) -> None:
             # Every rank answers its share of the split and the results are gathered, so all ranks
             # hold the same numbers, equal to `python -m latentwire.evaluate` on this step's
             # weights. It joins the step's log record after the window's rates are taken, and the
-            # next window starts after it, so evaluation never counts as training time. A
-            # preempted run skips it: the grace before SIGKILL is for saving.
+            # next window starts after it, so evaluation never counts as training time. A step
+            # that is preempted skips it (the grace before SIGKILL is for saving) unless the run
+            # ends here anyway, since a resume would not come back to it.
+            run_ends = step == cfg.max_steps or step == cfg.run.stop_at_step
             eval_due = (cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps)
-                        and not stop_requested)
+                        and (run_ends or not stop_requested))
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
             if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps or eval_due:
@@ -306,7 +309,7 @@ def train(cfg, di) -> None:
                 window = Window() if eval_due else window.next()
                 memory.start_window()
 
-            if step == cfg.max_steps or step == cfg.run.stop_at_step:
+            if run_ends:
                 break
             # --- Preemption: the step is done; save it and leave ------------------------------
             if stop_requested:

@@ -96,8 +96,10 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
             save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
             torch.save(train_state, tmp / TRAIN_STATE)
             (tmp / META).write_text(json.dumps({**meta, "step": step, "versions": versions()}, indent=2))
+    except torch.OutOfMemoryError:
+        raise
     except Exception as e:  # noqa: BLE001 - each writer reports a full disk in its own way
-        raise _write_failed(tmp, final, e) from None
+        raise _write_failed(tmp, final, e, rank) from None
     _barrier()
     if rank == 0:
         try:
@@ -110,16 +112,18 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
             os.replace(tmp, final)
             _fsync_dir(final.parent)
         except OSError as e:
-            raise _write_failed(tmp, final, e) from None
+            raise _write_failed(tmp, final, e, rank) from None
     _barrier()
     return final
 
 
-def _write_failed(tmp: Path, final: Path, error: Exception) -> CheckpointWriteFailed:
+def _write_failed(tmp: Path, final: Path, error: Exception, rank: int) -> CheckpointWriteFailed:
     """Remove the partial write (deleting works on a full disk) and say why it failed. A full disk
     is an OSError from Python's own writes, a SafetensorError from safetensors and a RuntimeError
-    ("unexpected pos", no errno) from torch.save, so the free space is reported whatever it says."""
-    shutil.rmtree(tmp, ignore_errors=True)
+    ("unexpected pos", no errno) from torch.save, so the free space is reported whatever it says.
+    Rank 0 owns the temporary directory: another rank's failure leaves it to the next save."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     message = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
     reason = (message.splitlines() or [""])[0]
     try:
@@ -169,15 +173,27 @@ def load_checkpoint(path: Path, rank: int) -> dict:
     return {"path": path, "meta": meta, "weights": weights, "train_state": train_state, "rng": rng}
 
 
+def _on_every_rank(ok: bool) -> bool:
+    """Collective: whether `ok` holds on every rank (all_gather_object works on gloo and NCCL)."""
+    if not dist.is_initialized():
+        return ok
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    return all(flags)
+
+
 def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
-    """The newest checkpoint that loads; a partial or corrupt newer one is skipped with a warning.
-    If none loads, one error line says why the newest did not."""
+    """Collective: the newest checkpoint that every rank loads (each reads its own RNG file, so
+    ranks can disagree; they must not resume from different steps). A partial or corrupt newer one
+    is skipped with a warning; if none loads, one error line says why the newest did not."""
     unreadable = []
     for path in reversed(list_checkpoints(out_dir)):
         try:
-            ckpt = load_checkpoint(path, rank)
+            ckpt, reason = load_checkpoint(path, rank), None
         except CorruptCheckpoint as e:
-            unreadable.append(str(e))
+            ckpt, reason = None, str(e)
+        if not _on_every_rank(ckpt is not None):
+            unreadable.append(reason or f"{path}: unreadable on another rank")
             continue
         for reason in unreadable:
             warn(f"warning: skipping unreadable checkpoint {reason}")
@@ -202,7 +218,7 @@ class Resumed:
 # Settings the restored optimizer and OneCycle schedule carry in their state: a new value given
 # on --resume would be silently overridden by the checkpoint's, while meta.json recorded it.
 RESTORED_SETTINGS = ("max_steps", "lr", "weight_decay", "adam_beta1", "adam_beta2", "pct_start", "div_factor",
-                     "final_div_factor", "anneal_strategy")
+                     "final_div_factor", "anneal_strategy", "precision")  # precision: the grad scaler's state
 
 
 def check_restored_settings(config: dict, saved: dict) -> None:

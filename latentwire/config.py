@@ -255,7 +255,10 @@ def positive(kind):
 
 def check_can_create(path: Path, what: str) -> None:
     """`path` is a directory, or can be made one: checked before any work, not when it is written."""
-    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    try:
+        existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    except OSError as e:  # a parent this user may not search
+        raise UserError(f"{what} {path} cannot be created: {e.strerror}") from None
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{what} {path} cannot be created: {existing} is not a writable directory")
 
@@ -324,6 +327,6 @@ def main_guard(main):
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     except SystemExit as e:  # preempted: 75
-        record_outcome(e.code if isinstance(e.code, int) else 1, None)
+        record_outcome(e.code if isinstance(e.code, int) else int(e.code is not None), None)
         raise
     record_outcome(0, None)

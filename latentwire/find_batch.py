@@ -272,7 +272,7 @@ def find(cfg, args, di) -> None:
     out = Path(cfg.out_dir)
     json_path, tb_dir = Path(args.json or out / "find_batch.json"), Path(args.tb_dir or out / "find_batch_tb")
     check_can_create(json_path.parent, "output directory")
-    check_can_create(tb_dir, "--tb-dir")
+    check_can_create(tb_dir, "TensorBoard directory")
     cap = round((args.cap_gb or cfg.target_util * cfg.memory_gb) * GIB)
     llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
     if cfg.activation_checkpointing:

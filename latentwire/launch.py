@@ -6,7 +6,8 @@ parser and its `run`, in this process), with every rank leaving its outcome, exi
 line, in a directory named by LATENTWIRE_OUTCOME_DIR (`config.main_guard` writes it). At the end
 the run's error line is printed once and the run's code is the exit code: the lowest rank's
 non-zero code (2 bad input, 3 diverged, 4 checkpoint write failed, 5 out of memory, 75 preempted);
-1 with one line naming the rank when a rank died without an outcome (its traceback is above).
+else 1 with one line naming what failed (a rank's traceback is above it). Under SLURM each node
+runs one launcher, so each node prints the line.
 """
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ def record_outcome(code: int, error: str | None) -> bool:
     if not directory:
         return False
     rank = int(os.environ.get("RANK", "0"))
-    (Path(directory) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "code": code, "error": error}))
+    path = Path(directory) / f"rank{rank}.json"
+    try:  # written whole or not at all: a rank killed mid-write leaves no half outcome
+        path.with_suffix(".tmp").write_text(json.dumps({"rank": rank, "code": code, "error": error}))
+        os.replace(path.with_suffix(".tmp"), path)
+    except OSError:
+        return False
     return True
 
 
@@ -58,16 +64,16 @@ def main(argv: list[str] | None = None) -> int:
             run(args)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
-            failed = f"rank {rank} failed with exit code {failure.exitcode}"
+            failed = f"rank {rank} failed with exit code {failure.exitcode} (see its output above)"
         except SignalException as e:  # torchrun itself was signalled and has stopped the ranks
-            failed = f"torchrun received {e.sigval.name}"
+            failed = f"torchrun received {e.sigval.name} and stopped the ranks"
         outcome = run_outcome(Path(directory))
     if outcome is not None:
         if outcome["error"]:
             print(f"error: {outcome['error']}", file=sys.stderr, flush=True)
         return outcome["code"]
     if failed:
-        print(f"error: {failed}, with no outcome of its own (see its output above)", file=sys.stderr, flush=True)
+        print(f"error: {failed}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -247,6 +247,10 @@ def copy_weights(model: nn.Module, files: list[str], source: str) -> None:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
                     if key in targets:
+                        shape = tuple(f.get_slice(key).get_shape())
+                        if shape != tuple(targets[key].shape):
+                            raise UserError(f"model {source!r}: tensor {key} has shape {shape} in its checkpoint, "
+                                            f"{tuple(targets[key].shape)} in its configuration")
                         targets[key].copy_(f.get_tensor(key))
                         filled.add(targets[key].data_ptr())
     missing = [key for key, t in targets.items() if t.data_ptr() not in filled]

@@ -2,9 +2,10 @@
 
 Both compare answers after normalisation (lower case, no punctuation, no articles a/an/the,
 single spaces) and take the best score over all gold answers of an example. The v1.1 rule applies
-to every dataset here (SQuAD v1.1, HotpotQA, whose official script scores F1 alike, local files in
-SQuAD's layout, the synthetic set): none of them has unanswerable questions, which is what SQuAD
-v2.0's rule (two empty answers score F1 1) is for.
+to every dataset here (SQuAD v1.1, local files in SQuAD's layout, the synthetic set, and HotpotQA,
+whose official script adds one rule not applied here: a yes/no answer that differs scores 0): none
+of them has unanswerable questions, which is what SQuAD v2.0's rule (two empty answers score F1 1)
+is for.
 """
 from __future__ import annotations
 

@@ -185,20 +185,23 @@ def invoke(entry: str, args: list[str], cwd: Path, env: dict, prefix: list[str])
 OW = "--overwrite"
 
 
-def unwritable_parent(c: Ctx) -> dict:
-    """out_dir in a directory this user may not write. root may write anywhere, so as root the
-    command runs as nobody, in a directory nobody can reach but not write."""
-    if os.geteuid() != 0:
-        locked = c.run / "locked"
-        locked.mkdir()
-        locked.chmod(0o555)
-        return {"args": ["--out-dir", str(locked / "run")]}
-    top = Path(tempfile.mkdtemp(prefix="latentwire-locked-"))
-    top.chmod(0o755)
-    (top / "locked").mkdir(mode=0o555)
-    c.cleanup = top
-    return {"args": ["--out-dir", str(top / "locked" / "run")], "env": {"HOME": str(top)},
-            "prefix": ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]}
+def locked_parent(searchable: bool) -> Callable[[Ctx], dict]:
+    """out_dir below a directory this user may not write (searchable) or not even look into. root
+    may write anywhere, so as root the command runs as nobody, below a directory root owns with
+    mode 555 or 700 (as another user, in a directory of mode 555: it could not clean up a 000 one)."""
+    def build(c: Ctx) -> dict:
+        if os.geteuid() != 0:
+            locked = c.run / "locked"
+            locked.mkdir()
+            locked.chmod(0o555)
+            return {"args": ["--out-dir", str(locked / "run")]}
+        top = Path(tempfile.mkdtemp(prefix="latentwire-locked-"))
+        top.chmod(0o755)
+        (top / "locked").mkdir(mode=0o555 if searchable else 0o700)
+        c.cleanup = top
+        return {"args": ["--out-dir", str(top / "locked" / "deeper" / "run")], "env": {"HOME": str(top)},
+                "prefix": ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]}
+    return build
 
 
 def profiles(mutate: Callable[[dict], object]) -> Callable[[Ctx], list[str]]:
@@ -282,7 +285,9 @@ CASES = {
 
     # --- out_dir ---------------------------------------------------------------------------------
     "train-out-dir-is-a-file": ("train", lambda c: [OW, "--out-dir", str(c.run / "metrics.jsonl")]),
-    "train-out-dir-parent-not-writable": ("train", unwritable_parent),
+    "train-out-dir-parent-not-writable": ("train", locked_parent(searchable=True)),
+    "train-out-dir-parent-not-searchable": ("train", locked_parent(searchable=False)),
+    "evaluate-out-dir-parent-not-searchable": ("evaluate", locked_parent(searchable=False)),
     "train-overwrite-and-resume": ("train", lambda c: [OW, "--resume"]),
     "train-resume-fresh-out-dir": ("train", lambda c: ["--resume", "--out-dir", str(c.run / "fresh")]),
     "find_batch-out-dir-is-a-file": ("find_batch", lambda c: ["--out-dir", str(c.run / "metrics.jsonl")]),

@@ -36,11 +36,16 @@ def test_stop_and_resume_is_bitwise_exact(tmp_path, straight, workers):
 
 
 @pytest.mark.slow
-def test_stop_and_resume_under_torchrun(tmp_path, straight):
-    args, split = TWENTY[2], tmp_path / "split"
+def test_stop_and_resume_under_torchrun_from_a_checkpoint_every_rank_reads(tmp_path, straight):
+    """Rank 1 cannot read its RNG state in the newest checkpoint: both ranks resume from the one
+    before (a rank on its own newest would train other weights from another data position)."""
+    args, split = [*TWENTY[2], "--checkpoint-every", "5", "--keep-checkpoints", "3"], tmp_path / "split"
     ok(run_train([*args, "--out-dir", str(split), "--stop-at-step", "10"], nproc=2))
-    ok(run_train([*args, "--out-dir", str(split), "--resume"], nproc=2))
-    assert_same_run(straight(2), split, 10)
+    (split / "checkpoints" / "step_00000010" / "rng_rank1.pt").write_bytes(b"truncated")
+    proc = ok(run_train([*args, "--out-dir", str(split), "--resume"], nproc=2))
+    assert "resumed from" in proc.stdout and "(step 5," in proc.stdout
+    assert "skipping unreadable checkpoint" in proc.stderr and "another rank" in proc.stderr
+    assert_same_run(straight(2), split, 5)
 
 
 @pytest.mark.slow
@@ -297,6 +302,7 @@ def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flag
     (["--max-steps", "2", "--weight-decay", "0.5", "--adam-beta1", "0.5"],
      "--weight-decay 0.5 (the run's: 0.01), --adam-beta1 0.5 (the run's: 0.9)"),
     (["--max-steps", "2", "--num-latents", "3"], "does not fit the configured model: tensor"),
+    (["--max-steps", "2", "--precision", "bf16"], "--precision bf16 (the run's: fp32)"),  # the grad scaler's state
 ])
 def test_resume_that_cannot_continue_the_run_is_one_line(finished_run, flags, fragment):
     before = snapshot(finished_run)
