@@ -334,10 +334,10 @@ def train(cfg, di) -> None:
 def check_out_dir(out_dir: Path, run) -> None:
     """Refuse to mix two runs in one directory unless asked to resume or overwrite, and refuse a
     directory that cannot be created, before anything is written."""
+    check_can_create(out_dir, "out_dir")  # first: the look inside needs a directory this user may search
     holds_run = (out_dir / "metrics.jsonl").exists() or bool(list_checkpoints(out_dir))
     if holds_run and not (run.resume or run.overwrite):
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
-    check_can_create(out_dir, "out_dir")
 
 
 def prepare_out_dir(out_dir: Path, run) -> None:

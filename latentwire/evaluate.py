@@ -371,16 +371,19 @@ def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], cfg, dev
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory, or a run directory standing for its newest complete checkpoint."""
-    if not path.is_dir():
-        raise UserError(f"--ckpt {path} is not a directory")
-    if (path / "checkpoints").is_dir():
-        complete = list_checkpoints(path)
-        if not complete:
-            raise UserError(f"run {path} has no complete checkpoint")
-        path = complete[-1]
-    for name in (WEIGHTS, META):
-        if not (path / name).is_file():
-            raise UserError(f"--ckpt {path} is not a complete checkpoint: it has no {name}")
+    try:
+        if not path.is_dir():
+            raise UserError(f"--ckpt {path} is not a directory")
+        if (path / "checkpoints").is_dir():
+            complete = list_checkpoints(path)
+            if not complete:
+                raise UserError(f"run {path} has no complete checkpoint")
+            path = complete[-1]
+        for name in (WEIGHTS, META):
+            if not (path / name).is_file():
+                raise UserError(f"--ckpt {path} is not a complete checkpoint: it has no {name}")
+    except OSError as e:  # a directory this user may not look into
+        raise UserError(f"--ckpt {path} cannot be read: {e.strerror}") from None
     return path
 
 
@@ -391,6 +394,8 @@ def read_meta(ckpt: Path) -> tuple[Config, int | None]:
         meta = json.loads(where.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{where} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise UserError(f"cannot read {where}: {e.strerror}") from None
     config = meta.get("config") if isinstance(meta, dict) else None
     if not isinstance(config, dict):
         raise UserError(f"{where} has no 'config' object")

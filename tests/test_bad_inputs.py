@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -82,7 +82,8 @@ class Ctx:
     run: Path  # a fresh copy of the reference run; the snapshot covers it
     tmp: Path  # scratch for input files, outside the run
     models: dict[str, Path]
-    cleanup: Path | None = None  # a directory made outside tmp_path, removed after the command
+    # after the command, in order: the first makes the run readable again for the snapshot
+    cleanup: list[Callable[[], object]] = field(default_factory=list)
 
     def write(self, name: str, content: str | bytes) -> str:
         path = self.tmp / name
@@ -178,29 +179,35 @@ def invoke(entry: str, args: list[str], cwd: Path, env: dict, prefix: list[str])
 
 # --- the cases ------------------------------------------------------------------------------------
 # Each is (entry point, build): build(ctx) prepares inputs (and may damage the run copy before the
-# snapshot) and returns the flags after base_args, or a dict with "args" and optionally "env" and
-# "prefix". Entry points: train (python train.py), launch1 / launch2 (./launch.sh --profile cpu with
-# NPROC_PER_NODE=1 / 2), plan, find_batch, evaluate (python -m latentwire.<entry>).
+# snapshot; it may move the run) and returns the flags after base_args, or a dict with "args" and
+# optionally "env", "prefix" and "says" (what the error line must contain). Entry points: train
+# (python train.py), launch1 / launch2 (./launch.sh --profile cpu with NPROC_PER_NODE=1 / 2), plan,
+# find_batch, evaluate (python -m latentwire.<entry>).
 
 OW = "--overwrite"
 
 
-def locked_parent(searchable: bool) -> Callable[[Ctx], dict]:
-    """out_dir below a directory this user may not write (searchable) or not even look into. root
-    may write anywhere, so as root the command runs as nobody, below a directory root owns with
-    mode 555 or 700 (as another user, in a directory of mode 555: it could not clean up a 000 one)."""
+def locked_parent(searchable: bool, holds: str = "out_dir") -> Callable[[Ctx], dict]:
+    """A directory this user may not write (searchable) or not even look into, holding the out_dir
+    or (holds="ckpt") the run evaluate reads. root may go anywhere, so as root the command runs as
+    nobody below a directory root owns, of mode 555 or 700; as another user the directory is its
+    own, of mode 555 or 000, and gets its mode back before the run's snapshot is compared."""
     def build(c: Ctx) -> dict:
-        if os.geteuid() != 0:
-            locked = c.run / "locked"
-            locked.mkdir()
-            locked.chmod(0o555)
-            return {"args": ["--out-dir", str(locked / "run")]}
+        root = os.geteuid() == 0
         top = Path(tempfile.mkdtemp(prefix="latentwire-locked-"))
         top.chmod(0o755)
-        (top / "locked").mkdir(mode=0o555 if searchable else 0o700)
-        c.cleanup = top
-        return {"args": ["--out-dir", str(top / "locked" / "deeper" / "run")], "env": {"HOME": str(top)},
-                "prefix": ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]}
+        locked = top / "locked"
+        locked.mkdir()
+        # the run where this user can read it (evaluate reads it), or not even look into it
+        c.run = Path(shutil.move(c.run, (locked if holds == "ckpt" else top) / "run"))
+        locked.chmod(0o555 if searchable else 0o700 if root else 0o000)
+        c.cleanup += [lambda: locked.chmod(0o755), lambda: shutil.rmtree(top, ignore_errors=True)]
+        spec = {"args": ["--out-dir", str(locked / "deeper" / "run")] if holds == "out_dir" else [],
+                "says": "cannot be created" if holds == "out_dir" else "cannot be read"}
+        if root:
+            spec.update(env={"HOME": str(top)},
+                        prefix=["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"])
+        return spec
     return build
 
 
@@ -288,6 +295,7 @@ CASES = {
     "train-out-dir-parent-not-writable": ("train", locked_parent(searchable=True)),
     "train-out-dir-parent-not-searchable": ("train", locked_parent(searchable=False)),
     "evaluate-out-dir-parent-not-searchable": ("evaluate", locked_parent(searchable=False)),
+    "evaluate-ckpt-not-searchable": ("evaluate", locked_parent(searchable=False, holds="ckpt")),
     "train-overwrite-and-resume": ("train", lambda c: [OW, "--resume"]),
     "train-resume-fresh-out-dir": ("train", lambda c: ["--resume", "--out-dir", str(c.run / "fresh")]),
     "find_batch-out-dir-is-a-file": ("find_batch", lambda c: ["--out-dir", str(c.run / "metrics.jsonl")]),
@@ -304,15 +312,19 @@ def run_case(entry: str, build, root: Path, reference_run: Path, model_dirs: dic
     spec = build(ctx)
     spec = spec if isinstance(spec, dict) else {"args": spec}
     env = {"HF_DATASETS_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **spec.get("env", {})}
-    before = snapshot(run)
+    before = snapshot(ctx.run)  # the build may have moved the run
     try:
-        proc = invoke(entry, [*base_args(entry, run), *spec["args"]], scratch, env, spec.get("prefix", []))
+        proc = invoke(entry, [*base_args(entry, ctx.run), *spec["args"]], scratch, env, spec.get("prefix", []))
     finally:
-        if ctx.cleanup is not None:
-            shutil.rmtree(ctx.cleanup, ignore_errors=True)
+        for undo in ctx.cleanup[:1]:
+            undo()
+    changed = changes(before, snapshot(ctx.run))
+    for undo in ctx.cleanup[1:]:
+        undo()
 
     problems = []
-    changed = changes(before, snapshot(run))
+    if spec.get("says", "") not in proc.stderr:
+        problems.append(f"the error does not say {spec['says']!r}")
     if changed:
         problems.append(f"the run directory changed: {changed}")
     if proc.returncode != 2:
