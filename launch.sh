@@ -59,7 +59,8 @@ if [[ -z "$profile" ]]; then
 fi
 device="$("$PYTHON" -c 'import sys
 from pathlib import Path
-from latentwire.config import UserError, read_profiles, resolve_profile
+from latentwire.config import read_profiles, resolve_profile
+from latentwire.errors import UserError
 try:
     path = Path(sys.argv[2])
     print(resolve_profile(read_profiles(path), sys.argv[1], path)["device"])

@@ -9,7 +9,8 @@ One loop, top to bottom. Each optimization is a labelled block saying why it is 
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
+import math
 import random
 import shutil
 import sys
@@ -22,10 +23,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from latentwire.checkpoint import list_checkpoints, prune_checkpoints, resume_training, save_checkpoint
+from latentwire.checkpoint import Checkpointer, TrainState, list_checkpoints
 from latentwire.compiling import compiled_step
-from latentwire.config import Diverged, HarnessExit, UserError, check_can_create, load_config, main_guard
+from latentwire.config import check_can_create, load_config
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
+from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
 from latentwire.evaluate import evaluate_wire
@@ -33,7 +35,7 @@ from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
 from latentwire.flops import FlopModel
 from latentwire.metrics import GpuMonitor, MemoryMeter, MetricsLogger, Window, peak_flops_per_s
 from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
-from latentwire.preemption import PREEMPTED_EXIT_CODE, StopFlag, shield_worker_from_stop_signals
+from latentwire.preemption import StopFlag, shield_worker_from_stop_signals
 from latentwire.precision import (autocast_for, cuda_capability, enable_tf32, frozen_weight_dtype, grad_scaler_for,
                                   matmul_arithmetic, sdpa_kernels, use_tf32)
 from latentwire.profiling import MemorySnapshots, make_profiler
@@ -149,32 +151,36 @@ def train(cfg, di) -> None:
     # Warm up from lr/div_factor to lr over pct_start of the run, then anneal to the final lr.
     # Momentum is not cycled: beta1 stays what the profile says.
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=cfg.lr, total_steps=cfg.max_steps, pct_start=cfg.pct_start,
-        anneal_strategy=cfg.anneal_strategy, div_factor=cfg.div_factor,
-        final_div_factor=cfg.final_div_factor, cycle_momentum=False)
+        optimizer, max_lr=cfg.lr, total_steps=cfg.max_steps,
+        pct_start=one_cycle_pct_start(cfg.pct_start, cfg.max_steps), anneal_strategy=cfg.anneal_strategy,
+        div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
 
     # --- Resume: weights, optimizer, schedule, scaler, RNG and data position ------------------
-    # The newest checkpoint that loads (a partial or corrupt newer one is skipped with a warning).
-    # Same layout (world size, micro-batch, accumulation): bitwise the run that never stopped.
-    step, epoch, examples_done = 0, 0, 0
+    # The Checkpointer owns the format: it saves these objects and loads them back into the same
+    # ones. Resume takes the newest checkpoint that every rank loads (a partial or corrupt newer
+    # one is skipped with a warning). Same layout (world size, micro-batch, accumulation):
+    # bitwise the run that never stopped.
+    state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, cfg.micro_batch_size, cfg.grad_accum_steps))
+    checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.keep_checkpoints,
+                                meta={"profile": cfg.run.profile, "config": cfg.to_dict()},
+                                model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     if cfg.run.resume:
-        resumed = resume_training(out_dir, rank, cfg.to_dict(), model, optimizer, scheduler, scaler,
-                                  warn=lambda message: di.is_main and print(message, file=sys.stderr))
-        step, epoch, examples_done = resumed.step, resumed.epoch, resumed.examples_done
-        if cfg.run.stop_at_step is not None and cfg.run.stop_at_step <= step:
-            raise UserError(f"--stop-at-step {cfg.run.stop_at_step} is not after the resumed step {step}")
-        if step >= cfg.max_steps:
+        saved, path = checkpointer.resume(warn=lambda message: di.is_main and print(message, file=sys.stderr))
+        if cfg.run.stop_at_step is not None and cfg.run.stop_at_step <= saved.step:
+            raise UserError(f"--stop-at-step {cfg.run.stop_at_step} is not after the resumed step {saved.step}")
+        if saved.step >= cfg.max_steps:
             if di.is_main:
-                print(f"{resumed.path} is the run's last step ({cfg.max_steps}): nothing to do, nothing changed")
+                print(f"{path} is the run's last step ({cfg.max_steps}): nothing to do, nothing changed")
             return
-        layout = [world, cfg.micro_batch_size, cfg.grad_accum_steps]
         if di.is_main:
-            print(f"resumed from {resumed.path} (step {step}, epoch {epoch}, {examples_done} examples into it)")
-            if resumed.layout != layout:
-                print(f"note: layout (world, micro-batch, accumulation) is {layout}, the checkpoint's was "
-                      f"{resumed.layout}: the sample order is kept, but the run is bitwise identical to an "
+            print(f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, "
+                  f"{saved.examples_done} examples into it)")
+            if saved.layout != state.layout:
+                print(f"note: layout (world, micro-batch, accumulation) is {state.layout}, the checkpoint's was "
+                      f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an "
                       "unbroken one only for the same layout", file=sys.stderr)
-    batches = global_batches(loader, sampler, cfg.grad_accum_steps, epoch, examples_done, global_batch)
+        state = dataclasses.replace(saved, layout=state.layout)
+    batches = global_batches(loader, sampler, cfg.grad_accum_steps, state.epoch, state.examples_done, global_batch)
 
     # Every input has been checked: only now may --overwrite delete the old run.
     if di.is_main:
@@ -200,7 +206,7 @@ def train(cfg, di) -> None:
     flop_model = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg)
     # MFU against the peak of the arithmetic the matmuls really run in.
     peak_flops = peak_flops_per_s(getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
-    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=step + 1, total_steps=cfg.max_steps)
+    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps)
     gpu_monitor = GpuMonitor(device)
     # --- Memory snapshot: allocation history on request, and always one on out-of-memory -----
     snapshots = MemorySnapshots(cfg.memory_snapshot, device, out_dir, rank)
@@ -215,9 +221,8 @@ def train(cfg, di) -> None:
     window, memory = Window(), MemoryMeter(device)
     skipped, bad_in_a_row = 0, 0
     exit_after_save = None  # preempted or diverged: leave the loop, save, then exit with its code
-    save_state = functools.partial(save, cfg, out_dir, model, optimizer, scheduler, scaler, rank, world)
     with make_profiler(cfg, out_dir, rank, device) as profiler, out_of_memory_report(snapshots, cfg):
-        while step < cfg.max_steps:
+        while state.step < cfg.max_steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(batches)
             data_wait = time.perf_counter() - t_wait
@@ -234,7 +239,7 @@ def train(cfg, di) -> None:
             counts = torch.stack([count_answer_tokens(b) for b in micro_batches]).sum(0)
             counts = all_reduce_sum(torch.cat([counts, torch.full((1,), int(stop.raised), device=device)]))
             n_tokens = counts[:-1].float()
-            step, epoch, examples_done = step + 1, next_epoch, next_done
+            state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
 
             step_ce = torch.zeros(len(llms), device=device)
             for i, batch in enumerate(micro_batches):
@@ -273,8 +278,9 @@ def train(cfg, di) -> None:
             skipped += not finite
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             if bad_in_a_row >= cfg.max_nonfinite_steps:
-                exit_after_save = Diverged(f"{bad_in_a_row} non-finite steps in a row (to step {step}); saved the "
-                                           f"last good weights as checkpoint step {step}{nonfinite_hint(cfg.precision)}")
+                exit_after_save = Diverged(f"{bad_in_a_row} non-finite steps in a row (to step {state.step}); saved "
+                                           f"the last good weights as checkpoint step {state.step}"
+                                           f"{nonfinite_hint(cfg.precision)}")
                 break
 
             window.add(samples=global_batch,
@@ -289,14 +295,14 @@ def train(cfg, di) -> None:
             # next window starts after it, so evaluation never counts as training time. A step
             # that is preempted skips it (the grace before SIGKILL is for saving) unless the run
             # ends here anyway, since a resume would not come back to it.
-            run_ends = step == cfg.max_steps or step == cfg.run.stop_at_step
-            eval_due = (cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+            run_ends = state.step == cfg.max_steps or state.step == cfg.run.stop_at_step
+            eval_due = (cfg.eval_every > 0 and (state.step % cfg.eval_every == 0 or state.step == cfg.max_steps)
                         and (run_ends or not stop_requested))
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
-            if step == 1 or step % cfg.log_every == 0 or step == cfg.max_steps or eval_due:
+            if state.step == 1 or state.step % cfg.log_every == 0 or state.step == cfg.max_steps or eval_due:
                 per_llm_loss = all_reduce_sum(step_ce).tolist()
-                record = {"step": step, "time": time.time(), "epoch": epoch,
+                record = {"step": state.step, "time": time.time(), "epoch": state.epoch,
                           "loss": sum(per_llm_loss) / len(per_llm_loss),
                           **{f"loss_{n}": v for n, v in zip(llms, per_llm_loss)},
                           "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
@@ -311,22 +317,24 @@ def train(cfg, di) -> None:
 
             if run_ends:
                 break
-            # --- Preemption: the step is done; save it and leave ------------------------------
+            # --- Preemption: the step is done; save it and leave ------------------------
             if stop_requested:
                 if di.is_main:
-                    print(f"preempted ({stop.signal_name or 'signal on another rank'}): saving step {step}; "
+                    print(f"preempted ({stop.signal_name or 'signal on another rank'}): saving step {state.step}; "
                           f"exiting with code {PREEMPTED_EXIT_CODE}, continue with --resume", flush=True)
                 exit_after_save = SystemExit(PREEMPTED_EXIT_CODE)
                 break
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                save_state(step, epoch, examples_done)
+            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+                checkpointer.save(state)
 
     # Every way out of the loop (done, --stop-at-step, preempted, diverged) saves the same way.
-    save_state(step, epoch, examples_done)
+    path = checkpointer.save(state)
     snapshots.finish()
     logger.close()
     if exit_after_save is not None:
         raise exit_after_save
+    if di.is_main:
+        print(closing_line(path, out_dir, finished=state.step == cfg.max_steps), flush=True)
 
 
 # --- Helpers the loop calls --------------------------------------------------------------------
@@ -351,6 +359,20 @@ def prepare_out_dir(out_dir: Path, run) -> None:
         raise UserError(f"cannot create out_dir {out_dir}: {e.strerror}") from None
 
 
+def one_cycle_pct_start(pct_start: float, max_steps: int) -> float:
+    """OneCycleLR divides by the warm-up's length in steps less one, which is 0 for a warm-up of
+    exactly one step (pct_start 0.1 with --max-steps 10): lengthened by a hair, the first step
+    runs at lr / div_factor as every warm-up's first step does, and the peak comes next."""
+    return pct_start * (1 + 1e-9) if math.isclose(pct_start * max_steps, 1.0) else pct_start
+
+
+def closing_line(checkpoint: Path, out_dir: Path, finished: bool) -> str:
+    """Where the run left its checkpoint, and what to run next."""
+    nxt = (f"evaluate it: python -m latentwire.evaluate --ckpt {out_dir}" if finished
+           else "continue: the same command with --resume")
+    return f"saved {checkpoint}; metrics in {out_dir / 'metrics.jsonl'} and {out_dir / 'tb'}; {nxt}"
+
+
 def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, global_batch: int):
     """Yields (epoch, examples of the epoch done after this step, [accum micro-batches]) forever,
     starting `examples_done` into `epoch`; a partial group at an epoch's end is dropped."""
@@ -368,10 +390,6 @@ def to_device(batch: dict, device: torch.device):
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch.to(device, non_blocking=True)
-
-
-class OutOfMemory(HarnessExit):
-    exit_code = 5
 
 
 @contextmanager
@@ -393,17 +411,6 @@ def nonfinite_hint(precision: str) -> str:
         return ""
     return ("; in fp16, LLMs trained in bf16 (Qwen2.5 among them) can overflow: lower --lr, or try "
             "--precision fp32 if memory allows")
-
-
-def save(cfg, out_dir, model, optimizer, scheduler, scaler, rank, world, step, epoch, examples_done) -> None:
-    train_state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                   "scaler": scaler.state_dict(),
-                   "data": {"epoch": epoch, "examples_done": examples_done,
-                            "layout": [world, cfg.micro_batch_size, cfg.grad_accum_steps]}}
-    meta = {"profile": cfg.run.profile, "config": cfg.to_dict()}
-    save_checkpoint(out_dir, step, model.state_dict(), train_state, meta, rank)
-    if rank == 0:
-        prune_checkpoints(out_dir, cfg.keep_checkpoints)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import Diverged, HarnessExit, UserError
+from .errors import CheckpointWriteFailed, Diverged, UserError
 
 STEP_PREFIX = "step_"
 WEIGHTS = "trainable.safetensors"
@@ -31,10 +31,6 @@ META = "meta.json"
 
 class CorruptCheckpoint(Exception):
     """A checkpoint directory that does not load; resume skips it for an older one."""
-
-
-class CheckpointWriteFailed(HarnessExit):
-    exit_code = 4
 
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
@@ -205,16 +201,6 @@ def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
     raise UserError(f"no usable checkpoint to resume from in {where}: {unreadable[0]}{older}")
 
 
-@dataclass(frozen=True)
-class Resumed:
-    """Where a resumed run continues, and the layout (world, micro-batch, accumulation) it had."""
-    path: Path
-    step: int
-    epoch: int
-    examples_done: int
-    layout: list[int]
-
-
 # Settings the restored optimizer and OneCycle schedule carry in their state: a new value given
 # on --resume would be silently overridden by the checkpoint's, while meta.json recorded it.
 RESTORED_SETTINGS = ("max_steps", "lr", "weight_decay", "adam_beta1", "adam_beta2", "pct_start", "div_factor",
@@ -242,18 +228,49 @@ def check_weights(state: dict, expected: dict, path: Path, model: str) -> None:
                             f"{tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
 
 
-def resume_training(out_dir: Path, rank: int, config: dict, model, optimizer, scheduler, scaler, warn) -> Resumed:
-    """Load the newest usable checkpoint of `out_dir` into the trainable weights, optimizer,
-    schedule, grad scaler and this process's RNGs. `config` is the resolved configuration of the
-    resuming run (Config.to_dict())."""
-    ckpt = load_newest_checkpoint(out_dir, rank, warn)
-    state = ckpt["train_state"]
-    check_restored_settings(config, ckpt["meta"]["config"])
-    check_weights(ckpt["weights"], model.state_dict(), ckpt["path"] / WEIGHTS, "the configured model")
-    model.load_state_dict(ckpt["weights"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    restore_rng(ckpt["rng"])
-    data = state["data"]
-    return Resumed(ckpt["path"], state["step"], data["epoch"], data["examples_done"], data["layout"])
+@dataclass
+class TrainState:
+    """Where a run is, besides its weights and optimizer: the last finished optimizer step, and
+    the data position after it (the epoch and how many of its examples the steps used) under a
+    layout (world size, micro-batch, accumulation) that gives that position its meaning."""
+    step: int
+    epoch: int
+    examples_done: int
+    layout: tuple[int, int, int]
+
+
+class Checkpointer:
+    """One run's checkpoints: the writer and the reader of the format in one place. It holds the
+    stateful objects, saves them with a TrainState (`save`), and loads them back into the same
+    objects (`resume`). Both are collective: every rank calls them."""
+
+    def __init__(self, out_dir: Path, *, rank: int, keep: int, meta: dict, model, optimizer, scheduler, scaler):
+        """`meta` goes into meta.json (the profile and the resolved configuration, Config.to_dict()
+        under "config"); `keep` is how many of the newest checkpoints stay on disk."""
+        self.out_dir, self.rank, self.keep, self.meta = Path(out_dir), rank, keep, meta
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+
+    def save(self, state: TrainState) -> Path:
+        train_state = {"step": state.step, "optimizer": self.optimizer.state_dict(),
+                       "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                       "data": {"epoch": state.epoch, "examples_done": state.examples_done,
+                                "layout": list(state.layout)}}
+        path = save_checkpoint(self.out_dir, state.step, self.model.state_dict(), train_state, self.meta, self.rank)
+        if self.rank == 0:
+            prune_checkpoints(self.out_dir, self.keep)
+        return path
+
+    def resume(self, warn) -> tuple[TrainState, Path]:
+        """Load the newest checkpoint every rank reads into the weights, optimizer, schedule, grad
+        scaler and this process's RNGs; the TrainState is the saved one, layout included."""
+        ckpt = load_newest_checkpoint(self.out_dir, self.rank, warn)
+        state = ckpt["train_state"]
+        check_restored_settings(self.meta["config"], ckpt["meta"]["config"])
+        check_weights(ckpt["weights"], self.model.state_dict(), ckpt["path"] / WEIGHTS, "the configured model")
+        self.model.load_state_dict(ckpt["weights"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        restore_rng(ckpt["rng"])
+        data = state["data"]
+        return TrainState(state["step"], data["epoch"], data["examples_done"], tuple(data["layout"])), ckpt["path"]

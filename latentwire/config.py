@@ -12,26 +12,14 @@ import argparse
 import json
 import math
 import os
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import UserError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
-
-
-class HarnessExit(Exception):
-    """Ends the run with one `error: ...` line and `exit_code`, no traceback."""
-    exit_code = 1
-
-
-class UserError(HarnessExit):
-    """Bad input from the user."""
-    exit_code = 2
-
-
-class Diverged(HarnessExit):
-    """Too many non-finite steps in a row; the last good state was saved."""
-    exit_code = 3
 
 
 @dataclass(frozen=True)
@@ -217,9 +205,6 @@ def check_consistency(v: dict, where: str) -> None:
         raise UserError(f"{where}: precision bf16 on a card without bf16 support; use fp16 or fp32")
     if not 0 < v["pct_start"] < 1:
         raise UserError(f"{where}: field 'pct_start' must be between 0 and 1, got {v['pct_start']}")
-    if v["pct_start"] * v["max_steps"] == 1:  # OneCycleLR divides by (pct_start x max_steps - 1)
-        raise UserError(f"{where}: pct_start x max_steps must not be exactly 1 (a zero-length warm-up); "
-                        f"change pct_start ({v['pct_start']}) or max_steps ({v['max_steps']})")
     if v["target_util"] > 1:
         raise UserError(f"{where}: field 'target_util' must be at most 1, got {v['target_util']}")
     if v["dropout"] >= 1:
@@ -235,8 +220,14 @@ def check_consistency(v: dict, where: str) -> None:
 
 # --- the command line -------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage and exits 2; we want one line
+class Parser(argparse.ArgumentParser):
+    """Every entry point's parser: a bad flag is one `error:` line (exit 2, not argparse's usage
+    dump), and flags are never matched by prefix (`--max-step 3` is refused, not --max-steps)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def error(self, message):
         raise UserError(message)
 
 
@@ -280,23 +271,56 @@ def _flag_type(spec: Field):
     return spec.kind
 
 
-def build_parser(prog: str = "train.py") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Train LatentWire from a hardware profile.")
-    p.add_argument("--profile", required=True, help="a key of hw_profiles.json")
+def build_parser(prog: str = "train.py", argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """train.py's flags: every profile field, defaulting to the profile's value. Its --help lists
+    the profiles, and shows the values of the one named with --profile, if any, in `argv`."""
+    pre = Parser(add_help=False)
+    pre.add_argument("--profile")
+    pre.add_argument("--hw-profiles", default=str(DEFAULT_PROFILES))
+    known, _ = pre.parse_known_args(argv)
+    profiles, shown = _profiles_for_help(Path(known.hw_profiles), known.profile)
+    listing = "\n".join(textwrap.fill(str(p.get("description", "")), 100, initial_indent=f"  {key:<11}",
+                                       subsequent_indent=" " * 13) for key, p in profiles.items())
+    p = Parser(prog=prog, usage=f"{prog} --profile KEY [--resume | --overwrite] [--FIELD VALUE ...]",
+               description="Train LatentWire from a hardware profile. Every field of the profile is also a flag, "
+               "which overrides it.", formatter_class=argparse.RawDescriptionHelpFormatter,
+               epilog=f"profiles in {known.hw_profiles}:\n{listing}" if profiles else None)
+    p.add_argument("--profile", required=True, help="a key of hw_profiles.json (listed below)")
     p.add_argument("--hw-profiles", default=str(DEFAULT_PROFILES), help="the profile file")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--overwrite", action="store_true", help="start afresh in an out_dir that holds a run")
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="save and exit 0 after this optimizer step (the schedule is unchanged)")
     for name, spec in FIELDS.items():
+        value = f" ({known.profile}: {_as_flag(shown[name])})" if name in shown else ""
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=_flag_type(spec), default=None,
-                       help=spec.help)
+                       metavar=_metavar(spec), help=(spec.help + value).replace("%", "%%"))  # argparse formats help
     return p
+
+
+def _profiles_for_help(path: Path, key: str | None) -> tuple[dict, dict]:
+    """The profiles of `path`, and the resolved values of `key`, as far as they can be read: a bad
+    file is reported when the run starts, not by --help."""
+    try:
+        profiles = read_profiles(path)
+        return profiles, resolve_profile(profiles, key, path) if key else {}
+    except UserError:
+        return {}, {}
+
+
+def _as_flag(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)  # true, false, null as the flags take them
+
+
+def _metavar(spec: Field) -> str:
+    if spec.choices:
+        return "{" + ",".join(spec.choices) + "}"
+    return "{true,false}" if spec.kind is bool else spec.kind.__name__.upper()
 
 
 def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config:
     """Parse the command line and return the validated configuration."""
-    args = build_parser(prog).parse_args(argv)
+    args = build_parser(prog, argv).parse_args(argv)
     path = Path(args.hw_profiles)
     values = resolve_profile(read_profiles(path), args.profile, path)
     for name in FIELDS:
@@ -312,21 +336,3 @@ def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config
                    stop_at_step=args.stop_at_step)
     return Config(values, run)
 
-
-def main_guard(main):
-    """Run `main()`; a HarnessExit becomes `error: ...` on stderr and its exit code (2 for bad
-    input), with no traceback. Under launch.sh (`latentwire.launch`) every rank leaves its outcome
-    for the launcher instead, which prints the error line once."""
-    import sys
-
-    from .launch import record_outcome
-    try:
-        main()
-    except HarnessExit as e:
-        if not record_outcome(e.exit_code, str(e)):
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
-    except SystemExit as e:  # preempted: 75
-        record_outcome(e.code if isinstance(e.code, int) else int(e.code is not None), None)
-        raise
-    record_outcome(0, None)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .config import UserError
+from .errors import UserError
 
 PAD_BYTE = 256  # byte values are 0..255, so the encoder's byte embedding has 257 rows
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index

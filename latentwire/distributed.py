@@ -34,7 +34,7 @@ class DistInfo:
 def select_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
         if not torch.cuda.is_available():
-            from .config import UserError
+            from .errors import UserError
             raise UserError("this profile needs a CUDA GPU and none is visible; use --profile cpu")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

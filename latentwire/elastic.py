@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .config import UserError
+from .errors import UserError
 
 # An exact split may take up to this many times the fewest micro-steps per optimizer step (its
 # micro-batches are then at least about half of what fits, which still keeps a large GPU busy);

@@ -41,7 +41,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
-from .config import FIELDS, Config, RunFlags, UserError, _Parser, check_can_create, check_value, main_guard, positive
+from .config import FIELDS, Config, RunFlags, Parser, check_can_create, check_value, positive
+from .errors import UserError, main_guard
 from .data import IGNORE_INDEX, Collator, PromptDataset, load_examples, prompt_text
 from .distributed import process_group
 from .llm import FrozenLLM, load_frozen_llms, padded_attention
@@ -560,7 +561,7 @@ def write_report(report: dict, out_dir: Path, stem: str) -> tuple[Path, Path]:
 # --- the command line -------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m latentwire.evaluate",
+    p = Parser(prog="python -m latentwire.evaluate",
                 description="EM/F1 and answer NLL from a LatentWire checkpoint's wire, with text baselines.")
     p.add_argument("--ckpt", required=True, help="RUN/checkpoints/step_N, or RUN for its newest checkpoint")
     p.add_argument("--dataset", help="held-out data: synthetic, squad, hotpot_qa or a local file (default: the run's)")

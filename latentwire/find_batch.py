@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from .budget import GIB, Fit, fit_line
-from .config import _Parser, check_can_create, load_config, main_guard, positive
+from .config import Parser, check_can_create, load_config, positive
+from .errors import main_guard
 from .distributed import process_group
 from .llm import apply_activation_checkpointing, load_frozen_llms
 from .memtrace import make_optimizer, planning_batch, train_step
@@ -251,7 +252,7 @@ def write_tensorboard(tb_dir: str, trials: list[Trial], fit: Fit | None) -> None
 # --- the command line -------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Find the largest micro-batch that fits, by running it "
+    p = Parser(prog=PROG, description="Find the largest micro-batch that fits, by running it "
                                        "(every train.py flag applies; --micro-batch-size is where the search starts).")
     p.add_argument("--cap-gb", type=positive(float), help="memory cap in GiB (default: target_util x memory_gb)")
     p.add_argument("--steps", type=positive(int), default=3, help="training steps per trial")

@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from .config import UserError
+from .errors import UserError
 
 # The config.json values of the released checkpoints (only the fields that shape the model).
 LLAMA_3_1_8B = dict(

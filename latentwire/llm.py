@@ -23,7 +23,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from .config import UserError
+from .errors import UserError
 
 TINY = "tiny"
 RANDOM = "random:"

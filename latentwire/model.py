@@ -50,7 +50,9 @@ class Block(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float, kv_dim: int | None = None):
         super().__init__()
         self.norm_q = nn.LayerNorm(dim)
-        self.norm_kv = nn.LayerNorm(kv_dim) if kv_dim else None
+        # No bias on the key/value norm either: through k it is a key bias (cancelled by softmax),
+        # through v it only repeats v's own bias.
+        self.norm_kv = nn.LayerNorm(kv_dim, bias=False) if kv_dim else None
         self.attn = Attention(dim, heads, kv_dim, dropout)
         self.norm_mlp = nn.LayerNorm(dim)
         self.mlp = MLP(dim, dropout)

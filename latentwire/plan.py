@@ -34,7 +34,8 @@ import torch
 
 from .analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
 from .budget import GIB, Budget, Fit, budget_for, fit_line, largest_fitting
-from .config import UserError, _Parser, load_config, main_guard, positive
+from .config import Parser, load_config, positive
+from .errors import UserError, main_guard
 from .known_llms import LLMSpec, llm_parameter_count, llm_spec
 from .llm import LLM_NAMES
 from .memtrace import StepTrace, StepTracer, fake_llms
@@ -238,7 +239,7 @@ CALCULATOR_FLAGS = ("params", "model_size_gb", "trainable_params", "gpu_memory_g
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Memory plan of a profile (every train.py flag applies), or the "
+    p = Parser(prog=PROG, description="Memory plan of a profile (every train.py flag applies), or the "
                                        "analytic calculator (--analytic).")
     p.add_argument("--profile", help="a key of hw_profiles.json")
     p.add_argument("--json", help="also write the plan to this JSON file")
@@ -254,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _calculator(args, rest: list[str]) -> tuple[StaticMemory, Budget]:
-    extra = _Parser(prog=PROG)
+    extra = Parser(prog=PROG)
     extra.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     extra.add_argument("--target-util", type=positive(float), default=1.0)
     more = extra.parse_args(rest)

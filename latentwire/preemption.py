@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import signal
 
-# EX_TEMPFAIL from sysexits.h: "try again later". A checkpoint was saved; `--resume` continues.
-PREEMPTED_EXIT_CODE = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from latentwire.config import DEFAULT_PROFILES, FIELDS, UserError, load_config, read_profiles, resolve_profile
+from latentwire.config import DEFAULT_PROFILES, FIELDS, load_config, read_profiles, resolve_profile
+from latentwire.errors import UserError
 
 from conftest import assert_one_line_error, run_train
 
@@ -90,7 +91,7 @@ def test_flags_override_profile_fields():
     (["--precision", "fp64"], "'precision' must be one of"),
     (["--compile", "maybe"], "expected true or false"),
     (["--stop-at-step", "0"], "--stop-at-step must be > 0"),
-    (["--max-steps", "10", "--pct-start", "0.1"], "pct_start x max_steps must not be exactly 1"),
+    (["--max-step", "3"], "unrecognized arguments: --max-step"),  # no prefix matching of --max-steps
     (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
     (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
 ])
@@ -128,3 +129,13 @@ def test_bad_field_in_file_is_one_line(tmp_path):
 
 def test_bad_flag_is_one_line():
     assert_one_line_error(run_train(["--profile", "cpu", "--micro-batch-size", "zero"]), "--micro-batch-size")
+
+
+def test_help_lists_the_profiles_and_the_values_of_the_one_named():
+    from latentwire.config import build_parser
+
+    text = build_parser(argv=["--profile", "v100"]).format_help()
+    for key in json.loads(DEFAULT_PROFILES.read_text()):
+        assert f"\n  {key} " in text
+    assert "--precision {bf16,fp16,fp32}" in text and "(v100: fp16)" in text and "(v100: false)" in text
+    assert "(v100: " not in build_parser(argv=[]).format_help()

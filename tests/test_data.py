@@ -5,7 +5,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from latentwire.config import UserError
+from latentwire.errors import UserError
 from latentwire.data import (
     PAD_BYTE, Collator, PromptDataset, answer_text, count_answer_tokens, hotpot_to_squad,
     load_examples, prompt_text, synthetic_corpus_text, synthetic_examples,

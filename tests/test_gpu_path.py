@@ -237,7 +237,7 @@ def test_a_checkpoint_missing_a_tensor_is_a_user_error(saved_reader, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from latentwire.config import UserError
+    from latentwire.errors import UserError
     from latentwire.llm import load_frozen_llm
 
     broken = tmp_path / "broken"

@@ -89,7 +89,7 @@ OOM_AT_STEP_2 = """
 import sys, torch
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
-from latentwire.config import main_guard
+from latentwire.errors import main_guard
 real, calls = train.forward_ce_sums, [0]
 def oom(*args):
     calls[0] += 1

@@ -9,7 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from latentwire.analytic import optimizer_state_bytes, static_memory
 from latentwire.budget import GIB, Fit, budget_for, fit_line, largest_fitting
-from latentwire.config import UserError, load_config, main_guard
+from latentwire.config import load_config
+from latentwire.errors import UserError, main_guard
 from latentwire.data import Collator, IGNORE_INDEX, PromptDataset
 from latentwire.elastic import elastic_batch, scaled_lr
 from latentwire.find_batch import Probe

@@ -131,7 +131,7 @@ def run_with_fault(tmp_path, fault: str, args) -> subprocess.CompletedProcess:
     script = tmp_path / "faulty_train.py"
     script.write_text("\n".join([
         "import sys", f"sys.path.insert(0, {str(REPO)!r}); sys.argv[0] = {str(REPO / 'train.py')!r}",
-        "import train", "from latentwire.config import main_guard", fault,
+        "import train", "from latentwire.errors import main_guard", fault,
         "main_guard(lambda: train.main(sys.argv[1:]))"]))
     return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=child_env(), capture_output=True,
                           text=True, timeout=300)

@@ -66,6 +66,27 @@ def test_onecycle_schedule(tmp_path, strategy):
     assert logged[-1] == pytest.approx(lr / div / final_div)
 
 
+def test_onecycle_accepts_any_number_of_steps():
+    """--max-steps 10 with pct_start 0.1 is a one-step warm-up, which OneCycleLR alone divides by
+    zero on; every run length from 1 step up trains, and a warm-up starts at lr / div_factor."""
+    from train import one_cycle_pct_start
+
+    for pct_start in (0.05, 0.1, 0.25, 0.5):
+        for max_steps in range(1, 41):
+            optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=1.0, total_steps=max_steps, pct_start=one_cycle_pct_start(pct_start, max_steps),
+                div_factor=25.0, cycle_momentum=False)
+            lrs = []
+            for _ in range(max_steps):
+                lrs.append(scheduler.get_last_lr()[0])
+                optimizer.step()
+                scheduler.step()
+            assert all(math.isfinite(lr) for lr in lrs)
+            if pct_start * max_steps >= 1:
+                assert lrs[0] == pytest.approx(1.0 / 25.0)
+
+
 def first_moment(out) -> list[torch.Tensor]:
     state = torch.load(sorted((out / "checkpoints").glob("step_*"))[-1] / "train_state.pt", weights_only=False)
     return [s["exp_avg"] for s in state["optimizer"]["state"].values()]
