@@ -9,13 +9,13 @@ One loop, top to bottom. Each optimization is a labelled block saying why it is 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import shutil
 import sys
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from latentwire.checkpoint import Checkpointer, TrainState, list_checkpoints
 from latentwire.compiling import compiled_step
 from latentwire.config import check_can_create, load_config
-from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples
+from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples, to_device
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
@@ -34,7 +34,7 @@ from latentwire.evaluate import evaluate_wire
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
 from latentwire.flops import FlopModel
 from latentwire.metrics import GpuMonitor, MemoryMeter, MetricsLogger, Window, peak_flops_per_s
-from latentwire.model import WireEncoder, count_parameters, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder, count_parameters, forward_ce_sums
 from latentwire.preemption import StopFlag, shield_worker_from_stop_signals
 from latentwire.precision import (autocast_for, cuda_capability, enable_tf32, frozen_weight_dtype, grad_scaler_for,
                                   matmul_arithmetic, sdpa_kernels, use_tf32)
@@ -106,7 +106,8 @@ def train(cfg, di) -> None:
     # Its only buffers are constants (the LLMs' embedding RMS), equal on every rank, so it need not
     # re-broadcast them before every forward. The gradients live in DDP's all-reduce buckets
     # (gradient_as_bucket_view) instead of being copied into them: one copy and one memcpy less.
-    model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()}).to(device)
+    wire = WireConfig.of(cfg)
+    model = WireEncoder.for_llms(wire, llms).to(device)
     torch.manual_seed(cfg.seed + rank)
     ddp_model = model
     if di.is_distributed:
@@ -119,8 +120,7 @@ def train(cfg, di) -> None:
     # an epoch part-way, which is how a resumed run continues the same sample order.
     dataset = PromptDataset(examples)
     sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed)
-    collate = Collator({n: llm.tokenizer for n, llm in llms.items()}, cfg.max_prompt_bytes,
-                       cfg.max_answer_tokens, cfg.pad_multiple)
+    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
     # Workers tokenise and pad while the model computes; pinned host memory makes the
     # host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a
     # fork of every worker at each epoch. The loader's own generator keeps its worker seeds
@@ -162,7 +162,7 @@ def train(cfg, di) -> None:
     # bitwise the run that never stopped.
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, cfg.micro_batch_size, cfg.grad_accum_steps))
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.keep_checkpoints,
-                                meta={"profile": cfg.run.profile, "config": cfg.to_dict()},
+                                meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(wire)},
                                 model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     if cfg.run.resume:
         saved, path = checkpointer.resume(warn=lambda message: di.is_main and print(message, file=sys.stderr))
@@ -179,7 +179,7 @@ def train(cfg, di) -> None:
                 print(f"note: layout (world, micro-batch, accumulation) is {state.layout}, the checkpoint's was "
                       f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an "
                       "unbroken one only for the same layout", file=sys.stderr)
-        state = dataclasses.replace(saved, layout=state.layout)
+        state = replace(saved, layout=state.layout)
     batches = global_batches(loader, sampler, cfg.grad_accum_steps, state.epoch, state.examples_done, global_batch)
 
     # Every input has been checked: only now may --overwrite delete the old run.
@@ -383,13 +383,6 @@ def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, 
             examples_done += global_batch
             yield epoch, examples_done, [next(it) for _ in range(accum)]
         epoch, examples_done = epoch + 1, 0
-
-
-def to_device(batch: dict, device: torch.device):
-    """Recursively move tensors; non_blocking overlaps the copy with compute from pinned memory."""
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch.to(device, non_blocking=True)
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from latentwire.config import load_config  # noqa: E402
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples  # noqa: E402
 from latentwire.llm import load_frozen_llms  # noqa: E402
-from latentwire.model import WireEncoder, forward_ce_sums  # noqa: E402
+from latentwire.model import WireConfig, WireEncoder, forward_ce_sums  # noqa: E402
 from latentwire.precision import frozen_weight_dtype  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -77,7 +77,7 @@ def build_model(cfg) -> tuple[dict, WireEncoder]:
     """The two frozen LLMs and the trainable WireEncoder, built as train.py builds them."""
     torch.manual_seed(cfg.seed)
     llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), CPU)
-    model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()})
+    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
     return llms, model.train()
 
 
@@ -85,8 +85,7 @@ def make_loader(cfg, llms: dict) -> DataLoader:
     """train.py's DataLoader for a world of one: the same examples, sampler (so the same batch
     order), collate, workers and prefetch; no pinned memory, as on CPU there is no copy to overlap."""
     dataset = PromptDataset(load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed))
-    collate = Collator({n: llm.tokenizer for n, llm in llms.items()}, cfg.max_prompt_bytes,
-                       cfg.max_answer_tokens, cfg.pad_multiple)
+    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
     return DataLoader(dataset, batch_size=cfg.micro_batch_size,
                       sampler=ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.seed), collate_fn=collate,
                       drop_last=True, num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,

@@ -3,7 +3,7 @@
 - `trainable.safetensors`: encoder + adapters, plain tensor names, loadable with safetensors alone;
 - `train_state.pt`: optimizer, LR schedule, grad scaler, data position and step;
 - `rng_rank<R>.pt`: each rank's RNG states (python, numpy, torch, CUDA);
-- `meta.json`: profile, resolved configuration, library versions.
+- `meta.json`: profile, resolved configuration, the model's shape (`wire`, a WireConfig), library versions.
 
 A checkpoint is written into a temporary directory, fsynced and renamed, so it is either complete
 or absent: a job killed mid-save never leaves a half checkpoint under a `step_` name.
@@ -103,8 +103,8 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
             _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
+            if final.exists():  # the same step saved again
+                remove_checkpoint(final)
             os.replace(tmp, final)
             _fsync_dir(final.parent)
         except OSError as e:
@@ -138,9 +138,20 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Renamed out of the `step_` names first, then deleted: deleting takes many calls, and a job
+    killed between them must not leave a `step_` directory with some of its files gone."""
+    doomed = path.with_name(f".{path.name}.removing")
+    shutil.rmtree(doomed, ignore_errors=True)  # left by a job killed mid-delete
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def prune_checkpoints(out_dir: Path, keep: int) -> None:
+    for leftover in (Path(out_dir) / "checkpoints").glob(f".{STEP_PREFIX}*.removing"):  # a kill mid-delete
+        shutil.rmtree(leftover, ignore_errors=True)
     for old in list_checkpoints(out_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_checkpoint(old)
 
 
 def restore_rng(state: dict) -> None:

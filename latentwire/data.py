@@ -264,7 +264,7 @@ class PromptDataset(torch.utils.data.Dataset):
         return {"prompt": prompt_text(example).encode("utf-8"), "answer": answer_text(example), "index": index}
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
@@ -304,6 +304,12 @@ class Collator:
         self.max_answer_tokens = max_answer_tokens
         self.pad_multiple = pad_multiple
 
+    @classmethod
+    def for_llms(cls, llms: dict, max_prompt_bytes: int, max_answer_tokens: int, pad_multiple: int) -> Collator:
+        """Answers tokenised for each frozen LLM by its own tokenizer."""
+        return cls({name: llm.tokenizer for name, llm in llms.items()}, max_prompt_bytes, max_answer_tokens,
+                   pad_multiple)
+
     def __call__(self, items: list[dict]) -> dict:
         byte_ids, byte_mask = self._collate_bytes([item["prompt"] for item in items])
         answers = [item["answer"] for item in items]
@@ -321,7 +327,7 @@ class Collator:
     def _collate_bytes(self, prompts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         # prompt_text is never empty, so every row has at least one real byte to attend to.
         prompts = [p[:self.max_prompt_bytes] for p in prompts]
-        length = _round_up(max(len(p) for p in prompts), self.pad_multiple)
+        length = round_up(max(len(p) for p in prompts), self.pad_multiple)
         raw = torch.frombuffer(bytearray(b"".join(p.ljust(length, b"\0") for p in prompts)), dtype=torch.uint8)
         byte_mask = torch.arange(length) < torch.tensor([len(p) for p in prompts])[:, None]
         byte_ids = raw.view(len(prompts), length).long().masked_fill_(~byte_mask, PAD_BYTE)
@@ -333,7 +339,7 @@ class Collator:
         # (trained on running text, where words start with a space) give whole-word tokens.
         spaced = [" " + a for a in answers]
         token_ids = [ids[:self.max_answer_tokens] for ids in tok(spaced, add_special_tokens=False)["input_ids"]]
-        length = _round_up(max(len(prefix) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
+        length = round_up(max(len(prefix) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
         inputs = [prefix + ids for ids in token_ids]
         targets = [[IGNORE_INDEX] * len(prefix) + ids + eos for ids in token_ids]
         return {"input_ids": torch.tensor([row + [pad] * (length - len(row)) for row in inputs]),
@@ -367,3 +373,10 @@ class ShardSampler(torch.utils.data.DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A collated batch on `device`; non_blocking overlaps the copy with compute from pinned memory."""
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True)

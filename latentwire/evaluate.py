@@ -32,21 +32,23 @@ import json
 import math
 import random
 import statistics
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
-from .config import FIELDS, Config, RunFlags, Parser, check_can_create, check_value, positive
+from .config import FIELDS, Config, Parser, RunFlags, check_can_create, check_value, positive
+from .data import IGNORE_INDEX, Collator, PromptDataset, load_examples, prompt_text, to_device
 from .errors import UserError, main_guard
-from .data import IGNORE_INDEX, Collator, PromptDataset, load_examples, prompt_text
 from .distributed import process_group
 from .llm import FrozenLLM, load_frozen_llms, padded_attention
-from .model import WireEncoder
+from .model import WireConfig, WireEncoder
 from .precision import autocast_for, frozen_weight_dtype
 from .squad_metrics import best_em_f1
 
@@ -256,12 +258,7 @@ class Plan:
     batch_size: int
     max_new_tokens: int
     text_baselines: bool
-
-
-def _to(batch, device: torch.device):
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch.to(device)
+    progress: Callable[[int, int], object] | None = None  # (examples done, of) on this rank, after each chunk
 
 
 def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices: range, partners: list[int],
@@ -269,8 +266,8 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
     """Per-example records of one chunk: NLL sums and target counts, answers, EM and F1, keyed by
     `{input}_{llm}`."""
     dataset = PromptDataset(examples)
-    batch = _to(collate([dataset[i] for i in indices]), device)
-    partner = _to(collate([dataset[partners[i]] for i in indices]), device)
+    batch = to_device(collate([dataset[i] for i in indices]), device)
+    partner = to_device(collate([dataset[partners[i]] for i in indices]), device)
     targets = {name: answer_ids(batch["answers"][name]) for name in llms}
     golds = [examples[i]["answers"]["text"] for i in indices]
     records = [{"index": i, "nll_sum": {}, "tokens": {}, "em": {}, "f1": {}, "answer": {}} for i in indices]
@@ -332,15 +329,17 @@ def gather_records(local: list[dict]) -> list[dict]:
 def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], cfg, device: torch.device,
                       rank: int, world: int, plan: Plan) -> list[dict]:
     """Per-example records of all `examples`, on every rank. A collective when distributed."""
-    collate = Collator({n: llm.tokenizer for n, llm in llms.items()}, cfg.max_prompt_bytes,
-                       cfg.max_answer_tokens, cfg.pad_multiple)
+    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
     partners = cyclic_derangement(len(examples), cfg.seed)
     was_training = model.training
     model.eval()  # no dropout: the wire is what the trained encoder writes, deterministically
     try:
         with torch.no_grad(), autocast_for(cfg.precision, device)():
-            local = [record for chunk in rank_chunks(len(examples), plan.batch_size, rank, world)
-                     for record in evaluate_chunk(model, llms, examples, chunk, partners, collate, cfg, plan, device)]
+            chunks, local = rank_chunks(len(examples), plan.batch_size, rank, world), []
+            for chunk in chunks:
+                local += evaluate_chunk(model, llms, examples, chunk, partners, collate, cfg, plan, device)
+                if plan.progress:
+                    plan.progress(len(local), sum(map(len, chunks)))
     finally:
         model.train(was_training)
     return gather_records(local)
@@ -416,7 +415,7 @@ def load_wire_encoder(ckpt: Path, cfg, llms: dict, device: torch.device) -> Wire
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
-    model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()})
+    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
     check_weights(state, model.state_dict(), path, "the model of its meta.json")
     model.load_state_dict(state)
     return model.to(device)
@@ -587,6 +586,12 @@ def main(argv: list[str] | None = None) -> None:
         run(args, ckpt, cfg, step, di)
 
 
+def report_progress(world: int):
+    """Generation takes minutes: a line per chunk of rank 0's share, on stderr (stdout is the report)."""
+    share = " (rank 0's share)" if world > 1 else ""
+    return lambda done, total: print(f"evaluated {done}/{total} examples{share}", file=sys.stderr, flush=True)
+
+
 def run(args, ckpt: Path, cfg, step, di) -> None:
     dataset = args.dataset or cfg.dataset
     out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
@@ -595,7 +600,8 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
     plan = Plan(batch_size=args.batch_size or cfg.micro_batch_size,
-                max_new_tokens=args.max_new_tokens or cfg.max_new_tokens, text_baselines=True)
+                max_new_tokens=args.max_new_tokens or cfg.max_new_tokens, text_baselines=True,
+                progress=report_progress(di.world_size) if di.is_main else None)
     records = evaluate_examples(model, llms, examples, cfg, di.device, di.rank, di.world_size, plan)
     if not di.is_main:
         return

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ from .errors import main_guard
 from .distributed import process_group
 from .llm import apply_activation_checkpointing, load_frozen_llms
 from .memtrace import make_optimizer, planning_batch, train_step
-from .model import WireEncoder
+from .model import WireConfig, WireEncoder
 from .plan import write_json
 from .precision import cuda_capability, frozen_weight_dtype, sdpa_kernels
 
@@ -83,6 +84,9 @@ class CpuPeak:
     def __enter__(self):
         from torch.profiler import ProfilerActivity, profile
 
+        # Kineto logs a line at every profiler start and stop, above its error level; read when the
+        # first profiler starts. A trial reports its own failures.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._profile.__enter__()
         return self
@@ -147,7 +151,7 @@ class Probe:
 
     def _run(self, micro_batch: int) -> None:
         torch.manual_seed(self.cfg.seed)
-        model = WireEncoder(self.cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in self.llms.items()})
+        model = WireEncoder.for_llms(WireConfig.of(self.cfg), self.llms)
         model.to(self.device).train()
         optimizer = make_optimizer(self.cfg, model, fused=self.device.type == "cuda")
         batch, n_targets = planning_batch(self.cfg, self.answers, micro_batch, self.device)

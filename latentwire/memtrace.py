@@ -10,7 +10,7 @@ It sees the tensors operators return, not what a kernel allocates and frees insi
 CUDA, cuBLAS and attention workspaces (in the plan's reserve); on a CPU whose oneDNN runs bf16
 matmuls (AVX512 BW/VL/DQ, AVX-NE-CONVERT or AMX), the contiguous copy `mkldnn_matmul` makes of
 the LLM head's weight expanded over the batch (micro-batch x hidden x vocabulary x 2 bytes, in
-forward and again in backward; README, "How far to trust it"). Where PyTorch's own kernels run
+forward and again in backward; docs/memory.md, "How far to trust it"). Where PyTorch's own kernels run
 the step (fp32; bf16 elsewhere) the trace equals the CPU allocator's count of the real step.
 
 The step traced here is the one `find_batch` runs for real: the same function on real tensors.
@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.utils._pytree import tree_leaves
 
-from .data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE
+from .data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, round_up
 from .llm import FrozenLLM, apply_activation_checkpointing, causal_attention, freeze
-from .model import WireEncoder, forward_ce_sums
+from .model import WireConfig, WireEncoder, forward_ce_sums
 from .precision import autocast_for, frozen_weight_dtype
 
 CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
@@ -58,10 +58,6 @@ def train_step(cfg, model, llms: dict, optimizer, batch: dict, n_targets: float,
     optimizer.zero_grad(set_to_none=True)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def planning_batch(cfg, answers: dict[str, tuple[int, int]], micro_batch: int,
                    device: torch.device = torch.device("cpu")) -> tuple[dict, float]:
     """The largest batch `data.Collator` can emit, and its number of answer targets per LLM.
@@ -69,13 +65,13 @@ def planning_batch(cfg, answers: dict[str, tuple[int, int]], micro_batch: int,
     Every prompt is cut at max_prompt_bytes and every answer at max_answer_tokens, padded as the
     collator pads. `answers` maps an LLM's name to (tokens before the answer: 1 with a BOS, vocab size).
     """
-    length = _round_up(cfg.max_prompt_bytes, cfg.pad_multiple)
+    length = round_up(cfg.max_prompt_bytes, cfg.pad_multiple)
     byte_ids = torch.full((micro_batch, length), PAD_BYTE, dtype=torch.long, device=device)
     byte_ids[:, :cfg.max_prompt_bytes] = torch.randint(0, 256, (micro_batch, cfg.max_prompt_bytes), device=device)
     batch = {"bytes": byte_ids, "byte_mask": byte_ids != PAD_BYTE, "answers": {}}
     targets = cfg.max_answer_tokens + 1  # the answer tokens and the EOS after them
     for name, (prefix, vocab) in answers.items():
-        width = _round_up(prefix + cfg.max_answer_tokens, ANSWER_PAD_MULTIPLE)
+        width = round_up(prefix + cfg.max_answer_tokens, ANSWER_PAD_MULTIPLE)
         input_ids = torch.randint(0, vocab, (micro_batch, width), device=device)
         labels = torch.full((micro_batch, width + 1), IGNORE_INDEX, dtype=torch.long, device=device)
         labels[:, prefix:prefix + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
@@ -200,7 +196,7 @@ class StepTracer:
     def __init__(self, cfg, llms: dict[str, FrozenLLM], answers: dict[str, tuple[int, int]]):
         self.cfg, self.llms, self.answers = cfg, llms, answers
         # The adapters' output scale (the LLMs' embedding RMS) changes values, not memory.
-        self.model = WireEncoder(cfg, {name: (llm.hidden_size, 1.0) for name, llm in llms.items()})
+        self.model = WireEncoder(WireConfig.of(cfg), {name: (llm.hidden_size, 1.0) for name, llm in llms.items()})
         self.optimizer = make_optimizer(cfg, self.model, fused=cfg.device == "cuda")
 
     def trace(self, micro_batch: int, steps: int) -> StepTrace:

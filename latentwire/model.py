@@ -6,9 +6,13 @@ attention (as keys), so a prompt padded to any length gives the same wire.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .data import round_up
 
 NUM_BYTE_IDS = 257  # 256 byte values + the padding id (data.PAD_BYTE)
 
@@ -116,20 +120,46 @@ class Adapter(nn.Module):
         self.register_buffer("embed_rms", torch.tensor(embed_rms), persistent=False)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.proj(z)) * self.embed_rms
+        h = self.proj(z)
+        # The norm in fp32, its weight's dtype: with a bf16 input (autocast) rms_norm takes its
+        # unfused composite path and warns at every call.
+        return self.norm(h.float()).to(h.dtype) * self.embed_rms
+
+
+@dataclass(frozen=True)
+class WireConfig:
+    """The shape of the trainable model: what a checkpoint's weights need to load."""
+    num_latents: int  # M soft tokens
+    d_z: int  # width of the wire
+    encoder_dim: int
+    encoder_layers: int
+    encoder_heads: int
+    dropout: float
+    max_prompt_bytes: int  # with pad_multiple: how many byte positions the encoder embeds
+    pad_multiple: int
+
+    @classmethod
+    def of(cls, config) -> WireConfig:
+        """Its fields, read from a run's configuration (a Config, or anything with these attributes)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 class WireEncoder(nn.Module):
     """Everything that trains: prompt bytes -> the wire -> soft tokens for each LLM."""
 
-    def __init__(self, cfg, llm_dims: dict[str, tuple[int, float]]):
+    def __init__(self, wire: WireConfig, llm_dims: dict[str, tuple[int, float]]):
         """`llm_dims` maps an LLM's name to (hidden size, input-embedding RMS)."""
         super().__init__()
-        max_len = -(-cfg.max_prompt_bytes // cfg.pad_multiple) * cfg.pad_multiple  # collate rounds up
-        self.encoder = ByteEncoder(cfg.encoder_dim, cfg.encoder_layers, cfg.encoder_heads, max_len, cfg.dropout)
-        self.pooler = LatentPooler(cfg.num_latents, cfg.d_z, cfg.encoder_dim, cfg.encoder_heads, cfg.dropout)
-        self.adapters = nn.ModuleDict({name: Adapter(cfg.d_z, hidden, rms, cfg.dropout)
+        max_len = round_up(wire.max_prompt_bytes, wire.pad_multiple)  # as the collator pads
+        self.encoder = ByteEncoder(wire.encoder_dim, wire.encoder_layers, wire.encoder_heads, max_len, wire.dropout)
+        self.pooler = LatentPooler(wire.num_latents, wire.d_z, wire.encoder_dim, wire.encoder_heads, wire.dropout)
+        self.adapters = nn.ModuleDict({name: Adapter(wire.d_z, hidden, rms, wire.dropout)
                                        for name, (hidden, rms) in llm_dims.items()})
+
+    @classmethod
+    def for_llms(cls, wire: WireConfig, llms: dict) -> WireEncoder:
+        """One adapter per frozen LLM, into its hidden size and at its embedding table's RMS."""
+        return cls(wire, {name: (llm.hidden_size, llm.embed_rms()) for name, llm in llms.items()})
 
     def wire(self, byte_ids: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
         return self.pooler(self.encoder(byte_ids, byte_mask), byte_mask)

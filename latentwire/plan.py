@@ -35,11 +35,12 @@ import torch
 from .analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
 from .budget import GIB, Budget, Fit, budget_for, fit_line, largest_fitting
 from .config import Parser, load_config, positive
+from .data import round_up
 from .errors import UserError, main_guard
 from .known_llms import LLMSpec, llm_parameter_count, llm_spec
 from .llm import LLM_NAMES
 from .memtrace import StepTrace, StepTracer, fake_llms
-from .model import WireEncoder
+from .model import WireConfig, WireEncoder
 
 PROG = "python -m latentwire.plan"
 
@@ -104,7 +105,7 @@ class Plan:
 def trainable_shapes(cfg, specs: dict[str, LLMSpec]) -> list[tuple[int, ...]]:
     """The shapes of the encoder's and adapters' parameters (built on the meta device: no memory)."""
     with torch.device("meta"):
-        model = WireEncoder(cfg, {name: (spec.config.hidden_size, 1.0) for name, spec in specs.items()})
+        model = WireEncoder(WireConfig.of(cfg), {name: (spec.config.hidden_size, 1.0) for name, spec in specs.items()})
     return [tuple(p.shape) for p in model.parameters()]
 
 
@@ -170,7 +171,7 @@ def format_plan(plan: Plan) -> str:
     cfg, a, fit, budget = plan.cfg, plan.analytic, plan.fit, plan.budget
     size, unit = _unit(plan)
     compile_note = "torch.compile usually keeps less" if cfg.compile else "no torch.compile"
-    prompt = -(-cfg.max_prompt_bytes // cfg.pad_multiple) * cfg.pad_multiple
+    prompt = round_up(cfg.max_prompt_bytes, cfg.pad_multiple)
     lines = [f"memory plan for profile {cfg.run.profile}: {cfg.description}",
              f"{plan.world_size} rank(s) x {cfg.device}, {cfg.precision} autocast, frozen LLMs in {cfg.precision}, "
              f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "

@@ -15,7 +15,7 @@ from latentwire.compiling import compile_kwargs, compile_regions, compiled_step,
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
-from latentwire.model import WireEncoder, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder, forward_ce_sums
 
 CPU = torch.device("cpu")
 BACKEND = "aot_eager"
@@ -34,7 +34,7 @@ def build():
     for llm in llms.values():
         apply_activation_checkpointing(llm)
     torch.manual_seed(0)
-    model = WireEncoder(cfg, {n: (llm.hidden_size, llm.embed_rms()) for n, llm in llms.items()})
+    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
     return cfg, model, llms
 
 

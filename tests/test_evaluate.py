@@ -11,7 +11,7 @@ from latentwire import evaluate as ev
 from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, count_answer_tokens, load_examples, synthetic_examples
 from latentwire.llm import LLM_NAMES, apply_activation_checkpointing, load_frozen_llm
-from latentwire.model import WireEncoder, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder, forward_ce_sums
 from latentwire.precision import autocast_for
 from latentwire.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
 
@@ -69,12 +69,11 @@ def llms():
 
 def wire_encoder(cfg, llms, seed=0):
     torch.manual_seed(seed)
-    return WireEncoder(cfg, {n: (l.hidden_size, l.embed_rms()) for n, l in llms.items()})
+    return WireEncoder.for_llms(WireConfig.of(cfg), llms)
 
 
 def collate(cfg, llms, examples):
-    collator = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, cfg.max_answer_tokens,
-                        cfg.pad_multiple)
+    collator = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
     dataset = PromptDataset(examples)
     return collator([dataset[i] for i in range(len(examples))])
 
@@ -349,7 +348,7 @@ def test_every_payload_control_changes_what_the_adapters_compute(precision):
     would be the wire itself, a control that cannot differ. Every control kept must differ."""
     cfg = load_config(["--profile", "cpu", "--precision", precision])
     torch.manual_seed(0)
-    model = WireEncoder(cfg, {"llama": (32, 1.0)})
+    model = WireEncoder(WireConfig.of(cfg), {"llama": (32, 1.0)})
     z = torch.randn(3, cfg.num_latents, cfg.d_z)
     autocast = autocast_for(precision, CPU)
     with torch.no_grad(), autocast():

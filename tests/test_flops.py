@@ -7,7 +7,7 @@ from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.flops import FlopModel, register_cpu_attention_flops
 from latentwire.llm import load_frozen_llm
-from latentwire.model import WireEncoder, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder, forward_ce_sums
 
 CPU = torch.device("cpu")
 
@@ -17,7 +17,7 @@ def setup():
     register_cpu_attention_flops()
     cfg = load_config(["--profile", "cpu"])
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
-    model = WireEncoder(cfg, {n: (l.hidden_size, l.embed_rms()) for n, l in llms.items()})
+    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
     return cfg, llms, model
 
 
@@ -31,8 +31,7 @@ def counted(model, llms, batch) -> int:
 def test_analytic_flops_match_flop_counter(setup, batch_size, pad_multiple):
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(64, batch_size))[i] for i in range(batch_size)]
-    batch = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, cfg.max_answer_tokens,
-                     pad_multiple)(items)
+    batch = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, pad_multiple)(items)
     analytic = FlopModel.of(model, {n: l.model for n, l in llms.items()}, cfg).step_flops([batch])
     measured = counted(model, llms, batch)
     assert analytic == pytest.approx(measured, rel=0.05)
@@ -42,7 +41,7 @@ def test_cpu_attention_is_counted(setup):
     """Without the registered formula, FlopCounterMode would miss every CPU attention."""
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(8, 0))[i] for i in range(4)]
-    batch = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, 16, 32)(items)
+    batch = Collator.for_llms(llms, cfg.max_prompt_bytes, 16, 32)(items)
     with FlopCounterMode(display=False) as counter:
         forward_ce_sums(model, llms, batch).sum().backward()
     ops = {str(op) for op in counter.get_flop_counts()["Global"]}
@@ -54,7 +53,7 @@ def test_frozen_llms_cost_no_weight_gradients(setup):
     """The frozen-aware count: letting an LLM's weights require grad adds 2 x params per position."""
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(8, 1))[i] for i in range(4)]
-    batch = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, 16, 32)(items)
+    batch = Collator.for_llms(llms, cfg.max_prompt_bytes, 16, 32)(items)
     frozen = counted(model, llms, batch)
     layers = llms["qwen"].model.get_decoder().layers
     layers.requires_grad_(True)

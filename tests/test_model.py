@@ -5,7 +5,7 @@ import torch
 from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, count_answer_tokens, synthetic_examples
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
-from latentwire.model import WireEncoder, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder, forward_ce_sums
 
 CPU = torch.device("cpu")
 
@@ -18,14 +18,14 @@ def cfg():
 def build(cfg, seed=0, dtype=torch.float32):
     llms = {n: load_frozen_llm(n, "tiny", dtype, CPU) for n in ("llama", "qwen")}
     torch.manual_seed(seed)
-    model = WireEncoder(cfg, {n: (l.hidden_size, l.embed_rms()) for n, l in llms.items()})
+    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
     return model, llms
 
 
 def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None):
     items = [PromptDataset(synthetic_examples(64, 3))[i] for i in range(n)]
-    collate = Collator({k: l.tokenizer for k, l in llms.items()}, cfg.max_prompt_bytes,
-                       max_answer_tokens or cfg.max_answer_tokens, pad_multiple or cfg.pad_multiple)
+    collate = Collator.for_llms(llms, cfg.max_prompt_bytes,
+                                max_answer_tokens or cfg.max_answer_tokens, pad_multiple or cfg.pad_multiple)
     return collate(items)
 
 

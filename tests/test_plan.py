@@ -77,8 +77,8 @@ def test_planning_batch_is_the_longest_the_collator_emits():
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
     long_example = {"context": "Maria lives in Paris. " * 20, "question": "Where?",
                     "answers": {"text": ["Paris Tokyo Lima Cairo Oslo Berlin Madrid Toronto"]}}
-    collated = Collator({n: l.tokenizer for n, l in llms.items()}, cfg.max_prompt_bytes, cfg.max_answer_tokens,
-                        cfg.pad_multiple)([PromptDataset([long_example] * 3)[i] for i in range(3)])
+    collated = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens,
+                                 cfg.pad_multiple)([PromptDataset([long_example] * 3)[i] for i in range(3)])
     planned, n_targets = planning_batch(cfg, {n: (len(l.prefix_ids), len(l.tokenizer)) for n, l in llms.items()}, 3)
     assert planned["bytes"].shape == collated["bytes"].shape
     assert torch.equal(planned["byte_mask"], collated["byte_mask"])
@@ -158,7 +158,7 @@ def real_vocab_reader(tmp_path_factory) -> str:
 def test_traced_peak_matches_the_measured_peak_with_a_real_sized_vocabulary(real_vocab_reader, precision, micro_batch):
     """The same comparison with the Llama slot's vocabulary at 49152, recompute on. Where oneDNN runs
     bf16 matmuls the real step also holds oneDNN's contiguous copy of the LLM head's weight, expanded
-    over the micro-batch (README, "How far to trust it"), which the trace does not count."""
+    over the micro-batch (docs/memory.md, "How far to trust it"), which the trace does not count."""
     cfg = load_config(["--profile", "cpu", "--llama", real_vocab_reader, "--precision", precision,
                        "--activation-checkpointing", "true", "--micro-batch-size", str(micro_batch),
                        "--max-prompt-bytes", "384"])

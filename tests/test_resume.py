@@ -102,6 +102,38 @@ def test_kill_9_never_leaves_a_partial_checkpoint_to_resume_from(tmp_path):
     assert f"step {newest}," in proc.stdout  # "resumed from ... (step N, ..."
 
 
+def test_a_kill_while_pruning_leaves_every_step_directory_complete(tmp_path, monkeypatch):
+    """Deleting a checkpoint takes a call per file; a job killed between them (here: the delete
+    stops after one file) must not leave a step_ directory with files missing, which resume would
+    take for a complete checkpoint. (The kill -9 test above caught this once in CI, by chance.)"""
+    import shutil
+    from pathlib import Path
+
+    from latentwire import checkpoint
+    files = {"meta.json", "trainable.safetensors", "train_state.pt", "rng_rank0.pt"}
+    for step in (1, 2, 3):
+        path = checkpoint.checkpoint_dir(tmp_path, step)
+        path.mkdir(parents=True)
+        for name in files:
+            (path / name).write_text("x")
+
+    def killed_midway(path, ignore_errors=False):
+        path = Path(path)
+        if path.exists():
+            next(path.iterdir()).unlink()
+            raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune_checkpoints(tmp_path, keep=2)
+    monkeypatch.undo()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    for path in list_checkpoints(tmp_path):
+        assert {p.name for p in path.iterdir()} == files
+    checkpoint.prune_checkpoints(tmp_path, keep=1)  # the next prune also clears what the kill left
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003"]
+
+
 @pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     out = tmp_path / "run"

@@ -63,3 +63,11 @@ def test_final_checkpoint_loads_with_safetensors_alone(cpu_run):
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["profile"] == "cpu" and meta["step"] == 200 and meta["config"]["llama"] == "tiny"
     assert {"train_state.pt", "rng_rank0.pt", "rng_rank1.pt"} <= {p.name for p in ckpt.iterdir()}
+    # meta.json's "wire" and the LLMs' sizes are all it takes to rebuild the model for the weights.
+    from safetensors.torch import load_file
+
+    from latentwire.model import WireConfig, WireEncoder
+    weights = load_file(str(ckpt / "trainable.safetensors"))
+    hidden = {name: weights[f"adapters.{name}.norm.weight"].numel() for name in ("llama", "qwen")}
+    model = WireEncoder(WireConfig(**meta["wire"]), {name: (size, 1.0) for name, size in hidden.items()})
+    model.load_state_dict(weights)  # strict: every name and shape
