@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,10 +149,15 @@ def remove_checkpoint(path: Path) -> None:
 
 
 def prune_checkpoints(out_dir: Path, keep: int) -> None:
+    """Remove all but the newest `keep`. An old checkpoint that cannot be removed stays, with a
+    warning: the run that has just saved goes on."""
     for leftover in (Path(out_dir) / "checkpoints").glob(f".{STEP_PREFIX}*.removing"):  # a kill mid-delete
         shutil.rmtree(leftover, ignore_errors=True)
     for old in list_checkpoints(out_dir)[:-keep]:
-        remove_checkpoint(old)
+        try:
+            remove_checkpoint(old)
+        except OSError as e:
+            print(f"warning: could not remove old checkpoint {old}: {e.strerror}", file=sys.stderr, flush=True)
 
 
 def restore_rng(state: dict) -> None:

@@ -143,6 +143,10 @@ def read_profiles(path: Path = DEFAULT_PROFILES) -> dict:
         raise UserError(f"hardware profile file {path} does not exist") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text") from None
+    except OSError as e:  # a directory, no permission
+        raise UserError(f"cannot read hardware profile file {path}: {e.strerror}") from None
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
         raise UserError(f"{path} must map profile keys to objects of fields")
     return raw
@@ -279,8 +283,8 @@ def build_parser(prog: str = "train.py", argv: list[str] | None = None) -> argpa
     pre.add_argument("--hw-profiles", default=str(DEFAULT_PROFILES))
     known, _ = pre.parse_known_args(argv)
     profiles, shown = _profiles_for_help(Path(known.hw_profiles), known.profile)
-    listing = "\n".join(textwrap.fill(str(p.get("description", "")), 100, initial_indent=f"  {key:<11}",
-                                       subsequent_indent=" " * 13) for key, p in profiles.items())
+    listing = "\n".join(textwrap.fill(description, 100, initial_indent=f"  {key:<10} ", subsequent_indent=" " * 13)
+                         for key, description in profiles.items())
     p = Parser(prog=prog, usage=f"{prog} --profile KEY [--resume | --overwrite] [--FIELD VALUE ...]",
                description="Train LatentWire from a hardware profile. Every field of the profile is also a flag, "
                "which overrides it.", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -299,13 +303,22 @@ def build_parser(prog: str = "train.py", argv: list[str] | None = None) -> argpa
 
 
 def _profiles_for_help(path: Path, key: str | None) -> tuple[dict, dict]:
-    """The profiles of `path`, and the resolved values of `key`, as far as they can be read: a bad
-    file is reported when the run starts, not by --help."""
+    """Each profile's description, and the resolved values of `key`, as far as they can be read:
+    a bad file or profile is reported when the run starts, not by --help."""
     try:
         profiles = read_profiles(path)
-        return profiles, resolve_profile(profiles, key, path) if key else {}
     except UserError:
         return {}, {}
+    described = {}
+    for name in profiles:
+        try:
+            described[name] = resolve_profile(profiles, name, path)["description"]  # inherited too
+        except UserError:
+            described[name] = "(does not load: run with it to see why)"
+    try:
+        return described, resolve_profile(profiles, key, path) if key else {}
+    except UserError:
+        return described, {}
 
 
 def _as_flag(value) -> str:

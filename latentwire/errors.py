@@ -1,8 +1,10 @@
-"""How a run ends, other than done (exit 0): each way is an exception with its exit code, and
-`main_guard` turns it into one `error: ...` line and that code, never a traceback.
+"""How a run ends, other than done (exit 0) or a rank's traceback (exit 1): an exception class
+with its exit code for each of 2-5, which `main_guard` turns into one `error: ...` line and that
+code, and the exit code of a preempted run, which saved and exits quietly.
 
     2   UserError              bad input, refused before anything on disk changes
-    3   Diverged               too many non-finite steps (the last good weights are saved)
+    3   Diverged               too many non-finite steps (the last good weights are saved), or
+                               non-finite weights (never saved)
     4   CheckpointWriteFailed  a checkpoint write failed (earlier ones intact, no partial one)
     5   OutOfMemory            with a memory snapshot where the device has one
     75  PREEMPTED_EXIT_CODE    SIGTERM / SIGUSR1: the step was saved; continue with --resume

@@ -1,6 +1,6 @@
 """Preemption: SIGTERM (spot instances, `scancel`, torchrun shutting down) and SIGUSR1 (SLURM's
 `--signal`) only set a flag. The loop ORs the flag over all ranks at the next step boundary, so
-every rank saves the same step and exits together with PREEMPTED_EXIT_CODE. DataLoader workers
+every rank saves the same step and exits together with errors.PREEMPTED_EXIT_CODE. DataLoader workers
 are kept out of the way of both (`shield_worker_from_stop_signals`): the trainer decides when to stop."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input at every entry point (DESIGN.md, "Exit codes"): exit code 2, one `error: ...` line on
+"""Bad input at every entry point (docs/faults.md): exit code 2, one `error: ...` line on
 stderr, no traceback, and nothing on disk changed: an existing run directory is byte-identical
 afterwards. (tests/test_resume.py's table checks the wording of the common train.py cases.)
 
@@ -82,6 +82,7 @@ class Ctx:
     run: Path  # a fresh copy of the reference run; the snapshot covers it
     tmp: Path  # scratch for input files, outside the run
     models: dict[str, Path]
+    lock: Callable[[], object] = lambda: None  # after the snapshot, before the command
     # after the command, in order: the first makes the run readable again for the snapshot
     cleanup: list[Callable[[], object]] = field(default_factory=list)
 
@@ -191,7 +192,8 @@ def locked_parent(searchable: bool, holds: str = "out_dir") -> Callable[[Ctx], d
     """A directory this user may not write (searchable) or not even look into, holding the out_dir
     or (holds="ckpt") the run evaluate reads. root may go anywhere, so as root the command runs as
     nobody below a directory root owns, of mode 555 or 700; as another user the directory is its
-    own, of mode 555 or 000, and gets its mode back before the run's snapshot is compared."""
+    own, of mode 555 or 000. It is locked after the run's snapshot is taken and unlocked before
+    the snapshot is compared."""
     def build(c: Ctx) -> dict:
         root = os.geteuid() == 0
         top = Path(tempfile.mkdtemp(prefix="latentwire-locked-"))
@@ -200,7 +202,7 @@ def locked_parent(searchable: bool, holds: str = "out_dir") -> Callable[[Ctx], d
         locked.mkdir()
         # the run where this user can read it (evaluate reads it), or not even look into it
         c.run = Path(shutil.move(c.run, (locked if holds == "ckpt" else top) / "run"))
-        locked.chmod(0o555 if searchable else 0o700 if root else 0o000)
+        c.lock = lambda: locked.chmod(0o555 if searchable else 0o700 if root else 0o000)
         c.cleanup += [lambda: locked.chmod(0o755), lambda: shutil.rmtree(top, ignore_errors=True)]
         spec = {"args": ["--out-dir", str(locked / "deeper" / "run")] if holds == "out_dir" else [],
                 "says": "cannot be created" if holds == "out_dir" else "cannot be read"}
@@ -232,6 +234,7 @@ CASES = {
     "train-profiles-field-wrong-type": ("train", profiles(lambda p: p["cpu"].update(micro_batch_size="8"))),
     "train-profiles-unknown-field": ("train", profiles(lambda p: p["cpu"].update(learning_rate=0.1))),
     "train-profiles-missing-file": ("train", lambda c: [OW, "--hw-profiles", str(c.tmp / "no_such_profiles.json")]),
+    "train-profiles-is-a-directory": ("train", lambda c: [OW, "--hw-profiles", str(c.tmp)]),
     "train-profiles-lr-Infinity": ("train", profiles(lambda p: p["cpu"].update(lr=float("inf")))),
     "train-profiles-extends-cycle": ("train", profiles(lambda p: p["cpu"].update(extends="cpu"))),
     "plan-profiles-not-json": ("plan", lambda c: ["--hw-profiles", c.write("p.json", "not json at all")]),
@@ -314,13 +317,14 @@ def run_case(entry: str, build, root: Path, reference_run: Path, model_dirs: dic
     env = {"HF_DATASETS_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **spec.get("env", {})}
     before = snapshot(ctx.run)  # the build may have moved the run
     try:
+        ctx.lock()
         proc = invoke(entry, [*base_args(entry, ctx.run), *spec["args"]], scratch, env, spec.get("prefix", []))
-    finally:
         for undo in ctx.cleanup[:1]:
             undo()
-    changed = changes(before, snapshot(ctx.run))
-    for undo in ctx.cleanup[1:]:
-        undo()
+        changed = changes(before, snapshot(ctx.run))
+    finally:
+        for undo in ctx.cleanup:  # again if the command failed: each is harmless twice
+            undo()
 
     problems = []
     if spec.get("says", "") not in proc.stderr:

@@ -134,6 +134,25 @@ def test_a_kill_while_pruning_leaves_every_step_directory_complete(tmp_path, mon
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003"]
 
 
+def test_an_old_checkpoint_that_cannot_be_removed_is_a_warning(tmp_path, monkeypatch, capsys):
+    """Pruning runs after a successful save: a checkpoint it cannot remove (a busy NFS file) stays,
+    and the run goes on."""
+    import errno
+    import os
+
+    from latentwire import checkpoint
+    for step in (1, 2):
+        checkpoint.checkpoint_dir(tmp_path, step).mkdir(parents=True)
+
+    def busy(src, dst):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+
+    monkeypatch.setattr(os, "replace", busy)
+    checkpoint.prune_checkpoints(tmp_path, keep=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001", "step_00000002"]
+    assert "warning: could not remove old checkpoint" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     out = tmp_path / "run"
