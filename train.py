@@ -136,15 +136,9 @@ def train(cfg, di) -> None:
         raise UserError(f"dataset of {len(dataset)} examples is smaller than one global batch "
                         f"({cfg.micro_batch_size} x {cfg.grad_accum_steps} x {world} ranks)")
 
-    # --- Optimizer: AdamW over the trainable parameters only, fused on CUDA ------------------
-    # Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter).
-    # The fused kernel updates every tensor in one launch instead of several per tensor.
-    # Weight decay on matrices only, not on biases and norm gains.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  fused=device.type == "cuda")
+    # --- Optimizer: AdamW over the trainable parameters only, fused on CUDA (see adamw) ------
+    optimizer = adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                      fused=device.type == "cuda")
 
     # --- Schedule: OneCycle, stepped once per optimizer step ---------------------------------
     # Warm up from lr/div_factor to lr over pct_start of the run, then anneal to the final lr.
@@ -231,31 +225,17 @@ def train(cfg, di) -> None:
             # --- Exact gradient accumulation ---------------------------------------------
             # Each LLM's loss is its summed token cross-entropy divided by the number of answer
             # tokens in the whole global batch (all micro-batches, all ranks), so the step equals
-            # one big batch however it is split. DDP averages gradients over ranks, hence the
-            # factor world_size. The counts are made and summed on the device: no host sync. The
-            # stop flag rides along in the same all-reduce: no extra collective, and every rank
-            # learns of a signal any rank received.
+            # one big batch however it is split. The counts are made and summed on the device: no
+            # host sync. The stop flag rides along in the same all-reduce: no extra collective, and
+            # every rank learns of a signal any rank received.
             counts = torch.stack([count_answer_tokens(b) for b in micro_batches]).sum(0)
             counts = all_reduce_sum(torch.cat([counts, torch.full((1,), int(stop.raised), device=device)]))
-            n_tokens = counts[:-1].float()
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
-
-            step_ce = torch.zeros(len(llms), device=device)
-            for i, batch in enumerate(micro_batches):
-                last = i == len(micro_batches) - 1
-                # --- One gradient all-reduce per optimizer step: no_sync on the others ----
-                sync = nullcontext() if last or not di.is_distributed else ddp_model.no_sync()
-                with sync:
-                    with autocast(), attention_kernels():
-                        ce_sums = forward(ddp_model, llms, batch)
-                    per_llm = ce_sums / n_tokens
-                    loss = per_llm.mean() * world
-                    scaler.scale(loss).backward()
-                step_ce += per_llm.detach()
-
-            # --- Gradient clipping (the logged norm is the pre-clip norm) ----------------
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            step_ce, grad_norm = train_step(
+                ddp_model, llms, micro_batches, n_tokens=counts[:-1].float(), forward=forward, autocast=autocast,
+                attention_kernels=attention_kernels, scaler=scaler, optimizer=optimizer,
+                max_grad_norm=cfg.max_grad_norm, world_size=world,
+                no_sync=ddp_model.no_sync if di.is_distributed else nullcontext)
 
             # --- The step's one host sync ------------------------------------------------
             # Read together: whether the gradient is finite, whether any rank was signalled, and
@@ -337,6 +317,41 @@ def train(cfg, di) -> None:
 
 
 # --- Helpers the loop calls --------------------------------------------------------------------
+
+def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+          fused: bool) -> torch.optim.AdamW:
+    """Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter). The
+    fused kernel updates every tensor in one launch instead of several per tensor. Weight decay
+    on matrices only, not on biases and norm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+
+
+def train_step(model, llms: dict, micro_batches: list[dict], *, n_tokens: torch.Tensor, forward, autocast,
+               attention_kernels, scaler, optimizer, max_grad_norm: float, world_size: int,
+               no_sync) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over one optimizer step's micro-batches, then clipping. Returns each
+    LLM's cross-entropy over `n_tokens` (the answer tokens of the whole global batch, per LLM) and
+    the pre-clip gradient norm; the update is the caller's, once it has read whether the norm is
+    finite. The memory plan and find_batch trace and measure this same function."""
+    step_ce = torch.zeros(len(llms), device=n_tokens.device)
+    for i, batch in enumerate(micro_batches):
+        # --- One gradient all-reduce per optimizer step: no_sync on all but the last ---------
+        with nullcontext() if i == len(micro_batches) - 1 else no_sync():
+            with autocast(), attention_kernels():
+                ce_sums = forward(model, llms, batch)
+            # DDP averages gradients over ranks, hence the factor world_size (see the counts).
+            per_llm = ce_sums / n_tokens
+            scaler.scale(per_llm.mean() * world_size).backward()
+        step_ce += per_llm.detach()
+
+    # --- Gradient clipping (the logged norm is the pre-clip norm) ----------------------------
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    return step_ce, grad_norm
+
 
 def check_out_dir(out_dir: Path, run) -> None:
     """Refuse to mix two runs in one directory unless asked to resume or overwrite, and refuse a

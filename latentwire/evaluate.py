@@ -24,192 +24,44 @@ Examples are cut into chunks of `batch_size` consecutive examples and the chunks
 ranks round-robin. A chunk is padded and computed the same way whatever the number of ranks, and
 per-example results are gathered and reduced in example order, so N processes give exactly the
 numbers of one.
+
+This module holds the evaluation (the wire and its controls, chunks, sharding), checkpoint loading
+and the command; `generation.py` the prompts, scoring and greedy decoding; `report.py` the
+summary, the margins and the JSON / Markdown report.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
-import statistics
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
 from .config import FIELDS, Config, Parser, RunFlags, check_can_create, check_value, positive
-from .data import IGNORE_INDEX, Collator, PromptDataset, load_examples, prompt_text, to_device
-from .errors import UserError, main_guard
+from .data import Collator, PromptDataset, load_examples, to_device
 from .distributed import process_group
-from .llm import FrozenLLM, load_frozen_llms, padded_attention
+from .errors import UserError, main_guard
+from .generation import (answer_ids, continuation_nll, decode_answer, greedy_generate, joint_pick, text_prompts,
+                         wire_prompts)
+from .llm import load_frozen_llms
 from .model import WireConfig, WireEncoder
 from .precision import autocast_for, frozen_weight_dtype
+from .report import build_report, markdown, summarize, write_report
 from .squad_metrics import best_em_f1
 
-# Between the prompt and the answer in both text baselines. The answer's own tokens (the same
-# targets as the wire's) start with the space that makes it a new word, so none is added here.
-SEPARATOR = "\nanswer:"
 PAYLOADS = ("bf16", "int8")
-EXAMPLES_IN_MARKDOWN = 5
-# The wire "carries information" when its answer NLL is below each control's by more than this
-# many standard errors of the paired difference: a bare "lower" can be noise.
-SIGNIFICANT_SE = 3
 # The fields of a checkpoint's meta.json this module reads. Only these are required, so a
 # checkpoint written before a field was added to config.FIELDS still evaluates.
 READ_FIELDS = ("device", "precision", "dist_timeout_s", "llama", "qwen", "num_latents", "d_z", "encoder_dim",
                "encoder_layers", "encoder_heads", "dropout", "dataset", "seed", "max_prompt_bytes",
                "max_answer_tokens", "pad_multiple", "micro_batch_size", "max_new_tokens")
 
-
-# --- prompts as input embeddings --------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Prompts:
-    """A batch of prompts as input embeddings, left-padded so every prompt ends at the last column
-    and generated tokens append on the right. `mask` is 1 on real positions."""
-    embeds: torch.Tensor  # [B, P, hidden]
-    mask: torch.Tensor  # [B, P], long
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids counting real tokens only, so left padding does not shift the rotary positions."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def wire_prompts(llm: FrozenLLM, soft: torch.Tensor) -> Prompts:
-    """`[soft ; embed(prefix_ids)]`: what training puts before the answer (see data.Collator)."""
-    table = llm.model.get_input_embeddings()
-    prefix = table(torch.tensor(llm.prefix_ids, dtype=torch.long, device=soft.device))
-    prefix = prefix[None].expand(soft.shape[0], -1, -1)
-    embeds = torch.cat([soft.to(prefix.dtype), prefix], dim=1)
-    return Prompts(embeds, torch.ones(embeds.shape[:2], dtype=torch.long, device=soft.device))
-
-
-def text_prompt_ids(llm: FrozenLLM, example: dict, max_prompt_tokens: int | None) -> list[int]:
-    tok = llm.tokenizer
-    ids = tok(prompt_text(example), add_special_tokens=False)["input_ids"][:max_prompt_tokens]
-    return llm.prefix_ids + ids + tok(SEPARATOR, add_special_tokens=False)["input_ids"]
-
-
-def text_prompts(llm: FrozenLLM, examples: list[dict], max_prompt_tokens: int | None) -> Prompts:
-    rows = [text_prompt_ids(llm, ex, max_prompt_tokens) for ex in examples]
-    table = llm.model.get_input_embeddings()
-    length = max(map(len, rows))
-    ids = torch.full((len(rows), length), llm.tokenizer.eos_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for row, row_ids in enumerate(rows):
-        ids[row, length - len(row_ids):] = torch.tensor(row_ids, dtype=torch.long)
-        mask[row, length - len(row_ids):] = 1
-    device = table.weight.device
-    return Prompts(table(ids.to(device)), mask.to(device))
-
-
-# --- teacher-forced scoring -------------------------------------------------------------------
-
-def continuation_nll(llm: FrozenLLM, prompts: Prompts, continuations: list[list[int]]) -> tuple[list[float], list[int]]:
-    """Per example: the summed NLL of its continuation's tokens and then EOS after its prompt, and
-    that target count. With a wire prompt and the answer tokens, this is training's loss quantity."""
-    device = prompts.embeds.device
-    eos = llm.tokenizer.eos_token_id
-    length = max(map(len, continuations))
-    ids = torch.full((len(continuations), length), eos, dtype=torch.long, device=device)
-    labels = torch.full((len(continuations), length + 1), IGNORE_INDEX, dtype=torch.long, device=device)
-    for row, cont in enumerate(continuations):
-        ids[row, :len(cont)] = torch.tensor(cont, dtype=torch.long)
-        labels[row, :len(cont) + 1] = torch.tensor(cont + [eos], dtype=torch.long)
-    lengths = torch.tensor([len(c) for c in continuations], device=device)
-    cont_mask = (torch.arange(length, device=device) < lengths[:, None]).long()
-    embeds = torch.cat([prompts.embeds, llm.model.get_input_embeddings()(ids).to(prompts.embeds.dtype)], dim=1)
-    mask = torch.cat([prompts.mask, cont_mask], dim=1)
-    # The last prompt position predicts the first continuation token: keep the last length+1 logits.
-    with padded_attention([llm.model]):
-        logits = llm.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions(mask),
-                           use_cache=False, logits_to_keep=length + 1).logits
-    ce = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
-    return ce.sum(1).tolist(), [len(c) + 1 for c in continuations]
-
-
-def answer_ids(collated_answers: dict) -> list[list[int]]:
-    """Each row's answer tokens, read back from the collated labels (its targets minus the final
-    EOS), so evaluation scores exactly what training does, truncation included."""
-    return [row[row != IGNORE_INDEX][:-1].tolist() for row in collated_answers["labels"]]
-
-
-# --- greedy generation ------------------------------------------------------------------------
-
-@lru_cache(maxsize=None)
-def newline_token_ids(tokenizer) -> frozenset[int]:
-    pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    return frozenset(i for i, piece in enumerate(pieces) if "\n" in piece)
-
-
-def stop_token_ids(llm: FrozenLLM) -> frozenset[int]:
-    """EOS (the tokenizer's, which training teaches, and any the model's generation config names)
-    and every token that contains a newline: an answer is one line."""
-    config_eos = llm.model.generation_config.eos_token_id
-    config_eos = config_eos if isinstance(config_eos, list) else [config_eos]
-    eos = {llm.tokenizer.eos_token_id, *(i for i in config_eos if i is not None)}
-    return newline_token_ids(llm.tokenizer) | eos
-
-
-def greedy_generate(llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_cache: bool = True) -> list[list[int]]:
-    """Greedy tokens after each prompt, each row ending at its first stop token (kept) or after
-    max_new_tokens. `use_cache=False` recomputes the whole sequence at every step: the reference
-    that the KV-cache path must reproduce token for token."""
-    model, table = llm.model, llm.model.get_input_embeddings()
-    stops = stop_token_ids(llm)
-    stop_ids = torch.tensor(sorted(stops), device=prompts.embeds.device)
-    embeds, mask, cache = prompts.embeds, prompts.mask, None
-    generated, done = [], torch.zeros(embeds.shape[0], dtype=torch.bool, device=embeds.device)
-    with padded_attention([model]):
-        for _ in range(max_new_tokens):
-            pos = positions(mask)
-            if cache is None:
-                out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=use_cache,
-                            logits_to_keep=1)
-            else:  # only the newest token; the cache holds the keys and values of all earlier ones
-                out = model(inputs_embeds=embeds[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
-                            past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values if use_cache else None
-            next_ids = out.logits[:, -1].argmax(-1)
-            generated.append(next_ids)
-            done |= torch.isin(next_ids, stop_ids)
-            if done.all():
-                break
-            # Finished rows keep generating (their tokens are cut below): a batch advances together.
-            embeds = torch.cat([embeds, table(next_ids)[:, None].to(embeds.dtype)], dim=1)
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-    return [cut_after_stop(row, stops) for row in torch.stack(generated, 1).tolist()]
-
-
-def cut_after_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
-    for k, token in enumerate(ids):
-        if token in stops:
-            return ids[:k + 1]
-    return ids
-
-
-def decode_answer(tokenizer, ids: list[int]) -> str:
-    """The answer's text: special tokens (EOS) dropped, and nothing from its first newline on."""
-    return tokenizer.decode(ids, skip_special_tokens=True).split("\n", 1)[0].strip()
-
-
-def joint_pick(llms: dict, prompts: dict[str, Prompts], answers: dict[str, list[str]]) -> list[str]:
-    """Per example, of the LLMs' answers the one with the highest log-probability (answer + EOS)
-    summed over all LLMs, each reading its own prompt; a tie goes to the first LLM's answer."""
-    candidates = [answers[name] for name in llms]
-    scores = torch.zeros(len(candidates), len(candidates[0]), dtype=torch.float64)
-    for name, llm in llms.items():
-        for c, texts in enumerate(candidates):
-            ids = [llm.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-            scores[c] -= torch.tensor(continuation_nll(llm, prompts[name], ids)[0], dtype=torch.float64)
-    return [candidates[c][i] for i, c in enumerate(scores.argmax(0).tolist())]
 
 
 # --- the wire and its controls ----------------------------------------------------------------
@@ -243,12 +95,6 @@ def payload_controls(precision: str) -> tuple[str, ...]:
 
 def wire_controls(precision: str) -> tuple[str, ...]:
     return ("zeroed", "shuffled", *payload_controls(precision))
-
-
-def payload_bytes(num_latents: int, d_z: int) -> dict[str, int]:
-    """Bytes on the wire per example (the wire is shared by all LLMs; adapters run at the receiver)."""
-    values = num_latents * d_z
-    return {"fp32": 4 * values, "bf16": 2 * values, "int8": values + 4 * num_latents}
 
 
 # --- one chunk of examples --------------------------------------------------------------------
@@ -345,17 +191,6 @@ def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], cfg,
     return gather_records(local)
 
 
-def summarize(records: list[dict]) -> dict[str, float]:
-    """`nll_*`: summed NLL over summed targets (training's token-weighted loss); `em_*`, `f1_*`:
-    the mean over examples, in %."""
-    out = {}
-    for key in records[0]["tokens"]:
-        out[f"nll_{key}"] = sum(r["nll_sum"][key] for r in records) / sum(r["tokens"][key] for r in records)
-    for metric in ("em", "f1"):
-        for key in records[0][metric]:
-            out[f"{metric}_{key}"] = 100 * sum(r[metric][key] for r in records) / len(records)
-    return out
-
 
 def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], cfg, device: torch.device,
                   rank: int, world: int) -> dict[str, float]:
@@ -420,141 +255,6 @@ def load_wire_encoder(ckpt: Path, cfg, llms: dict, device: torch.device) -> Wire
     model.load_state_dict(state)
     return model.to(device)
 
-
-# --- the report -------------------------------------------------------------------------------
-
-def control_margin(records: list[dict], control: str, name: str) -> dict[str, float]:
-    """How much higher the answer NLL per token is with `control` than with the trained wire, and
-    the standard error of that paired difference: both read the same targets of the same examples,
-    so the per-example differences are what varies."""
-    diffs = [r["nll_sum"][f"{control}_{name}"] - r["nll_sum"][f"wire_{name}"] for r in records]
-    tokens = sum(r["tokens"][f"wire_{name}"] for r in records)
-    se = statistics.stdev(diffs) * math.sqrt(len(diffs)) / tokens if len(diffs) > 1 else math.inf
-    return {"margin": sum(diffs) / tokens, "se": se}
-
-
-def compression(llms: dict, examples: list[dict], num_latents: int) -> dict:
-    """Mean prompt length in UTF-8 bytes and in each LLM's tokens, and tokens per wire token."""
-    texts = [prompt_text(ex) for ex in examples]
-    out = {"prompt_bytes": sum(len(t.encode("utf-8")) for t in texts) / len(texts)}
-    for name, llm in llms.items():
-        tokens = sum(map(len, llm.tokenizer(texts, add_special_tokens=False)["input_ids"])) / len(texts)
-        out[f"prompt_tokens_{name}"] = tokens
-        out[f"compression_{name}"] = tokens / num_latents
-    return out
-
-
-def build_report(ckpt: Path, step, cfg, dataset: str, examples: list[dict], records: list[dict], llms: dict,
-                 plan: Plan, world: int) -> dict:
-    metrics = summarize(records)
-    margins = {name: {control: control_margin(records, control, name) for control in ("zeroed", "shuffled")}
-               for name in llms}
-    return {
-        "checkpoint": str(ckpt), "step": step, "profile": cfg.run.profile,
-        "dataset": dataset, "split": "validation", "examples": len(examples), "world_size": world,
-        "settings": {"num_latents": cfg.num_latents, "d_z": cfg.d_z, "batch_size": plan.batch_size,
-                     "max_new_tokens": plan.max_new_tokens, "text_separator": SEPARATOR},
-        "metrics": metrics,
-        "wire_vs_controls": margins,
-        "wire_carries_information": {name: all(m["margin"] > SIGNIFICANT_SE * m["se"] for m in by_control.values())
-                                     for name, by_control in margins.items()},
-        "compression": compression(llms, examples, cfg.num_latents),
-        "payload_bytes": payload_bytes(cfg.num_latents, cfg.d_z),
-        "answers": [{"index": r["index"], "question": examples[r["index"]]["question"],
-                     "gold": examples[r["index"]]["answers"]["text"], **r["answer"]} for r in records],
-    }
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ") or "(empty)"
-
-
-def markdown(report: dict) -> str:
-    m, c, names = report["metrics"], report["compression"], list(report["wire_carries_information"])
-    M = report["settings"]["num_latents"]
-    tokens = " / ".join(f"{c[f'prompt_tokens_{n}']:.0f} {n}" for n in names)
-    lines = [
-        f"# LatentWire evaluation: step {report['step']} ({report['profile']} profile)",
-        "",
-        f"Checkpoint `{report['checkpoint']}`, {report['examples']} examples of {report['dataset']} "
-        f"({report['split']}), M = {M} wire tokens.",
-        "",
-        "## Answers",
-        "",
-        "EM and F1 in % (SQuAD-normalised, best over the gold answers); answer NLL in nats per target "
-        "token (the first gold answer + EOS, as in training). Joint: of the LLMs' answers, the one with "
-        "the higher log-probability summed over both LLMs.",
-        "",
-        "| input | LLM | EM | F1 | answer NLL |",
-        "|---|---|---:|---:|---:|",
-    ]
-    inputs = (("wire", f"wire, {M} soft tokens"), ("text", f"text, full prompt ({tokens} tokens)"),
-              ("text_cut", f"text, prompt cut to {M} tokens"))
-    for key, label in inputs:
-        for who in (*names, "joint"):
-            nll = f"{m[f'nll_{key}_{who}']:.3f}" if who != "joint" else ""
-            lines.append(f"| {label} | {who} | {m[f'em_{key}_{who}']:.1f} | {m[f'f1_{key}_{who}']:.1f} | {nll} |")
-    lines += [
-        "",
-        "## Does the wire carry information?",
-        "",
-        "Answer NLL per token with the trained wire, with the wire zeroed before the adapters, and with "
-        "every example given another example's wire; each margin is the control's NLL minus the trained "
-        f"wire's, ± the standard error of that paired difference. Yes: both margins exceed {SIGNIFICANT_SE} "
-        "standard errors.",
-        "",
-        "| LLM | trained wire | zeroed wire | shuffled wires | margin zeroed | margin shuffled | carries information |",
-        "|---|---:|---:|---:|---:|---:|---|",
-        *(control_row(report, n) for n in names),
-        "",
-        "## Compression and payload",
-        "",
-        "| | " + " | ".join(names) + " |",
-        "|---|" + "---:|" * len(names),
-        "| prompt tokens (mean) | " + " | ".join(f"{c[f'prompt_tokens_{n}']:.1f}" for n in names) + " |",
-        "| compression (prompt tokens / M) | " + " | ".join(f"{c[f'compression_{n}']:.1f}x" for n in names) + " |",
-        "",
-        "| per example | bytes | " + " | ".join(f"answer NLL {n}" for n in names) + " |",
-        "|---|---:|" + "---:|" * len(names),
-        *(payload_row(report, precision, names) for precision in report["payload_bytes"]),
-        f"| prompt as UTF-8 text (mean) | {c['prompt_bytes']:.0f} | " + " | ".join("" for _ in names) + " |",
-        "",
-        "## Examples",
-        "",
-        "| question | gold | " + " | ".join(f"wire {w}" for w in (*names, "joint")) + " |",
-        "|---|---|" + "---|" * (len(names) + 1),
-        *(f"| {_cell(a['question'])} | {_cell(' / '.join(a['gold']))} | "
-          + " | ".join(_cell(a[f'wire_{w}']) for w in (*names, "joint")) + " |"
-          for a in report["answers"][:EXAMPLES_IN_MARKDOWN]),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def control_row(report: dict, name: str) -> str:
-    m, margins = report["metrics"], report["wire_vs_controls"][name]
-    nlls = " | ".join(f"{m[f'nll_{key}_{name}']:.3f}" for key in ("wire", "zeroed", "shuffled"))
-    diffs = " | ".join(f"{margins[c]['margin']:.4f} ± {margins[c]['se']:.4f}" for c in ("zeroed", "shuffled"))
-    return f"| {name} | {nlls} | {diffs} | {'yes' if report['wire_carries_information'][name] else 'no'} |"
-
-
-def payload_row(report: dict, precision: str, names: list[str]) -> str:
-    # The fp32 payload is the wire itself; so is the payload in the autocast dtype, which the
-    # adapters read the wire in anyway; the others are round trips with controls of their own.
-    lossless = f"nll_{precision}_{names[0]}" not in report["metrics"]
-    key = "wire" if lossless else precision
-    label = f"wire in {precision}" + (" (+ one fp32 scale per token)" if precision == "int8" else "")
-    if lossless and precision != "fp32":
-        label += " (what the adapters read under its autocast: the wire itself)"
-    nlls = " | ".join(f"{report['metrics'][f'nll_{key}_{n}']:.3f}" for n in names)
-    return f"| {label} | {report['payload_bytes'][precision]} | {nlls} |"
-
-
-def write_report(report: dict, out_dir: Path, stem: str) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path.write_text(markdown(report))
-    return json_path, md_path
 
 
 # --- the command line -------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from .config import Parser, check_can_create, load_config, positive
 from .errors import main_guard
 from .distributed import process_group
 from .llm import apply_activation_checkpointing, load_frozen_llms
-from .memtrace import make_optimizer, planning_batch, train_step
+from .memtrace import make_optimizer, optimizer_step, planning_batch
 from .model import WireConfig, WireEncoder
 from .plan import write_json
 from .precision import cuda_capability, frozen_weight_dtype, sdpa_kernels
@@ -156,7 +156,7 @@ class Probe:
         optimizer = make_optimizer(self.cfg, model, fused=self.device.type == "cuda")
         batch, n_targets = planning_batch(self.cfg, self.answers, micro_batch, self.device)
         for _ in range(self.steps):
-            train_step(self.cfg, model, self.llms, optimizer, batch, n_targets, self.device, self.attention_kernels)
+            optimizer_step(self.cfg, model, self.llms, optimizer, batch, n_targets, self.device, self.attention_kernels)
 
 
 def free_memory(device: torch.device) -> None:

@@ -38,22 +38,24 @@ CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _Mem
 
 # --- the step ---------------------------------------------------------------------------------
 
+# train.py's own optimizer and step, from the script beside this package: what is planned and
+# measured is what trains.
+
 def make_optimizer(cfg, model: torch.nn.Module, fused: bool) -> torch.optim.Optimizer:
-    """train.py's optimizer: AdamW over the trainable parameters, decay on matrices only."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
+    from train import adamw
+    return adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                 fused=fused)
 
 
-def train_step(cfg, model, llms: dict, optimizer, batch: dict, n_targets: float, device: torch.device,
-               sdpa_kernels=nullcontext) -> None:
-    """One micro-batch and one optimizer step, as train.py does them (no GradScaler: its fp16 loss
-    scaling costs a few scalars)."""
-    with autocast_for(cfg.precision, device)(), sdpa_kernels():
-        ce_sums = forward_ce_sums(model, llms, batch)
-    (ce_sums / n_targets).mean().backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+def optimizer_step(cfg, model, llms: dict, optimizer, batch: dict, n_targets: float, device: torch.device,
+                   attention_kernels=nullcontext) -> None:
+    """One micro-batch through train.py's `train_step`, then the update (no GradScaler: its fp16
+    loss scaling costs a few scalars)."""
+    from train import train_step
+    train_step(model, llms, [batch], n_tokens=torch.full((len(llms),), float(n_targets), device=device),
+               forward=forward_ce_sums, autocast=autocast_for(cfg.precision, device),
+               attention_kernels=attention_kernels, scaler=torch.amp.GradScaler(device.type, enabled=False),
+               optimizer=optimizer, max_grad_norm=cfg.max_grad_norm, world_size=1, no_sync=nullcontext)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -213,7 +215,7 @@ class StepTracer:
         attention = cuda_attention() if self.cfg.device == "cuda" else nullcontext()
         with tracker, attention:
             for _ in range(steps):
-                train_step(self.cfg, self.model, self.llms, self.optimizer, batch, n_targets, torch.device("cpu"))
+                optimizer_step(self.cfg, self.model, self.llms, self.optimizer, batch, n_targets, torch.device("cpu"))
                 tracker.reset_mod_stats()
         for hook in hooks:
             hook.remove()

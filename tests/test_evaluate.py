@@ -8,6 +8,8 @@ import torch
 
 from conftest import assert_one_line_error, ok, read_metrics, run_module, run_train
 from latentwire import evaluate as ev
+from latentwire import generation as gen
+from latentwire import report as reporting
 from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, count_answer_tokens, load_examples, synthetic_examples
 from latentwire.llm import LLM_NAMES, apply_activation_checkpointing, load_frozen_llm
@@ -85,9 +87,9 @@ def test_generation_with_and_without_kv_cache_gives_identical_tokens(cfg, llms):
     soft = wire_encoder(cfg, llms).eval()(batch["bytes"], batch["byte_mask"])
     for name, llm in llms.items():
         # The wire (no padding) and the text prompts (left-padded to different lengths).
-        for prompts in (ev.wire_prompts(llm, soft[name]), ev.text_prompts(llm, examples, None)):
-            cached = ev.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=True)
-            recomputed = ev.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=False)
+        for prompts in (gen.wire_prompts(llm, soft[name]), gen.text_prompts(llm, examples, None)):
+            cached = gen.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=True)
+            recomputed = gen.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=False)
             assert cached == recomputed
             assert max(map(len, cached)) > 3  # several decoding steps, so the cache was really used
 
@@ -96,24 +98,24 @@ def test_generation_with_and_without_kv_cache_gives_identical_tokens(cfg, llms):
 def test_left_padding_changes_neither_generation_nor_nll(llms):
     examples = synthetic_examples(5, seed=6)
     for llm in llms.values():
-        lengths = [len(ev.text_prompt_ids(llm, ex, None)) for ex in examples]
+        lengths = [len(gen.text_prompt_ids(llm, ex, None)) for ex in examples]
         assert len(set(lengths)) > 1  # the batch really is padded
-        together = ev.text_prompts(llm, examples, None)
+        together = gen.text_prompts(llm, examples, None)
         answers = [llm.tokenizer(ex["answers"]["text"][0], add_special_tokens=False)["input_ids"] for ex in examples]
-        batch_tokens = ev.greedy_generate(llm, together, max_new_tokens=6)
-        batch_nll, _ = ev.continuation_nll(llm, together, answers)
+        batch_tokens = gen.greedy_generate(llm, together, max_new_tokens=6)
+        batch_nll, _ = gen.continuation_nll(llm, together, answers)
         for i, ex in enumerate(examples):
-            alone = ev.text_prompts(llm, [ex], None)
-            assert ev.greedy_generate(llm, alone, max_new_tokens=6) == [batch_tokens[i]]
-            assert ev.continuation_nll(llm, alone, [answers[i]])[0][0] == pytest.approx(batch_nll[i], rel=1e-4)
+            alone = gen.text_prompts(llm, [ex], None)
+            assert gen.greedy_generate(llm, alone, max_new_tokens=6) == [batch_tokens[i]]
+            assert gen.continuation_nll(llm, alone, [answers[i]])[0][0] == pytest.approx(batch_nll[i], rel=1e-4)
 
 
 @torch.no_grad()
 def test_text_cut_keeps_the_first_m_prompt_tokens_and_the_separator(llms):
     example = synthetic_examples(1, seed=7)[0]
     for llm in llms.values():
-        full, cut = ev.text_prompt_ids(llm, example, None), ev.text_prompt_ids(llm, example, 8)
-        sep = llm.tokenizer(ev.SEPARATOR, add_special_tokens=False)["input_ids"]
+        full, cut = gen.text_prompt_ids(llm, example, None), gen.text_prompt_ids(llm, example, 8)
+        sep = llm.tokenizer(gen.SEPARATOR, add_special_tokens=False)["input_ids"]
         prefix = llm.prefix_ids
         assert len(cut) == len(prefix) + 8 + len(sep) < len(full)
         assert cut[:len(prefix) + 8] == full[:len(prefix) + 8] and cut[-len(sep):] == full[-len(sep):] == sep
@@ -164,7 +166,7 @@ def summed_nll(llms, prompts, texts) -> list[float]:
     total = [0.0] * len(texts)
     for name, llm in llms.items():
         ids = [llm.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        total = [a + b for a, b in zip(total, ev.continuation_nll(llm, prompts[name], ids)[0])]
+        total = [a + b for a, b in zip(total, gen.continuation_nll(llm, prompts[name], ids)[0])]
     return total
 
 
@@ -172,10 +174,10 @@ def summed_nll(llms, prompts, texts) -> list[float]:
 def test_joint_pick_takes_the_answer_both_llms_find_likeliest(cfg, llms):
     batch = collate(cfg, llms, synthetic_examples(4, seed=11))
     soft = wire_encoder(cfg, llms).eval()(batch["bytes"], batch["byte_mask"])
-    prompts = {n: ev.wire_prompts(llm, soft[n]) for n, llm in llms.items()}
+    prompts = {n: gen.wire_prompts(llm, soft[n]) for n, llm in llms.items()}
     # Summed log-probability favours short answers: each LLM has the shorter one in some rows.
     answers = {"llama": ["Paris Lima Oslo Cairo", "red", "", "42"], "qwen": ["Tokyo", "red", "cat dog pony", "doctor"]}
-    picked = ev.joint_pick(llms, prompts, answers)
+    picked = gen.joint_pick(llms, prompts, answers)
     llama, qwen = summed_nll(llms, prompts, answers["llama"]), summed_nll(llms, prompts, answers["qwen"])
     assert picked == [answers["llama"][i] if llama[i] <= qwen[i] else answers["qwen"][i] for i in range(4)]
     assert picked[1] == "red" and picked[0] == "Tokyo" and picked[2] == ""  # it picks from both
@@ -284,12 +286,12 @@ def test_the_trained_wire_carries_information(default_run):
     examples = load_examples(cfg.dataset, "validation", 256, cfg.seed)
     plan = ev.Plan(batch_size=32, max_new_tokens=cfg.max_new_tokens, text_baselines=False)
     records = ev.evaluate_examples(model, llms, examples, cfg, CPU, 0, 1, plan)
-    m = ev.summarize(records)
+    m = reporting.summarize(records)
     for name in LLM_NAMES:
         assert m[f"nll_wire_{name}"] < m[f"nll_zeroed_{name}"]
         assert m[f"nll_wire_{name}"] < m[f"nll_shuffled_{name}"]
         for control in ("zeroed", "shuffled"):
-            margin = ev.control_margin(records, control, name)
+            margin = reporting.control_margin(records, control, name)
             assert margin["margin"] > 2 * margin["se"], (control, name, margin)
 
 
