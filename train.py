@@ -120,17 +120,8 @@ def train(cfg, di) -> None:
     dataset = PromptDataset(examples)
     sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed)
     collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
-    # Workers tokenise and pad while the model computes; pinned host memory makes the
-    # host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a
-    # fork of every worker at each epoch. The loader's own generator keeps its worker seeds
-    # off the global RNG, so dropout draws do not depend on when an epoch starts. Workers
-    # leave the trainer's process group, so a preemption signal to the group cannot kill them
-    # before the trainer has saved.
-    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate,
-                        drop_last=True, num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
-                        persistent_workers=cfg.num_workers > 0, worker_init_fn=shield_worker_from_stop_signals,
-                        prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
-                        generator=torch.Generator().manual_seed(cfg.seed + rank))
+    loader = make_loader(dataset, sampler, collate, micro_batch_size=cfg.micro_batch_size, num_workers=cfg.num_workers,
+                         prefetch_factor=cfg.prefetch_factor, pin_memory=device.type == "cuda", seed=cfg.seed + rank)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
     if len(loader) < cfg.grad_accum_steps:
         raise UserError(f"dataset of {len(dataset)} examples is smaller than one global batch "
@@ -158,21 +149,9 @@ def train(cfg, di) -> None:
                                 meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(wire)},
                                 model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     if cfg.run.resume:
-        saved, path = checkpointer.resume(warn=lambda message: di.is_main and print(message, file=sys.stderr))
-        if cfg.run.stop_at_step is not None and cfg.run.stop_at_step <= saved.step:
-            raise UserError(f"--stop-at-step {cfg.run.stop_at_step} is not after the resumed step {saved.step}")
-        if saved.step >= cfg.max_steps:
-            if di.is_main:
-                print(f"{path} is the run's last step ({cfg.max_steps}): nothing to do, nothing changed")
+        state = resume(checkpointer, state.layout, cfg.run.stop_at_step, cfg.max_steps, di.is_main)
+        if state is None:
             return
-        if di.is_main:
-            print(f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, "
-                  f"{saved.examples_done} examples into it)")
-            if saved.layout != state.layout:
-                print(f"note: layout (world, micro-batch, accumulation) is {state.layout}, the checkpoint's was "
-                      f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an "
-                      "unbroken one only for the same layout", file=sys.stderr)
-        state = replace(saved, layout=state.layout)
     batches = global_batches(loader, sampler, cfg.grad_accum_steps, state.epoch, state.examples_done, global_batch)
 
     # Every input has been checked: only now may --overwrite delete the old run.
@@ -385,6 +364,39 @@ def closing_line(checkpoint: Path, out_dir: Path, finished: bool) -> str:
     nxt = (f"evaluate it: python -m latentwire.evaluate --ckpt {out_dir}" if finished
            else "continue: the same command with --resume")
     return f"saved {checkpoint}; metrics in {out_dir / 'metrics.jsonl'} and {out_dir / 'tb'}; {nxt}"
+
+
+def make_loader(dataset, sampler, collate, *, micro_batch_size: int, num_workers: int, prefetch_factor: int,
+                pin_memory: bool, seed: int) -> DataLoader:
+    """Workers tokenise and pad while the model computes; pinned host memory makes the
+    host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a fork of
+    every worker at each epoch. The loader's own generator keeps its worker seeds off the global
+    RNG, so dropout draws do not depend on when an epoch starts. Workers leave the trainer's
+    process group, so a preemption signal to the group cannot kill them before it has saved."""
+    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
+                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                      worker_init_fn=shield_worker_from_stop_signals,
+                      prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+def resume(checkpointer: Checkpointer, layout: tuple[int, int, int], stop_at_step: int | None, max_steps: int,
+           is_main: bool) -> TrainState | None:
+    """The saved state, continued with this run's layout; None when the run has already finished."""
+    saved, path = checkpointer.resume(warn=lambda message: is_main and print(message, file=sys.stderr))
+    if stop_at_step is not None and stop_at_step <= saved.step:
+        raise UserError(f"--stop-at-step {stop_at_step} is not after the resumed step {saved.step}")
+    if saved.step >= max_steps:
+        if is_main:
+            print(f"{path} is the run's last step ({max_steps}): nothing to do, nothing changed")
+        return None
+    if is_main:
+        print(f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, {saved.examples_done} examples into it)")
+        if saved.layout != layout:
+            print(f"note: layout (world, micro-batch, accumulation) is {layout}, the checkpoint's was "
+                  f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an "
+                  "unbroken one only for the same layout", file=sys.stderr)
+    return replace(saved, layout=layout)
 
 
 def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, global_batch: int):

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+import train  # noqa: E402
 from latentwire.config import load_config  # noqa: E402
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples  # noqa: E402
 from latentwire.llm import load_frozen_llms  # noqa: E402
@@ -86,11 +87,9 @@ def make_loader(cfg, llms: dict) -> DataLoader:
     order), collate, workers and prefetch; no pinned memory, as on CPU there is no copy to overlap."""
     dataset = PromptDataset(load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed))
     collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
-    return DataLoader(dataset, batch_size=cfg.micro_batch_size,
-                      sampler=ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.seed), collate_fn=collate,
-                      drop_last=True, num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
-                      prefetch_factor=cfg.prefetch_factor if cfg.num_workers > 0 else None,
-                      generator=torch.Generator().manual_seed(cfg.seed))
+    return train.make_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.seed), collate,
+                             micro_batch_size=cfg.micro_batch_size, num_workers=cfg.num_workers,
+                             prefetch_factor=cfg.prefetch_factor, pin_memory=False, seed=cfg.seed)
 
 
 def take(loader: DataLoader, n: int) -> list[dict]:
