@@ -121,7 +121,7 @@ def train(cfg, di) -> None:
     sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed)
     collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
     loader = make_loader(dataset, sampler, collate, micro_batch_size=cfg.micro_batch_size, num_workers=cfg.num_workers,
-                         prefetch_factor=cfg.prefetch_factor, pin_memory=device.type == "cuda", seed=cfg.seed + rank)
+                         prefetch_factor=cfg.prefetch_factor, device_type=device.type, seed=cfg.seed + rank)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
     if len(loader) < cfg.grad_accum_steps:
         raise UserError(f"dataset of {len(dataset)} examples is smaller than one global batch "
@@ -129,7 +129,7 @@ def train(cfg, di) -> None:
 
     # --- Optimizer: AdamW over the trainable parameters only, fused on CUDA (see adamw) ------
     optimizer = adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                      fused=device.type == "cuda")
+                      device_type=device.type)
 
     # --- Schedule: OneCycle, stepped once per optimizer step ---------------------------------
     # Warm up from lr/div_factor to lr over pct_start of the run, then anneal to the final lr.
@@ -298,14 +298,14 @@ def train(cfg, di) -> None:
 # --- Helpers the loop calls --------------------------------------------------------------------
 
 def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-          fused: bool) -> torch.optim.AdamW:
-    """Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter). The
-    fused kernel updates every tensor in one launch instead of several per tensor. Weight decay
+          device_type: str) -> torch.optim.AdamW:
+    """Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter). On CUDA
+    the fused kernel updates every tensor in one launch instead of several per tensor. Weight decay
     on matrices only, not on biases and norm gains."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda")
 
 
 def train_step(model, llms: dict, micro_batches: list[dict], *, n_tokens: torch.Tensor, forward, autocast,
@@ -367,14 +367,14 @@ def closing_line(checkpoint: Path, out_dir: Path, finished: bool) -> str:
 
 
 def make_loader(dataset, sampler, collate, *, micro_batch_size: int, num_workers: int, prefetch_factor: int,
-                pin_memory: bool, seed: int) -> DataLoader:
+                device_type: str, seed: int) -> DataLoader:
     """Workers tokenise and pad while the model computes; pinned host memory makes the
     host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a fork of
     every worker at each epoch. The loader's own generator keeps its worker seeds off the global
     RNG, so dropout draws do not depend on when an epoch starts. Workers leave the trainer's
     process group, so a preemption signal to the group cannot kill them before it has saved."""
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
-                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                      num_workers=num_workers, pin_memory=device_type == "cuda", persistent_workers=num_workers > 0,
                       worker_init_fn=shield_worker_from_stop_signals,
                       prefetch_factor=prefetch_factor if num_workers > 0 else None,
                       generator=torch.Generator().manual_seed(seed))

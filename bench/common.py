@@ -89,7 +89,7 @@ def make_loader(cfg, llms: dict) -> DataLoader:
     collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
     return train.make_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.seed), collate,
                              micro_batch_size=cfg.micro_batch_size, num_workers=cfg.num_workers,
-                             prefetch_factor=cfg.prefetch_factor, pin_memory=False, seed=cfg.seed)
+                             prefetch_factor=cfg.prefetch_factor, device_type="cpu", seed=cfg.seed)
 
 
 def take(loader: DataLoader, n: int) -> list[dict]:

@@ -153,7 +153,7 @@ class Probe:
         torch.manual_seed(self.cfg.seed)
         model = WireEncoder.for_llms(WireConfig.of(self.cfg), self.llms)
         model.to(self.device).train()
-        optimizer = make_optimizer(self.cfg, model, fused=self.device.type == "cuda")
+        optimizer = make_optimizer(self.cfg, model, self.device.type)
         batch, n_targets = planning_batch(self.cfg, self.answers, micro_batch, self.device)
         for _ in range(self.steps):
             optimizer_step(self.cfg, model, self.llms, optimizer, batch, n_targets, self.device, self.attention_kernels)

@@ -41,10 +41,10 @@ CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _Mem
 # train.py's own optimizer and step, from the script beside this package: what is planned and
 # measured is what trains.
 
-def make_optimizer(cfg, model: torch.nn.Module, fused: bool) -> torch.optim.Optimizer:
+def make_optimizer(cfg, model: torch.nn.Module, device_type: str) -> torch.optim.Optimizer:
     from train import adamw
     return adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                 fused=fused)
+                 device_type=device_type)
 
 
 def optimizer_step(cfg, model, llms: dict, optimizer, batch: dict, n_targets: float, device: torch.device,
@@ -199,7 +199,7 @@ class StepTracer:
         self.cfg, self.llms, self.answers = cfg, llms, answers
         # The adapters' output scale (the LLMs' embedding RMS) changes values, not memory.
         self.model = WireEncoder(WireConfig.of(cfg), {name: (llm.hidden_size, 1.0) for name, llm in llms.items()})
-        self.optimizer = make_optimizer(cfg, self.model, fused=cfg.device == "cuda")
+        self.optimizer = make_optimizer(cfg, self.model, cfg.device)
 
     def trace(self, micro_batch: int, steps: int) -> StepTrace:
         batch, n_targets = planning_batch(self.cfg, self.answers, micro_batch)

@@ -88,6 +88,25 @@ def test_ddp_skips_the_per_forward_buffer_broadcast_under_either_name():
     assert options in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
 
 
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_fused_adamw_and_pinned_memory_only_on_cuda(device_type):
+    """train.py's optimizer and loader, built for a CUDA device on this CPU: the fused AdamW (one
+    launch for the whole update) and pinned host memory (asynchronous copies) are CUDA's only;
+    frozen parameters get no state, and only matrices decay."""
+    from train import adamw, make_loader
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    model[2].weight.requires_grad_(False)
+    optimizer = adamw(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), device_type=device_type)
+    assert optimizer.defaults["fused"] is (device_type == "cuda")
+    decay, no_decay = optimizer.param_groups
+    assert [p.shape for p in decay["params"]] == [(4, 4)] and decay["weight_decay"] == 0.1
+    assert len(no_decay["params"]) == 4 and no_decay["weight_decay"] == 0.0
+    loader = make_loader(list(range(8)), None, None, micro_batch_size=2, num_workers=0, prefetch_factor=2,
+                         device_type=device_type, seed=0)
+    assert loader.pin_memory is (device_type == "cuda")
+
+
 def test_cpu_keeps_every_kernel():
     from latentwire.precision import sdpa_kernels
 
