@@ -23,21 +23,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from latentwire.checkpoint import Checkpointer, TrainState, list_checkpoints
-from latentwire.compiling import compiled_step
+from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import check_can_create, load_config
 from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples, to_device
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
-from latentwire.evaluate import evaluate_wire
+from latentwire.evaluate import Plan as EvalPlan, evaluate_wire
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
 from latentwire.flops import FlopModel
-from latentwire.metrics import GpuMonitor, MemoryMeter, MetricsLogger, Window, peak_flops_per_s
+from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireConfig, WireEncoder, count_parameters, forward_ce_sums
 from latentwire.preemption import StopFlag, shield_worker_from_stop_signals
-from latentwire.precision import (autocast_for, cuda_capability, enable_tf32, frozen_weight_dtype, grad_scaler_for,
-                                  matmul_arithmetic, sdpa_kernels, use_tf32)
-from latentwire.profiling import MemorySnapshots, make_profiler
+from latentwire.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic, sdpa_kernels,
+                                  use_tf32)
+from latentwire.profiling import MemorySnapshots, ProfilerConfig, make_profiler
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,16 +77,18 @@ def train(cfg, di) -> None:
     torch.manual_seed(cfg.seed)
 
     # --- Numerics: autocast, grad scaler, TF32 -----------------------------------------------
-    # bf16 autocast needs no loss scaling (fp32's exponent range); fp16 (V100) needs a GradScaler
-    # or small gradients underflow; fp32 is the reference. TF32 runs fp32 matmuls (those left
-    # outside autocast, or all of them with --precision fp32) on tensor cores, ~7x IEEE fp32 on
-    # an H100, where the profile asks for it and the card (sm80+) has them.
-    autocast = autocast_for(cfg.precision, device)
-    scaler = grad_scaler_for(cfg.precision, device)
+    # bf16 autocast (train_step's torch.autocast) needs no loss scaling: bf16 has fp32's exponent
+    # range. fp16 (V100) needs a GradScaler or small gradients underflow; disabled, its calls pass
+    # through. fp32 is the reference. TF32 runs fp32 matmuls (those left outside autocast, or all of
+    # them with --precision fp32) on tensor cores, ~7x IEEE fp32 on an H100, where the profile asks
+    # for it and the card (sm80+) has them. The legacy switch, not the new `fp32_precision = "tf32"`:
+    # after that one torch.get_float32_matmul_precision() raises, and max-autotune calls it.
+    amp_dtype = AMP_DTYPES[cfg.precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     capability = cuda_capability(device)
     tf32 = use_tf32(cfg.tf32, capability)
     if tf32:
-        enable_tf32()
+        torch.set_float32_matmul_precision("high")
 
     # --- Frozen LLMs, stored in the autocast dtype -------------------------------------------
     # No gradients and no optimizer state means no fp32 master copy is needed: bf16 weights take
@@ -162,9 +164,16 @@ def train(cfg, di) -> None:
     # Fuses each decoder layer's, encoder block's and the pooler's elementwise ops and norms into
     # few kernels. Each is compiled on its own, after activation checkpointing wrapped it, as
     # torchtitan compiles each TransformerBlock: the layers of one LLM share one graph, so compile
-    # time does not grow with depth. Sizes are symbolic and never duck-sized, so varying prompt and
-    # answer lengths do not recompile.
-    forward = compiled_step(model, llms, cfg.compile_mode) if cfg.compile else forward_ce_sums
+    # time does not grow with depth. Every size is symbolic (dynamic=True), so varying prompt and
+    # answer widths do not recompile; stable_shapes() adds the two dynamo settings that make this
+    # hold (no duck sizing; Python floats as graph constants, which cut the cpu profile's compile
+    # from 67 s to 19 s), patched around each call of the step because dynamo reads them lazily,
+    # whenever it traces, and flipping them for the whole process would leak into the caller's code.
+    forward = forward_ce_sums
+    if cfg.compile:
+        for region in step_regions(model, llms):
+            region.compile(mode=cfg.compile_mode, dynamic=True)
+        forward = stable_shapes()(forward_ce_sums)
 
     # --- Fused attention kernels -------------------------------------------------------------
     # All attention goes through SDPA. On an sm80+ card in bf16/fp16 only the flash, cuDNN and
@@ -175,30 +184,26 @@ def train(cfg, di) -> None:
     if why and di.is_main:
         print(f"note: {why}", file=sys.stderr, flush=True)
 
-    flop_model = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg)
-    # MFU against the peak of the arithmetic the matmuls really run in.
-    peak_flops = peak_flops_per_s(getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
-    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps)
-    gpu_monitor = GpuMonitor(device)
     # --- Memory snapshot: allocation history on request, and always one on out-of-memory -----
     snapshots = MemorySnapshots(cfg.memory_snapshot, device, out_dir, rank)
+    # MFU against the peak of the arithmetic the matmuls really run in.
+    meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, wire).step_flops,
+                      peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
+    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps)
+    eval_plan = EvalPlan.of(cfg, text_baselines=False)
     if di.is_main:
-        print(f"profile {cfg.run.profile}: {world} x {device.type}, {cfg.precision}, "
-              f"global batch {cfg.micro_batch_size} x {cfg.grad_accum_steps} x {world} = {global_batch}, "
-              f"trainable {count_parameters(model, True) / 1e6:.2f}M, "
-              f"frozen {sum(count_parameters(l.model, False) for l in llms.values()) / 1e6:.1f}M", flush=True)
+        print(run_summary(cfg.run.profile, device, cfg.precision, state.layout, model, llms), flush=True)
 
     # --- The loop ----------------------------------------------------------------------------
     model.train()
-    window, memory = Window(), MemoryMeter(device)
     skipped, bad_in_a_row = 0, 0
     exit_after_save = None  # preempted or diverged: leave the loop, save, then exit with its code
-    with make_profiler(cfg, out_dir, rank, device) as profiler, out_of_memory_report(snapshots, cfg):
+    with make_profiler(ProfilerConfig.of(cfg), out_dir, rank, device) as profiler, \
+            out_of_memory_report(snapshots, cfg.micro_batch_size, cfg.run.profile):
         while state.step < cfg.max_steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(batches)
             data_wait = time.perf_counter() - t_wait
-
             micro_batches = [to_device(b, device) for b in micro_batches]
 
             # --- Exact gradient accumulation ---------------------------------------------
@@ -211,7 +216,7 @@ def train(cfg, di) -> None:
             counts = all_reduce_sum(torch.cat([counts, torch.full((1,), int(stop.raised), device=device)]))
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
             step_ce, grad_norm = train_step(
-                ddp_model, llms, micro_batches, n_tokens=counts[:-1].float(), forward=forward, autocast=autocast,
+                ddp_model, llms, micro_batches, n_tokens=counts[:-1].float(), forward=forward, amp_dtype=amp_dtype,
                 attention_kernels=attention_kernels, scaler=scaler, optimizer=optimizer,
                 max_grad_norm=cfg.max_grad_norm, world_size=world,
                 no_sync=ddp_model.no_sync if di.is_distributed else nullcontext)
@@ -241,10 +246,8 @@ def train(cfg, di) -> None:
                                            f"{nonfinite_hint(cfg.precision)}")
                 break
 
-            window.add(samples=global_batch,
-                       tokens=answer_tokens + cfg.num_latents * len(llms) * global_batch,
-                       flops=flop_model.step_flops(micro_batches),
-                       data_wait=data_wait)
+            meter.add(micro_batches, samples=global_batch, data_wait=data_wait,
+                      tokens=answer_tokens + cfg.num_latents * len(llms) * global_batch)
 
             # --- Periodic evaluation on the held-out split ---------------------------------
             # Every rank answers its share of the split and the results are gathered, so all ranks
@@ -263,15 +266,13 @@ def train(cfg, di) -> None:
                 record = {"step": state.step, "time": time.time(), "epoch": state.epoch,
                           "loss": sum(per_llm_loss) / len(per_llm_loss),
                           **{f"loss_{n}": v for n, v in zip(llms, per_llm_loss)},
-                          "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped,
-                          **window.rates(peak_flops), **memory.read(), **gpu_monitor.read()}
+                          "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **meter.read()}
                 if eval_due:
                     # Evaluation's eval-mode, padded, KV-cached calls would recompile every region.
                     with torch.compiler.set_stance("force_eager"):
-                        record.update(evaluate_wire(model, llms, eval_examples, cfg, device, rank, world))
+                        record |= evaluate_wire(model, llms, eval_examples, eval_plan, device, rank, world)
                 logger.log(record)
-                window = Window() if eval_due else window.next()
-                memory.start_window()
+                meter.next_window(after_pause=eval_due)
 
             if run_ends:
                 break
@@ -308,8 +309,8 @@ def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tupl
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda")
 
 
-def train_step(model, llms: dict, micro_batches: list[dict], *, n_tokens: torch.Tensor, forward, autocast,
-               attention_kernels, scaler, optimizer, max_grad_norm: float, world_size: int,
+def train_step(model, llms: dict, micro_batches: list[dict], *, n_tokens: torch.Tensor, forward,
+               amp_dtype: torch.dtype | None, attention_kernels, scaler, optimizer, max_grad_norm: float, world_size: int,
                no_sync) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over one optimizer step's micro-batches, then clipping. Returns each
     LLM's cross-entropy over `n_tokens` (the answer tokens of the whole global batch, per LLM) and
@@ -319,7 +320,9 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_tokens: torch.
     for i, batch in enumerate(micro_batches):
         # --- One gradient all-reduce per optimizer step: no_sync on all but the last ---------
         with nullcontext() if i == len(micro_batches) - 1 else no_sync():
-            with autocast(), attention_kernels():
+            # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32 --
+            with torch.autocast(batch["bytes"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None), \
+                    attention_kernels():
                 ce_sums = forward(model, llms, batch)
             # DDP averages gradients over ranks, hence the factor world_size (see the counts).
             per_llm = ce_sums / n_tokens
@@ -357,6 +360,14 @@ def one_cycle_pct_start(pct_start: float, max_steps: int) -> float:
     exactly one step (pct_start 0.1 with --max-steps 10): lengthened by a hair, the first step
     runs at lr / div_factor as every warm-up's first step does, and the peak comes next."""
     return pct_start * (1 + 1e-6) if pct_start * max_steps == 1.0 else pct_start  # OneCycleLR's own product
+
+
+def run_summary(profile: str, device: torch.device, precision: str, layout: tuple[int, int, int],
+                model: torch.nn.Module, llms: dict) -> str:
+    world, micro, accum = layout
+    frozen = sum(count_parameters(llm.model, False) for llm in llms.values())
+    return (f"profile {profile}: {world} x {device.type}, {precision}, global batch {micro} x {accum} x {world} = "
+            f"{micro * accum * world}, trainable {count_parameters(model, True) / 1e6:.2f}M, frozen {frozen / 1e6:.1f}M")
 
 
 def closing_line(checkpoint: Path, out_dir: Path, finished: bool) -> str:
@@ -412,15 +423,15 @@ def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, 
 
 
 @contextmanager
-def out_of_memory_report(snapshots, cfg):
+def out_of_memory_report(snapshots: MemorySnapshots, micro_batch_size: int, profile: str):
     """Out-of-memory ends the run with a one-line pointer to the snapshot and to the planner."""
     try:
         yield
     except torch.OutOfMemoryError:
         path = snapshots.dump()
         where = f"memory snapshot: {path}" if path else "no memory snapshot on this device"
-        raise OutOfMemory(f"out of memory at micro-batch {cfg.micro_batch_size} ({where}); lower "
-                          f"--micro-batch-size or see python -m latentwire.plan --profile {cfg.run.profile}") from None
+        raise OutOfMemory(f"out of memory at micro-batch {micro_batch_size} ({where}); lower "
+                          f"--micro-batch-size or see python -m latentwire.plan --profile {profile}") from None
 
 
 def nonfinite_hint(precision: str) -> str:

@@ -4,9 +4,9 @@ Two ways to torch.compile train.py's step, same shape settings (`latentwire.comp
 dynamic sizes, no duck sizing, constant floats) and the same compile mode:
 - whole:    torch.compile(forward_ce_sums): one graph, every decoder layer of both LLMs unrolled
             in it (how train.py compiled before);
-- regional: `latentwire.compiling.compiled_step`: each decoder layer (inside its activation
-            checkpointing wrapper), each byte-encoder block and the pooler compiled on their own;
-            the layers of one LLM share one graph.
+- regional: train.py's compile block, over `latentwire.compiling.step_regions`: each decoder
+            layer (inside its activation checkpointing wrapper), each byte-encoder block and the
+            pooler compiled on their own; the layers of one LLM share one graph.
 Each runs in a fresh process with an empty inductor cache directory, so neither finds graphs or
 kernels the other compiled (dynamo, inductor's in-memory caches and its on-disk FX graph and
 kernel caches all start empty). A process times its first step (compiling + one step), runs the
@@ -47,7 +47,7 @@ import torch
 
 from common import (REPO, build_model, child_env, forward_backward, make_loader, median, parse_settings, summary,
                     take)
-from latentwire.compiling import compile_kwargs, compiled_step, stable_shapes
+from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import load_config
 from latentwire.known_llms import LLAMA_3_1_8B, QWEN_2_5_7B
 from latentwire.llm import apply_activation_checkpointing
@@ -103,14 +103,21 @@ def bench_config(args, s: Settings, workdir: Path):
                         "--compile-mode", "default"])
 
 
+def compile_kwargs(mode: str, backend: str) -> dict:
+    """train.py's torch.compile arguments (every size symbolic); a backend other than inductor takes no mode."""
+    return {"backend": backend, "dynamic": True, **({"mode": mode} if backend == "inductor" else {})}
+
+
 def whole_step(mode: str, backend: str):
     """The step as one graph (how train.py compiled before regional compilation)."""
-    compiled = torch.compile(forward_ce_sums, **compile_kwargs(mode, backend))
+    return stable_shapes()(torch.compile(forward_ce_sums, **compile_kwargs(mode, backend)))
 
-    def forward(model, llms, batch):
-        with stable_shapes():
-            return compiled(model, llms, batch)
-    return forward
+
+def regional_step(model, llms: dict, mode: str, backend: str):
+    """train.py's compile block: each of the step's regions compiled on its own."""
+    for region in step_regions(model, llms):
+        region.compile(**compile_kwargs(mode, backend))
+    return stable_shapes()(forward_ce_sums)
 
 
 def timed_step(forward, model, llms, batch) -> float:
@@ -148,7 +155,7 @@ def run_variant(variant: str, args, s: Settings, backend: str) -> dict:
     if variant == "whole":
         forward = whole_step(cfg.compile_mode, backend)
     else:
-        forward = compiled_step(model, llms, cfg.compile_mode, backend)
+        forward = regional_step(model, llms, cfg.compile_mode, backend)
 
     cpu = cpu_seconds()
     first = timed_step(forward, model, llms, batches[0])

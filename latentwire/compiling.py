@@ -18,7 +18,8 @@ reductions pick a kernel by `rows x width <= 4096`), hence at most one recompile
 
 Both settings are dynamo configuration read while a region is traced, which is lazy: in the first
 step that reaches it, or a recompile. So they are patched around every call of the step
-(`stable_shapes`) rather than flipped for the whole process.
+(`stable_shapes`) rather than flipped for the whole process. train.py does the compiling itself:
+`region.compile(mode=..., dynamic=True)` for each of `step_regions`.
 
 Compiled regions serve training calls only. Evaluation (eval mode, no_grad, padded attention, a
 KV cache) would recompile every region, so it runs under torch.compiler.set_stance("force_eager").
@@ -30,12 +31,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .model import forward_ce_sums
-
 
 @contextmanager
 def stable_shapes():
-    """Dynamo settings for tracing the step's regions.
+    """Dynamo settings for tracing the step's regions; train.py calls its step inside them
+    (`stable_shapes()(forward_ce_sums)`, a fresh patch per call).
 
     - no duck sizing: each input size gets a symbol of its own (see the module docstring);
     - floats specialised: Python floats (norm eps, attention scale, dropout p) are constants of the
@@ -49,33 +49,13 @@ def stable_shapes():
         yield
 
 
-def compile_kwargs(mode: str, backend="inductor") -> dict:
-    """torch.compile's arguments: the profile's mode applies to inductor only (tests use aot_eager)."""
-    return {"backend": backend, "dynamic": True, **({"mode": mode} if backend == "inductor" else {})}
-
-
-def compile_regions(wire_encoder: nn.Module, llms: dict, mode: str, backend="inductor") -> list[nn.Module]:
-    """Compile, in place, each byte-encoder block, the latent pooler (two small rounds, one graph)
-    and each decoder layer of each frozen LLM. Activation checkpointing must have wrapped the layers
-    first: the wrapper is compiled with the layer, so the recompute is planned inside the graph.
-    Parameter names do not change (no `_orig_mod.`), so checkpoints do not notice. Returns the
-    compiled modules."""
+def step_regions(wire_encoder: nn.Module, llms: dict) -> list[nn.Module]:
+    """The modules train.py compiles, each on its own and in place (`module.compile`): each
+    byte-encoder block, the latent pooler (two small rounds, one graph) and each decoder layer of
+    each frozen LLM. Activation checkpointing must have wrapped the layers first: the wrapper is
+    compiled with the layer, so the recompute is planned inside the graph. In-place compilation keeps
+    parameter names (no `_orig_mod.`), so checkpoints do not notice."""
     regions = [*wire_encoder.encoder.blocks, wire_encoder.pooler]
     for llm in llms.values():
         regions.extend(llm.model.get_decoder().layers)
-    for region in regions:
-        region.compile(**compile_kwargs(mode, backend))
     return regions
-
-
-def compiled_step(wire_encoder: nn.Module, llms: dict, mode: str, backend="inductor"):
-    """Compile the step's regions (`compile_regions`) and return the step: `forward_ce_sums` with
-    the same arguments, traced under `stable_shapes`. `wire_encoder` is the bare module; the step
-    may be given it or its DDP wrapper."""
-    compile_regions(wire_encoder, llms, mode, backend)
-    return _step_with_stable_shapes
-
-
-def _step_with_stable_shapes(wire_encoder, llms: dict, batch: dict) -> torch.Tensor:
-    with stable_shapes():
-        return forward_ce_sums(wire_encoder, llms, batch)

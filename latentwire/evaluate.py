@@ -51,7 +51,7 @@ from .generation import (answer_ids, continuation_nll, decode_answer, greedy_gen
                          wire_prompts)
 from .llm import load_frozen_llms
 from .model import WireConfig, WireEncoder
-from .precision import autocast_for, frozen_weight_dtype
+from .precision import AMP_DTYPES, frozen_weight_dtype
 from .report import build_report, markdown, summarize, write_report
 from .squad_metrics import best_em_f1
 
@@ -61,7 +61,6 @@ PAYLOADS = ("bf16", "int8")
 READ_FIELDS = ("device", "precision", "dist_timeout_s", "llama", "qwen", "num_latents", "d_z", "encoder_dim",
                "encoder_layers", "encoder_heads", "dropout", "dataset", "seed", "max_prompt_bytes",
                "max_answer_tokens", "pad_multiple", "micro_batch_size", "max_new_tokens")
-
 
 
 # --- the wire and its controls ----------------------------------------------------------------
@@ -101,14 +100,31 @@ def wire_controls(precision: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Plan:
+    """What an evaluation reads of a run's configuration, and how this one runs."""
     batch_size: int
     max_new_tokens: int
     text_baselines: bool
+    precision: str  # the autocast dtype, and which payload controls differ under it
+    seed: int  # the shuffled control's pairing
+    num_latents: int  # the text_cut baseline's token budget
+    max_prompt_bytes: int  # the collator's cuts and padding, as in training
+    max_answer_tokens: int
+    pad_multiple: int
     progress: Callable[[int, int], object] | None = None  # (examples done, of) on this rank, after each chunk
+
+    @classmethod
+    def of(cls, config, *, text_baselines: bool, batch_size: int | None = None, max_new_tokens: int | None = None,
+           progress=None) -> Plan:
+        """From a run's configuration; batch size and generation limit default to the run's."""
+        return cls(batch_size=batch_size or config.micro_batch_size,
+                   max_new_tokens=max_new_tokens or config.max_new_tokens, text_baselines=text_baselines,
+                   precision=config.precision, seed=config.seed, num_latents=config.num_latents,
+                   max_prompt_bytes=config.max_prompt_bytes, max_answer_tokens=config.max_answer_tokens,
+                   pad_multiple=config.pad_multiple, progress=progress)
 
 
 def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices: range, partners: list[int],
-                   collate: Collator, cfg, plan: Plan, device: torch.device) -> list[dict]:
+                   collate: Collator, plan: Plan, device: torch.device) -> list[dict]:
     """Per-example records of one chunk: NLL sums and target counts, answers, EM and F1, keyed by
     `{input}_{llm}`."""
     dataset = PromptDataset(examples)
@@ -120,7 +136,7 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
 
     z = model.wire(batch["bytes"], batch["byte_mask"])
     wires = {"wire": z, "zeroed": torch.zeros_like(z), "shuffled": model.wire(partner["bytes"], partner["byte_mask"]),
-             **{p: payload_roundtrip(z, p) for p in payload_controls(cfg.precision)}}
+             **{p: payload_roundtrip(z, p) for p in payload_controls(plan.precision)}}
     for key, wire in wires.items():
         prompts = {name: wire_prompts(llm, model.adapters[name](wire)) for name, llm in llms.items()}
         add_nll(records, key, llms, prompts, targets)
@@ -129,7 +145,7 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
 
     if plan.text_baselines:
         chunk = [examples[i] for i in indices]
-        for key, cut in (("text", None), ("text_cut", cfg.num_latents)):
+        for key, cut in (("text", None), ("text_cut", plan.num_latents)):
             prompts = {name: text_prompts(llm, chunk, cut) for name, llm in llms.items()}
             add_nll(records, key, llms, prompts, targets)
             add_answers(records, key, llms, prompts, golds, plan.max_new_tokens)
@@ -172,18 +188,19 @@ def gather_records(local: list[dict]) -> list[dict]:
     return sorted((r for part in parts for r in part), key=lambda r: r["index"])
 
 
-def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], cfg, device: torch.device,
-                      rank: int, world: int, plan: Plan) -> list[dict]:
+def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], plan: Plan, device: torch.device,
+                      rank: int, world: int) -> list[dict]:
     """Per-example records of all `examples`, on every rank. A collective when distributed."""
-    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
-    partners = cyclic_derangement(len(examples), cfg.seed)
+    collate = Collator.for_llms(llms, plan.max_prompt_bytes, plan.max_answer_tokens, plan.pad_multiple)
+    partners = cyclic_derangement(len(examples), plan.seed)
+    amp_dtype = AMP_DTYPES[plan.precision]
     was_training = model.training
     model.eval()  # no dropout: the wire is what the trained encoder writes, deterministically
     try:
-        with torch.no_grad(), autocast_for(cfg.precision, device)():
+        with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             chunks, local = rank_chunks(len(examples), plan.batch_size, rank, world), []
             for chunk in chunks:
-                local += evaluate_chunk(model, llms, examples, chunk, partners, collate, cfg, plan, device)
+                local += evaluate_chunk(model, llms, examples, chunk, partners, collate, plan, device)
                 if plan.progress:
                     plan.progress(len(local), sum(map(len, chunks)))
     finally:
@@ -191,14 +208,12 @@ def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], cfg,
     return gather_records(local)
 
 
-
-def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], cfg, device: torch.device,
+def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], plan: Plan, device: torch.device,
                   rank: int, world: int) -> dict[str, float]:
     """The periodic evaluation of train.py: the wire's answers (EM/F1 per LLM and joint) and answer
     NLL, with the controls of `wire_controls`; flat `eval_*` scalars, equal on every
     rank. A collective: every rank calls it. Pass the bare model, not its DDP wrapper."""
-    plan = Plan(batch_size=cfg.micro_batch_size, max_new_tokens=cfg.max_new_tokens, text_baselines=False)
-    records = evaluate_examples(model, llms, examples, cfg, device, rank, world, plan)
+    records = evaluate_examples(model, llms, examples, plan, device, rank, world)
     return {f"eval_{k}": v for k, v in summarize(records).items()}
 
 
@@ -256,7 +271,6 @@ def load_wire_encoder(ckpt: Path, cfg, llms: dict, device: torch.device) -> Wire
     return model.to(device)
 
 
-
 # --- the command line -------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,10 +313,9 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     examples = load_examples(dataset, "validation", args.n, cfg.seed)
     llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
-    plan = Plan(batch_size=args.batch_size or cfg.micro_batch_size,
-                max_new_tokens=args.max_new_tokens or cfg.max_new_tokens, text_baselines=True,
-                progress=report_progress(di.world_size) if di.is_main else None)
-    records = evaluate_examples(model, llms, examples, cfg, di.device, di.rank, di.world_size, plan)
+    plan = Plan.of(cfg, text_baselines=True, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                   progress=report_progress(di.world_size) if di.is_main else None)
+    records = evaluate_examples(model, llms, examples, plan, di.device, di.rank, di.world_size)
     if not di.is_main:
         return
     report = build_report(ckpt, step, cfg, dataset, examples, records, llms, plan, di.world_size)

@@ -61,12 +61,13 @@ class FlopModel:
     llms: tuple[tuple[str, LLMShape], ...]  # (name, shape) pairs: hashable, so counts can be cached
 
     @classmethod
-    def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], cfg) -> "FlopModel":
+    def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], wire) -> "FlopModel":
+        """`wire`: the WireConfig the encoder was built from."""
         kv = sum(linear_params(c.attn.k) + linear_params(c.attn.v) for c in wire_encoder.pooler.cross)
         return cls(encoder_token_params=linear_params(wire_encoder.encoder) + kv,
                    latent_params=linear_params(wire_encoder.pooler) - kv + linear_params(wire_encoder.adapters),
-                   encoder_layers=cfg.encoder_layers, encoder_heads=cfg.encoder_heads, encoder_dim=cfg.encoder_dim,
-                   d_z=cfg.d_z, num_latents=cfg.num_latents, pooler_rounds=len(wire_encoder.pooler.cross),
+                   encoder_layers=wire.encoder_layers, encoder_heads=wire.encoder_heads, encoder_dim=wire.encoder_dim,
+                   d_z=wire.d_z, num_latents=wire.num_latents, pooler_rounds=len(wire_encoder.pooler.cross),
                    llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()))
 
     @functools.cache  # padding leaves few distinct shapes; the formulas cost ~2 ms per call

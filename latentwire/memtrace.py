@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from .data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, round_up
 from .llm import FrozenLLM, apply_activation_checkpointing, causal_attention, freeze
 from .model import WireConfig, WireEncoder, forward_ce_sums
-from .precision import autocast_for, frozen_weight_dtype
+from .precision import AMP_DTYPES, frozen_weight_dtype
 
 CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
             _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
@@ -53,7 +53,7 @@ def optimizer_step(cfg, model, llms: dict, optimizer, batch: dict, n_targets: fl
     loss scaling costs a few scalars)."""
     from train import train_step
     train_step(model, llms, [batch], n_tokens=torch.full((len(llms),), float(n_targets), device=device),
-               forward=forward_ce_sums, autocast=autocast_for(cfg.precision, device),
+               forward=forward_ce_sums, amp_dtype=AMP_DTYPES[cfg.precision],
                attention_kernels=attention_kernels, scaler=torch.amp.GradScaler(device.type, enabled=False),
                optimizer=optimizer, max_grad_norm=cfg.max_grad_norm, world_size=1, no_sync=nullcontext)
     optimizer.step()

@@ -7,16 +7,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 GIB = 2 ** 30
-
-
-def peak_flops_per_s(peak_tflops: float | None) -> float | None:
-    """The card's dense peak for the arithmetic the matmuls really run in (`precision.matmul_arithmetic`),
-    in FLOP/s; None where unknown (CPU)."""
-    return None if peak_tflops is None else peak_tflops * 1e12
 
 
 def _cpu_resident() -> tuple[int, int]:
@@ -135,6 +130,30 @@ class Window:
 
     def next(self) -> "Window":
         return Window(start=self.end if self.end is not None else time.perf_counter())
+
+
+class StepMeter:
+    """What a log record says of the steps since the previous one: throughput and MFU (a Window),
+    this rank's memory (a MemoryMeter), the GPU's utilisation and power (a GpuMonitor)."""
+
+    def __init__(self, device: torch.device, step_flops: Callable[[list[dict]], float], peak_tflops: float | None):
+        """`step_flops`: the FLOPs of one optimizer step's micro-batches; `peak_tflops`: the card's
+        peak for the arithmetic the matmuls run in, None where unknown (no MFU)."""
+        self.step_flops = step_flops
+        self.peak_flops = None if peak_tflops is None else peak_tflops * 1e12  # FLOP/s
+        self.window, self.memory, self.gpu = Window(), MemoryMeter(device), GpuMonitor(device)
+
+    def add(self, micro_batches: list[dict], samples: int, tokens: int, data_wait: float) -> None:
+        self.window.add(samples, tokens, self.step_flops(micro_batches), data_wait)
+
+    def read(self) -> dict:
+        return {**self.window.rates(self.peak_flops), **self.memory.read(), **self.gpu.read()}
+
+    def next_window(self, after_pause: bool) -> None:
+        """The next window starts where this one was read, so logging counts as training time;
+        after a pause that is not training (an evaluation), it starts now instead."""
+        self.window = Window() if after_pause else self.window.next()
+        self.memory.start_window()
 
 
 class MetricsLogger:

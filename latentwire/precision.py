@@ -1,9 +1,8 @@
-"""Numerics and kernels chosen from the profile's precision and the card.
+"""Numerics and attention kernels, chosen from the profile's precision and the card.
 
-bf16 has fp32's exponent range, so its gradients need no loss scaling; fp16 (V100, no bf16) has a
-narrow range where small gradients underflow to zero, so it needs a GradScaler; fp32 is the
-reference that the other two are checked against. Every choice here that only a GPU makes is a
-function of plain inputs (device type, compute capability, dtype), so CPU tests take each branch.
+train.py makes the calls itself (torch.autocast, the GradScaler, the TF32 switch, the SDPA kernel
+context); what it decides them with lives here. Every choice that only a GPU makes is a function
+of plain inputs (compute capability, dtype), so CPU tests take each branch.
 """
 from __future__ import annotations
 
@@ -12,18 +11,8 @@ from contextlib import nullcontext
 
 import torch
 
+# The autocast dtype of each --precision; fp32 runs without autocast.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-
-
-def autocast_for(precision: str, device: torch.device):
-    """A factory of fresh autocast contexts (one per forward pass)."""
-    dtype = AMP_DTYPES[precision]
-    return functools.partial(torch.autocast, device_type=device.type, dtype=dtype, enabled=dtype is not None)
-
-
-def grad_scaler_for(precision: str, device: torch.device) -> torch.amp.GradScaler:
-    """Enabled only for fp16; disabled, its scale/unscale/step calls are plain pass-throughs."""
-    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
 def frozen_weight_dtype(precision: str) -> torch.dtype:
@@ -42,13 +31,6 @@ def use_tf32(tf32: bool, capability: tuple[int, int] | None) -> bool:
     """TF32 tensor cores for fp32 matmuls (all of them with --precision fp32, those left outside
     autocast otherwise) where the profile asks for it and the card has them (Ampere, sm80, on)."""
     return tf32 and capability is not None and capability >= (8, 0)
-
-
-def enable_tf32() -> None:
-    # The legacy switch, not `torch.backends.cuda.matmul.fp32_precision = "tf32"`: after the new
-    # API, torch.get_float32_matmul_precision() raises ("mix of the legacy and new APIs"), and
-    # inductor's GEMM autotuning (max-autotune) calls exactly that.
-    torch.set_float32_matmul_precision("high")
 
 
 def matmul_arithmetic(precision: str, tf32: bool) -> str:

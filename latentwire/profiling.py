@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -30,15 +31,33 @@ class NoProfiler:
         pass
 
 
-def make_profiler(cfg, out_dir: Path, rank: int, device: torch.device):
-    if not cfg.profiler:
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """The profile's `profiler_*` fields: the schedule in steps, and what each trace records."""
+    wait: int
+    warmup: int
+    active: int
+    shapes: bool
+    memory: bool
+    stacks: bool
+
+    @classmethod
+    def of(cls, config) -> ProfilerConfig | None:
+        """None where the profile leaves the profiler off."""
+        if not config.profiler:
+            return None
+        return cls(**{f.name: getattr(config, "profiler_" + f.name) for f in fields(cls)})
+
+
+def make_profiler(config: ProfilerConfig | None, out_dir: Path, rank: int, device: torch.device):
+    if config is None:
         return NoProfiler()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     return profile(
         activities=activities,
-        schedule=schedule(wait=cfg.profiler_wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active, repeat=1),
+        schedule=schedule(wait=config.wait, warmup=config.warmup, active=config.active, repeat=1),
         on_trace_ready=tensorboard_trace_handler(str(Path(out_dir) / "traces"), worker_name=f"rank{rank}"),
-        record_shapes=cfg.profiler_shapes, profile_memory=cfg.profiler_memory, with_stack=cfg.profiler_stacks,
+        record_shapes=config.shapes, profile_memory=config.memory, with_stack=config.stacks,
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from latentwire.compiling import compile_kwargs, compile_regions, compiled_step, stable_shapes
+from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
@@ -71,6 +71,13 @@ def widths(n: int = 20) -> list[tuple[int, dict]]:
     return out
 
 
+def compile_as_train_py(model, llms):
+    """train.py's compile block, with the test backend in place of inductor and the profile's mode."""
+    for region in step_regions(model, llms):
+        region.compile(backend=BACKEND, dynamic=True)
+    return stable_shapes()(forward_ce_sums)
+
+
 @pytest.fixture(scope="module")
 def compiled_run():
     """20 batches of varied prompt and answer lengths through the compiled step, forward and
@@ -78,7 +85,7 @@ def compiled_run():
     torch.set_num_threads(1)
     torch._dynamo.reset()
     cfg, model, llms = build()
-    step = compiled_step(model, llms, cfg.compile_mode, backend=BACKEND)
+    step = compile_as_train_py(model, llms)
     batches = [make_batch(llms, MICRO_BATCH, p, w, seed) for seed, (p, w) in enumerate(widths())]
     graphs_before, graphs_after = [], []
     for batch in batches:
@@ -141,7 +148,9 @@ def test_evaluation_under_force_eager_compiles_nothing(compiled_run):
 def test_regions_are_the_checkpointed_decoder_layers_and_the_encoder_blocks():
     cfg, model, llms = build()
     names = list(model.state_dict())
-    regions = compile_regions(model, llms, cfg.compile_mode, backend=BACKEND)
+    regions = step_regions(model, llms)
+    for region in regions:
+        region.compile(backend=BACKEND, dynamic=True)
     decoder_layers = [layer for llm in llms.values() for layer in llm.model.get_decoder().layers]
     assert all(isinstance(layer, CheckpointWrapper) for layer in decoder_layers)  # compiled with its recompute
     assert regions == [*model.encoder.blocks, model.pooler, *decoder_layers]
@@ -155,11 +164,3 @@ def test_stable_shapes_is_scoped():
         assert (torch._dynamo.config.specialize_float, fx_config.use_duck_shape) == (True, False)
     assert (torch._dynamo.config.specialize_float, fx_config.use_duck_shape) == outside
 
-
-def test_compile_arguments_follow_the_profile():
-    """What train.py passes to torch.compile for the GPU profiles: their mode, through inductor,
-    every size symbolic; a test backend takes no mode."""
-    h100 = load_config(["--profile", "h100"])
-    assert compile_kwargs(h100.compile_mode) == {"backend": "inductor", "dynamic": True,
-                                                 "mode": "max-autotune-no-cudagraphs"}
-    assert compile_kwargs(h100.compile_mode, backend="aot_eager") == {"backend": "aot_eager", "dynamic": True}

@@ -14,7 +14,7 @@ from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, count_answer_tokens, load_examples, synthetic_examples
 from latentwire.llm import LLM_NAMES, apply_activation_checkpointing, load_frozen_llm
 from latentwire.model import WireConfig, WireEncoder, forward_ce_sums
-from latentwire.precision import autocast_for
+from latentwire.precision import AMP_DTYPES
 from latentwire.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
 
 CPU = torch.device("cpu")
@@ -125,8 +125,8 @@ def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
     """Same BOS/EOS handling as training: summed answer NLL and target counts equal the loop's."""
     examples = synthetic_examples(12, seed=8)
     model = wire_encoder(cfg, llms)
-    plan = ev.Plan(batch_size=5, max_new_tokens=2, text_baselines=False)
-    records = ev.evaluate_examples(model, llms, examples, cfg, CPU, rank=0, world=1, plan=plan)
+    plan = ev.Plan.of(cfg, text_baselines=False, batch_size=5, max_new_tokens=2)
+    records = ev.evaluate_examples(model, llms, examples, plan, CPU, rank=0, world=1)
     batch = collate(cfg, llms, examples)
     with torch.no_grad():
         training_sums = forward_ce_sums(model.eval(), llms, batch)
@@ -140,10 +140,11 @@ def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
                        "--max-new-tokens", "3"])
     model = wire_encoder(cfg, llms).train()
     examples = synthetic_examples(6, seed=9)
-    first = ev.evaluate_wire(model, llms, examples, cfg, CPU, rank=0, world=1)
+    plan = ev.Plan.of(cfg, text_baselines=False)
+    first = ev.evaluate_wire(model, llms, examples, plan, CPU, rank=0, world=1)
     assert model.training
     # With dropout 0.5 active, two passes would differ; in eval mode they are identical.
-    assert ev.evaluate_wire(model, llms, examples, cfg, CPU, rank=0, world=1) == first
+    assert ev.evaluate_wire(model, llms, examples, plan, CPU, rank=0, world=1) == first
     for name in LLM_NAMES:
         assert {f"eval_nll_{k}_{name}" for k in ("wire", *ev.wire_controls(cfg.precision))} <= first.keys()
         assert {f"eval_em_wire_{name}", f"eval_f1_wire_{name}"} <= first.keys()
@@ -157,8 +158,9 @@ def test_activation_checkpointed_llms_evaluate_alike(cfg):
     for llm in wrapped.values():
         apply_activation_checkpointing(llm)
     examples = synthetic_examples(4, seed=10)
-    expected = ev.evaluate_wire(wire_encoder(cfg, plain), plain, examples, cfg, CPU, 0, 1)
-    assert ev.evaluate_wire(wire_encoder(cfg, wrapped), wrapped, examples, cfg, CPU, 0, 1) == pytest.approx(expected)
+    plan = ev.Plan.of(cfg, text_baselines=False)
+    expected = ev.evaluate_wire(wire_encoder(cfg, plain), plain, examples, plan, CPU, 0, 1)
+    assert ev.evaluate_wire(wire_encoder(cfg, wrapped), wrapped, examples, plan, CPU, 0, 1) == pytest.approx(expected)
 
 
 def summed_nll(llms, prompts, texts) -> list[float]:
@@ -284,8 +286,8 @@ def test_the_trained_wire_carries_information(default_run):
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
     model = ev.load_wire_encoder(ckpt, cfg, llms, CPU)
     examples = load_examples(cfg.dataset, "validation", 256, cfg.seed)
-    plan = ev.Plan(batch_size=32, max_new_tokens=cfg.max_new_tokens, text_baselines=False)
-    records = ev.evaluate_examples(model, llms, examples, cfg, CPU, 0, 1, plan)
+    plan = ev.Plan.of(cfg, text_baselines=False, batch_size=32)
+    records = ev.evaluate_examples(model, llms, examples, plan, CPU, 0, 1)
     m = reporting.summarize(records)
     for name in LLM_NAMES:
         assert m[f"nll_wire_{name}"] < m[f"nll_zeroed_{name}"]
@@ -352,8 +354,8 @@ def test_every_payload_control_changes_what_the_adapters_compute(precision):
     torch.manual_seed(0)
     model = WireEncoder(WireConfig.of(cfg), {"llama": (32, 1.0)})
     z = torch.randn(3, cfg.num_latents, cfg.d_z)
-    autocast = autocast_for(precision, CPU)
-    with torch.no_grad(), autocast():
+    amp_dtype = AMP_DTYPES[precision]
+    with torch.no_grad(), torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
         wire = model.adapters["llama"](z)
         for payload in ev.PAYLOADS:
             received = model.adapters["llama"](ev.payload_roundtrip(z, payload))

@@ -32,7 +32,7 @@ def test_analytic_flops_match_flop_counter(setup, batch_size, pad_multiple):
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(64, batch_size))[i] for i in range(batch_size)]
     batch = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, pad_multiple)(items)
-    analytic = FlopModel.of(model, {n: l.model for n, l in llms.items()}, cfg).step_flops([batch])
+    analytic = FlopModel.of(model, {n: l.model for n, l in llms.items()}, WireConfig.of(cfg)).step_flops([batch])
     measured = counted(model, llms, batch)
     assert analytic == pytest.approx(measured, rel=0.05)
 

@@ -23,11 +23,9 @@ def restore_matmul_precision():
 
 
 def test_tf32_switch_leaves_the_precision_query_working(restore_matmul_precision):
-    """Inductor's GEMM autotuning (max-autotune) calls torch.get_float32_matmul_precision(); the new
-    fp32_precision API makes that call raise."""
-    from latentwire.precision import enable_tf32
-
-    enable_tf32()
+    """train.py's TF32 switch, on this torch: inductor's GEMM autotuning (max-autotune) calls
+    torch.get_float32_matmul_precision(), which the new fp32_precision API makes raise."""
+    torch.set_float32_matmul_precision("high")
     assert torch.get_float32_matmul_precision() == "high"
     assert torch.backends.cuda.matmul.allow_tf32
 

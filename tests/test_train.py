@@ -150,10 +150,7 @@ def test_fp16_trains_with_a_grad_scaler(tmp_path):
 
 
 def test_precision_selection():
-    from latentwire.precision import frozen_weight_dtype, grad_scaler_for
-    cpu = torch.device("cpu")
-    assert grad_scaler_for("fp16", cpu).is_enabled()
-    assert not grad_scaler_for("bf16", cpu).is_enabled() and not grad_scaler_for("fp32", cpu).is_enabled()
+    from latentwire.precision import frozen_weight_dtype
     assert [frozen_weight_dtype(p) for p in ("bf16", "fp16", "fp32")] == [torch.bfloat16, torch.float16,
                                                                            torch.float32]
 
