@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
@@ -30,7 +32,7 @@ from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserEr
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
 from latentwire.evaluate import Plan as EvalPlan, evaluate_wire
-from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
+from latentwire.llm import apply_activation_checkpointing, held_bytes, load_frozen_llms, start_fsdp_root
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireConfig, WireEncoder, count_parameters, forward_ce_sums
@@ -115,6 +117,26 @@ def train(cfg, di) -> None:
         ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         gradient_as_bucket_view=True, **ddp_buffer_options())
 
+    # --- Frozen LLMs sharded with FSDP2 (--frozen-sharding fsdp) ------------------------------
+    # Replicated, every rank holds both LLMs whole: 31 GB for 8B + 7B in bf16, 287 GB for 70B + 72B.
+    # Sharded, a rank holds 1/world of every frozen weight and a decoder layer is whole only while
+    # it runs: all-gathered for its forward and again for its backward (the wire's gradient passes
+    # through it), freed after each. Frozen weights have no gradients, so there is no
+    # reduce-scatter; the all-gathers are the whole cost. The trainable part stays under DDP.
+    if cfg.frozen_sharding == "fsdp" and not di.is_distributed and di.is_main:
+        print("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
+              file=sys.stderr, flush=True)
+    if cfg.frozen_sharding == "fsdp" and di.is_distributed:
+        mesh = init_device_mesh(device.type, (world,))  # on the GPU: NCCL's all-gathers, not gloo's
+        for llm in llms.values():
+            for layer in llm.model.get_decoder().layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(llm.model.get_input_embeddings(), mesh=mesh)  # looked up on its own, before the model
+            # The root: the final norm and the head. FSDP keeps a root whole from forward to backward
+            # by default; the head is the largest layer (2 GB for a 128k vocabulary), so it is freed too.
+            fully_shard(llm.model, mesh=mesh, reshard_after_forward=True)
+            start_fsdp_root(llm)
+
     # --- Data: a disjoint shard per rank -----------------------------------------------------
     # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank,
     # so the global batch of a step is the same set of examples for any world size; it can start
@@ -191,6 +213,9 @@ def train(cfg, di) -> None:
                       peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps)
     eval_plan = EvalPlan.of(cfg, text_baselines=False)
+    # Sharded LLMs all-gather in every forward, so every rank must make the same calls: each
+    # evaluates every example (greedy decoding stops alike) instead of its share.
+    eval_shard = (0, 1) if cfg.frozen_sharding == "fsdp" else (rank, world)
     if di.is_main:
         print(run_summary(cfg.run.profile, device, cfg.precision, state.layout, model, llms), flush=True)
 
@@ -270,7 +295,7 @@ def train(cfg, di) -> None:
                 if eval_due:
                     # Evaluation's eval-mode, padded, KV-cached calls would recompile every region.
                     with torch.compiler.set_stance("force_eager"):
-                        record |= evaluate_wire(model, llms, eval_examples, eval_plan, device, rank, world)
+                        record |= evaluate_wire(model, llms, eval_examples, eval_plan, device, *eval_shard)
                 logger.log(record)
                 meter.next_window(after_pause=eval_due)
 
@@ -366,8 +391,11 @@ def run_summary(profile: str, device: torch.device, precision: str, layout: tupl
                 model: torch.nn.Module, llms: dict) -> str:
     world, micro, accum = layout
     frozen = sum(count_parameters(llm.model, False) for llm in llms.values())
+    held = sum(held_bytes(llm.model) for llm in llms.values())
+    held_text = f"{held / 2 ** 30:.2f} GiB" if held >= 2 ** 30 else f"{held / 2 ** 20:.2f} MiB"
     return (f"profile {profile}: {world} x {device.type}, {precision}, global batch {micro} x {accum} x {world} = "
-            f"{micro * accum * world}, trainable {count_parameters(model, True) / 1e6:.2f}M, frozen {frozen / 1e6:.1f}M")
+            f"{micro * accum * world}, trainable {count_parameters(model, True) / 1e6:.2f}M, frozen {frozen / 1e6:.1f}M "
+            f"({held_text} held per rank)")
 
 
 def closing_line(checkpoint: Path, out_dir: Path, finished: bool) -> str:

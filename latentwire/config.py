@@ -51,7 +51,12 @@ FIELDS: dict[str, Field] = {
     "compile_mode": Field(str, "torch.compile mode",
                           choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
     "activation_checkpointing": Field(bool, "recompute the frozen LLMs' decoder layers in backward"),
+    "frozen_sharding": Field(str, "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded "
+                                  "over the ranks by FSDP2, a decoder layer gathered only while it runs)",
+                             choices=("none", "fsdp")),
     # --- batch and schedule ---------------------------------------------------------------
+    "num_gpus": Field(int, "ranks the profile is laid out for (the memory plan's default --num-gpus; train.py "
+                           "runs with as many as torchrun starts)", positive=True),
     "micro_batch_size": Field(int, "examples per rank per forward pass", positive=True),
     "grad_accum_steps": Field(int, "micro-batches per optimizer step", positive=True),
     "max_steps": Field(int, "optimizer steps", positive=True),

@@ -179,9 +179,9 @@ def rank_chunks(n: int, batch_size: int, rank: int, world: int) -> list[range]:
     return [range(s, min(s + batch_size, n)) for s in range(0, n, batch_size)][rank::world]
 
 
-def gather_records(local: list[dict]) -> list[dict]:
-    """Every rank's records on every rank, in example order."""
-    if not dist.is_initialized():
+def gather_records(local: list[dict], world: int) -> list[dict]:
+    """Every rank's records on every rank, in example order (`world` ranks share the examples)."""
+    if world == 1:
         return local
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
@@ -205,7 +205,7 @@ def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], plan
                     plan.progress(len(local), sum(map(len, chunks)))
     finally:
         model.train(was_training)
-    return gather_records(local)
+    return gather_records(local, world)
 
 
 def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], plan: Plan, device: torch.device,

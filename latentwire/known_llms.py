@@ -31,6 +31,12 @@ QWEN_2_5_7B = dict(
     num_attention_heads=28, num_key_value_heads=4, hidden_act="silu", max_position_embeddings=131072,
     max_window_layers=28, use_sliding_window=False, sliding_window=131072, rms_norm_eps=1e-6,
     rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643)
+LLAMA_3_1_70B = dict(
+    LLAMA_3_1_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=128)
+QWEN_2_5_72B = dict(
+    QWEN_2_5_7B, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+    num_key_value_heads=8, max_window_layers=80)
 
 # hub id -> (config values, whether its tokenizer has a BOS token). Instruct variants share the
 # base model's architecture; Qwen2.5's tokenizer has no BOS (its config's bos_token_id is unused).
@@ -39,6 +45,10 @@ KNOWN_LLMS: dict[str, tuple[dict, bool]] = {
     "meta-llama/Llama-3.1-8B-Instruct": (LLAMA_3_1_8B, True),
     "Qwen/Qwen2.5-7B": (QWEN_2_5_7B, False),
     "Qwen/Qwen2.5-7B-Instruct": (QWEN_2_5_7B, False),
+    "meta-llama/Llama-3.1-70B": (LLAMA_3_1_70B, True),
+    "meta-llama/Llama-3.1-70B-Instruct": (LLAMA_3_1_70B, True),
+    "Qwen/Qwen2.5-72B": (QWEN_2_5_72B, False),
+    "Qwen/Qwen2.5-72B-Instruct": (QWEN_2_5_72B, False),
 }
 
 

@@ -276,6 +276,23 @@ def load_frozen_llms(cfg, dtype: torch.dtype, device: torch.device) -> dict[str,
     return {name: load_frozen_llm(name, getattr(cfg, name), dtype, device) for name in LLM_NAMES}
 
 
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters that this rank holds: its shards where FSDP sharded them."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+
+
+def start_fsdp_root(llm: FrozenLLM) -> None:
+    """FSDP2 makes the first of its modules to run forward the root, which sets up every module
+    under it, and fails if a module under it ran first. The embedding table, sharded on its own, is
+    looked up outside the model's forward (soft tokens are joined to its output), so the model runs
+    once first: one token, no gradients, the same on every rank."""
+    device = llm.model.get_input_embeddings().weight.device
+    with torch.no_grad():
+        llm.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+
+
 def apply_activation_checkpointing(llm: FrozenLLM) -> None:
     """Recompute each decoder layer in backward instead of storing its activations. The layers are
     frozen, but gradients flow through them to the wire, so their activations would otherwise be

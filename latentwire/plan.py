@@ -27,7 +27,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,7 +51,8 @@ class Plan:
     world_size: int
     specs: dict[str, LLMSpec]
     frozen_params: dict[str, int]       # per LLM, counted on the traced model
-    params_frozen_bytes: int
+    params_frozen_bytes: int            # what one rank holds: a shard of each LLM under fsdp
+    gathered_bytes: int                 # fsdp: the all-gathered units whole at once (0 unsharded)
     params_trainable_bytes: int
     traces: tuple[StepTrace, ...]
     fit: Fit
@@ -59,6 +60,11 @@ class Plan:
     max_micro_batch: int
     analytic: StaticMemory
     seconds: float
+
+    @property
+    def sharding(self) -> str:
+        """How the plan holds the frozen LLMs: sharded only where there is more than one rank."""
+        return "fsdp" if self.gathered_bytes else "none"
 
     @property
     def weight_bytes(self) -> int:
@@ -77,6 +83,7 @@ class Plan:
         return {
             "profile": cfg.run.profile, "world_size": self.world_size, "device": cfg.device,
             "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+            "frozen_sharding": self.sharding, "fsdp_gathered_bytes": self.gathered_bytes,
             "llms": {name: {"source": spec.source, "config_from": spec.origin, "params": self.frozen_params[name]}
                      for name, spec in self.specs.items()},
             "params_frozen_bytes": self.params_frozen_bytes,
@@ -119,6 +126,36 @@ def next_micro_batch(first: StepTrace, budget: Budget, weight_bytes: int) -> int
     return guess if guess != first.micro_batch else 2 * first.micro_batch
 
 
+def fsdp_frozen_memory(llms: dict, world_size: int) -> tuple[int, int]:
+    """(frozen bytes one rank holds, bytes all-gathered at once) under train.py's fully_shard: each
+    decoder layer, the embedding table and the rest of each LLM (final norm, head) are units, and
+    every parameter is split on its first dimension, padded to a multiple of the world size. A unit
+    is whole while it runs, and FSDP gathers the next while one runs: two of the largest at once.
+    Computed, not traced: the trace runs the unsharded step, and this replaces its frozen weights."""
+    def held(p) -> int:
+        return math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0]) * p.element_size()
+
+    units = []
+    for llm in llms.values():
+        modules = [*llm.model.get_decoder().layers, llm.model.get_input_embeddings()]
+        in_modules = {id(p) for m in modules for p in m.parameters()}
+        units += [list(m.parameters()) for m in modules]
+        units.append([p for p in llm.model.parameters() if id(p) not in in_modules])
+    largest = max(sum(p.numel() * p.element_size() for p in unit) for unit in units)
+    return sum(held(p) for unit in units for p in unit), 2 * largest
+
+
+def shard_trace(trace: StepTrace, frozen_bytes: int, held_bytes: int, gathered_bytes: int) -> StepTrace:
+    """The traced step with its whole frozen weights replaced by one rank's shards and the
+    all-gathered units (at the peak at most; an upper bound)."""
+    if not gathered_bytes:
+        return trace
+    peak = dict(trace.peak, parameters=trace.peak["parameters"] - frozen_bytes + held_bytes,
+                gathered=gathered_bytes)
+    peak["total"] = trace.peak["total"] - frozen_bytes + held_bytes + gathered_bytes
+    return replace(trace, peak=peak)
+
+
 def make_plan(cfg, world_size: int = 1) -> Plan:
     """Trace the profile `cfg` at its micro-batch size and at the one the first trace predicts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -128,23 +165,26 @@ def make_plan(cfg, world_size: int = 1) -> Plan:
     answers = {name: (int(spec.has_bos), spec.config.vocab_size) for name, spec in specs.items()}
     shapes = trainable_shapes(cfg, specs)
     budget = budget_for(cfg.device, cfg.memory_gb, cfg.target_util, world_size, sum(math.prod(s) for s in shapes))
+    sharded = cfg.frozen_sharding == "fsdp" and world_size > 1
     # fork_rng: building and stepping fake models must not move the caller's random stream
     # (train.py plans before it seeds and builds its real models).
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         llms = fake_llms(cfg, specs)
         frozen_params = {name: sum(p.numel() for p in llm.model.parameters()) for name, llm in llms.items()}
         frozen_bytes = sum(p.numel() * p.element_size() for llm in llms.values() for p in llm.model.parameters())
+        held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
         tracer = StepTracer(cfg, llms, answers)
-        first = tracer.trace(cfg.micro_batch_size, steps=2)
-        trainable_bytes = first.peak["parameters"] - frozen_bytes
-        second = tracer.trace(next_micro_batch(first, budget, frozen_bytes + trainable_bytes), steps=1)
+        first = shard_trace(tracer.trace(cfg.micro_batch_size, steps=2), frozen_bytes, held, gathered)
+        trainable_bytes = first.peak["parameters"] - held
+        second = tracer.trace(next_micro_batch(first, budget, held + trainable_bytes), steps=1)
+        second = shard_trace(second, frozen_bytes, held, gathered)
     traces = tuple(sorted((first, second), key=lambda t: t.micro_batch))
     fit = fit_line({t.micro_batch: t.peak["total"] for t in traces})
-    analytic = static_memory(sum(llm_parameter_count(spec.config) for spec in specs.values()), shapes,
+    total_params = sum(llm_parameter_count(spec.config) for spec in specs.values())
+    analytic = static_memory(math.ceil(total_params / world_size) if sharded else total_params, shapes,
                              cfg.precision, "adamw")
-    return Plan(cfg, world_size, specs, frozen_params, frozen_bytes, trainable_bytes, traces, fit, budget,
-                largest_fitting(fit, budget, frozen_bytes + trainable_bytes), analytic,
-                time.perf_counter() - start)
+    return Plan(cfg, world_size, specs, frozen_params, held, gathered, trainable_bytes, traces, fit, budget,
+                largest_fitting(fit, budget, held + trainable_bytes), analytic, time.perf_counter() - start)
 
 
 def plan_max_micro_batch(cfg, world_size: int) -> int:
@@ -167,13 +207,18 @@ def _diff(traced: int, analytic: int) -> str:
     return f"{100 * (traced - analytic) / analytic:+9.3f}%" if analytic else f"{'-':>10}"
 
 
+def frozen_share(plan: Plan) -> str:
+    return f", 1/{plan.world_size} sharded" if plan.gathered_bytes else ""
+
+
 def format_plan(plan: Plan) -> str:
     cfg, a, fit, budget = plan.cfg, plan.analytic, plan.fit, plan.budget
     size, unit = _unit(plan)
     compile_note = "torch.compile usually keeps less" if cfg.compile else "no torch.compile"
     prompt = round_up(cfg.max_prompt_bytes, cfg.pad_multiple)
     lines = [f"memory plan for profile {cfg.run.profile}: {cfg.description}",
-             f"{plan.world_size} rank(s) x {cfg.device}, {cfg.precision} autocast, frozen LLMs in {cfg.precision}, "
+             f"{plan.world_size} rank(s) x {cfg.device}, {cfg.precision} autocast, frozen LLMs in {cfg.precision}"
+             f"{' sharded by FSDP2 (the all-gathered units computed, not traced)' if plan.gathered_bytes else ''}, "
              f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
              f"eager step ({compile_note})"]
     lines += [f"  {name}: {spec.source}, {plan.frozen_params[name]:,} parameters ({spec.origin})"
@@ -187,14 +232,16 @@ def format_plan(plan: Plan) -> str:
               f"{cfg.micro_batch_size}, then 1 more step of the same model and optimizer at the second size",
               f"  {'steady state':<40}{'traced ' + unit:>10}{'analytic':>10}{'diff':>10}"]
     for label, traced, analytic in (
-            (f"parameters, frozen ({cfg.precision})", plan.params_frozen_bytes, a.frozen),
+            (f"parameters, frozen ({cfg.precision}{frozen_share(plan)})", plan.params_frozen_bytes, a.frozen),
             ("parameters, trainable (fp32)", plan.params_trainable_bytes, a.trainable),
             ("gradients (trainable only)", plan.gradients, a.gradients),
             ("optimizer state (AdamW)", plan.optimizer, a.optimizer_state)):
         lines.append(_row(label, (traced, analytic), size) + _diff(traced, analytic))
     lines += ["", f"  {'at the peak (' + unit + '), micro-batch':<40}" + "".join(f"{t.micro_batch:>10}" for t in plan.traces)]
-    for key in ("parameters", "buffers", "gradients", "optimizer", "activations", "temporaries", "other", "total"):
-        lines.append(_row("peak (total)" if key == "total" else key, (t.peak[key] for t in plan.traces), size))
+    for key in ("parameters", "buffers", "gradients", "optimizer", "activations", "temporaries", "other",
+                *(["gathered"] if plan.gathered_bytes else []), "total"):
+        label = {"total": "peak (total)", "gathered": "fsdp: two units all-gathered"}.get(key, key)
+        lines.append(_row(label, (t.peak[key] for t in plan.traces), size))
     lines += [f"  fit: peak = {fit.fixed / size:.2f} {unit} + {fit.per_sample / size:.3f} {unit} x micro-batch",
               "  (activations: made in forward, or recomputed for backward by activation checkpointing; "
               "temporaries: made in backward)",
@@ -214,7 +261,8 @@ def format_plan(plan: Plan) -> str:
 
 
 def format_analytic(m: StaticMemory, budget: Budget, num_gpus: int) -> str:
-    lines = [f"analytic static memory per GPU ({num_gpus} GPU(s); under DDP each holds all of it)"]
+    lines = [f"analytic static memory per GPU ({num_gpus} GPU(s); each holds all of it, or 1/{num_gpus} of the "
+             "frozen weights under --frozen-sharding fsdp)"]
     lines += format_static(m)
     lines += budget.lines()
     left = budget.target_bytes - budget.fixed_reserve - m.total
@@ -244,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "analytic calculator (--analytic).")
     p.add_argument("--profile", help="a key of hw_profiles.json")
     p.add_argument("--json", help="also write the plan to this JSON file")
-    p.add_argument("--num-gpus", type=positive(int), default=1, help="ranks under DDP (adds NCCL and DDP buckets)")
+    p.add_argument("--num-gpus", type=positive(int),
+                   help="ranks (adds NCCL and DDP buckets; divides the frozen weights under fsdp); default: the "
+                        "profile's num_gpus, 1 without a profile")
     p.add_argument("--analytic", action="store_true", help="the quick calculator: static memory from parameter counts")
     p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="(--analytic) the optimizer (default: adamw, as train.py)")
     p.add_argument("--params", type=_count, help="(--analytic without --profile) frozen parameters, e.g. 8.03e9")
@@ -274,8 +324,10 @@ def _calculator(args, rest: list[str]) -> tuple[StaticMemory, Budget]:
 def _profile_analytic(cfg, args) -> tuple[StaticMemory, Budget]:
     specs = {name: llm_spec(name, getattr(cfg, name)) for name in LLM_NAMES}
     shapes = trainable_shapes(cfg, specs)
-    memory = static_memory(sum(llm_parameter_count(s.config) for s in specs.values()), shapes, cfg.precision,
-                           args.optimizer or "adamw")
+    frozen = sum(llm_parameter_count(s.config) for s in specs.values())
+    if cfg.frozen_sharding == "fsdp":
+        frozen = math.ceil(frozen / args.num_gpus)
+    memory = static_memory(frozen, shapes, cfg.precision, args.optimizer or "adamw")
     return memory, budget_for(cfg.device, cfg.memory_gb, cfg.target_util, args.num_gpus, memory.trainable_params)
 
 
@@ -297,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile is None and not args.analytic:
         raise UserError("--profile is required (or --analytic with --params or --model-size-gb)")
     if args.profile is None:
+        args.num_gpus = args.num_gpus or 1
         memory, budget = _calculator(args, rest)
         print(format_analytic(memory, budget, args.num_gpus))
         payload = analytic_json(memory, budget, args.num_gpus)
@@ -305,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
         if given:
             raise UserError(f"{given[0]} is for --analytic without --profile; a profile sets it")
         cfg = load_config(["--profile", args.profile, *rest], prog=PROG)
+        args.num_gpus = args.num_gpus or cfg.num_gpus
         if args.analytic:
             memory, budget = _profile_analytic(cfg, args)
             print(format_analytic(memory, budget, args.num_gpus))

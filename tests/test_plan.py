@@ -24,6 +24,8 @@ from conftest import assert_one_line_error, ok, run_module
 
 LLAMA_3_1_8B_PARAMS = 8_030_261_248  # the published counts
 QWEN_2_5_7B_PARAMS = 7_615_616_512
+LLAMA_3_1_70B_PARAMS = 70_553_706_496
+QWEN_2_5_72B_PARAMS = 72_706_203_648
 CPU = torch.device("cpu")
 
 
@@ -46,7 +48,8 @@ def cpu_plan():
 # --- exact configurations -------------------------------------------------------------------
 
 def test_shipped_configurations_have_the_published_parameter_counts():
-    expected = {"meta-llama/Llama-3.1-8B": LLAMA_3_1_8B_PARAMS, "Qwen/Qwen2.5-7B": QWEN_2_5_7B_PARAMS}
+    expected = {"meta-llama/Llama-3.1-8B": LLAMA_3_1_8B_PARAMS, "Qwen/Qwen2.5-7B": QWEN_2_5_7B_PARAMS,
+                "meta-llama/Llama-3.1-70B": LLAMA_3_1_70B_PARAMS, "Qwen/Qwen2.5-72B": QWEN_2_5_72B_PARAMS}
     for source, count in expected.items():
         spec = llm_spec("x", source)
         assert llm_parameter_count(spec.config) == count
