@@ -6,6 +6,10 @@
 #   sbatch --nodes=2 --gpus-per-node=8 launch.sh --profile h100x4 [flags]
 #                                                    SLURM: one torchrun per node, c10d rendezvous
 #                                                    on the first node of the allocation
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh --profile h100x4 [flags]    on node 0,
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./launch.sh --profile h100x4 [flags]    on node 1:
+#                                                    several nodes without SLURM, torchrun's
+#                                                    convention; c10d rendezvous on node 0
 #
 # It exits with the run's own code (0 done, 2 bad input, 3 diverged, 4 checkpoint write failed,
 # 5 out of memory, 75 preempted), printing a bad input's `error:` line once: torchrun runs inside
@@ -17,6 +21,10 @@
 # requeued job adds --resume by itself.
 #
 # Environment it reads: NPROC_PER_NODE (processes per node), MASTER_PORT (rendezvous port, 29500),
+# NNODES, NODE_RANK, MASTER_ADDR (several nodes without SLURM: how many, which one this is, and
+# node 0's address, which every node must reach), LOCAL_ADDR (the address this node is reached at,
+# where its hostname does not resolve to it; with several interfaces also set GLOO_SOCKET_IFNAME /
+# NCCL_SOCKET_IFNAME to the one the nodes share), RDZV_ID (the run's name at the rendezvous),
 # PYTHON (the interpreter; default: the checkout's .venv, else python3),
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds torchrun, when it is signalled itself, waits for the
 # ranks to save before it kills them; default here 120, torch >= 2.13 reads it).
@@ -134,9 +142,36 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     fi
     exit "$status"
 fi
-# --- one node ---------------------------------------------------------------------------------
-echo "launch.sh: 1 node x $nproc process(es) ($device)"
-"$PYTHON" -m latentwire.launch --standalone --nproc_per_node="$nproc" "$ROOT/train.py" "$@" &
+# --- one node, or several without SLURM ------------------------------------------------------
+nnodes="${NNODES:-1}"
+if [[ ! "$nnodes" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: NNODES must be a positive integer, got '$nnodes'" >&2
+    exit 2
+fi
+if [[ "$nnodes" == 1 ]]; then
+    rendezvous=(--standalone)
+    echo "launch.sh: 1 node x $nproc process(es) ($device)"
+else
+    node_rank="${NODE_RANK:-}"
+    if [[ ! "$node_rank" =~ ^[0-9]+$ || "$node_rank" -ge "$nnodes" ]]; then
+        echo "error: with NNODES=$nnodes, NODE_RANK must be 0 to $((nnodes - 1)), got '$node_rank'" >&2
+        exit 2
+    fi
+    if [[ -z "${MASTER_ADDR:-}" ]]; then
+        echo "error: with NNODES=$nnodes, MASTER_ADDR must name node 0's address" >&2
+        exit 2
+    fi
+    # c10d hosts the rendezvous store where the endpoint names this host; MASTER_ADDR may be an
+    # address the host does not recognise as its own, so node 0 says it hosts (c10d ignores
+    # --node-rank: ranks follow the order nodes join).
+    rendezvous=(--nnodes="$nnodes" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+                --rdzv-id="${RDZV_ID:-latentwire}" --rdzv-conf="is_host=$([[ "$node_rank" == 0 ]] && echo true || echo false)")
+    if [[ -n "${LOCAL_ADDR:-}" ]]; then
+        rendezvous+=(--local-addr="$LOCAL_ADDR")
+    fi
+    echo "launch.sh: node $node_rank of $nnodes x $nproc process(es) ($device), rendezvous $MASTER_ADDR:${MASTER_PORT:-29500}"
+fi
+"$PYTHON" -m latentwire.launch "${rendezvous[@]}" --nproc_per_node="$nproc" "$ROOT/train.py" "$@" &
 launcher_pid=$!
 # A signal goes straight to the ranks (torchrun's children), not through torchrun: torchrun would
 # pass it on too, but then kill the ranks after its shutdown timeout, which torch < 2.13 fixes at 30 s.

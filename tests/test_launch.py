@@ -1,10 +1,14 @@
-"""launch.sh: the CPU run, the SLURM path (with stand-ins for srun and scontrol), bad input, the
-run's own exit code, preemption."""
+"""launch.sh: the CPU run, the SLURM path (with stand-ins for srun and scontrol), two nodes without
+SLURM (on this machine, and across a network namespace), bad input, the run's own exit code,
+preemption."""
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 
@@ -127,3 +131,86 @@ def test_a_profile_from_another_file(tmp_path):
     proc = launch(["--profile", "mycpu", "--hw-profiles", str(profiles), "--lr", "-1"], tmp_path, NPROC_PER_NODE="1")
     assert_one_line_error(proc, "--lr: field 'lr' must be > 0")  # train.py found mycpu in the file too
 
+
+
+# --- two nodes without SLURM -------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def run_two_nodes(args, tmp_path, node_env: list[dict], prefix: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Node 0 and node 1 as two launch.sh processes (one rank each), started together; `prefix`
+    runs a node's launch.sh inside something (a network namespace)."""
+    port = str(free_port())
+    nodes = [subprocess.Popen([*prefix[r], str(REPO / "launch.sh"), *args], cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=child_env(PYTHON=sys.executable, NNODES="2", NODE_RANK=str(r), NPROC_PER_NODE="1",
+                                            MASTER_PORT=port, RDZV_ID=f"two-nodes-{port}", **node_env[r]))
+             for r in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    return [subprocess.CompletedProcess(node.args, node.returncode, *out) for node, out in zip(nodes, outputs)]
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_node_with_two_processes(tmp_path, straight):
+    """NNODES=2 on one machine: c10d rendezvous on node 0, gloo between the nodes' ranks; the run is
+    bitwise the one-node run with 2 processes (shared out_dir, as on a shared filesystem)."""
+    out = tmp_path / "run"
+    env = {"MASTER_ADDR": "127.0.0.1"}
+    procs = [ok(p) for p in run_two_nodes([*TWENTY[2], "--out-dir", str(out)], tmp_path, [env, env], [[], []])]
+    assert "node 0 of 2 x 1 process(es)" in procs[0].stdout and "node 1 of 2" in procs[1].stdout
+    assert_same_run(straight(2), out, 0)
+
+
+@contextmanager
+def second_host():
+    """A network namespace joined to this one by a veth pair, as a second host on a link: yields
+    (the command prefix that runs in it, this side's address and interface, its address and
+    interface). Needs root and iproute2; skips otherwise. Removed in every outcome."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("a network namespace needs root and iproute2")
+    tag = str(os.getpid())[-6:]
+    ns, here, there = f"lw{tag}", f"lwa{tag}", f"lwb{tag}"
+    subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    setup = [["ip", "netns", "add", ns], ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+             ["ip", "link", "set", there, "netns", ns], ["ip", "addr", "add", f"{subnet}.1/30", "dev", here],
+             ["ip", "link", "set", here, "up"], ["ip", "-n", ns, "addr", "add", f"{subnet}.2/30", "dev", there],
+             ["ip", "-n", ns, "link", "set", there, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]
+    try:
+        for cmd in setup:
+            made = subprocess.run(cmd, capture_output=True, text=True)
+            if made.returncode != 0:
+                pytest.skip(f"cannot make a network namespace here: {' '.join(cmd)}: {made.stderr.strip()}")
+        yield ["ip", "netns", "exec", ns], (f"{subnet}.1", here), (f"{subnet}.2", there)
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)  # both ends of the pair
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.slow
+def test_two_nodes_across_a_network_interface(tmp_path, straight):
+    """Node 1 in its own network namespace: the rendezvous and gloo cross a veth link as between two
+    hosts (each node's LOCAL_ADDR and GLOO_SOCKET_IFNAME, as the README says for real hosts)."""
+    out = tmp_path / "run"
+    with second_host() as (inside, (addr0, if0), (addr1, if1)):
+        env = [{"MASTER_ADDR": addr0, "LOCAL_ADDR": addr0, "GLOO_SOCKET_IFNAME": if0},
+               {"MASTER_ADDR": addr0, "LOCAL_ADDR": addr1, "GLOO_SOCKET_IFNAME": if1}]
+        [ok(p) for p in run_two_nodes([*TWENTY[2], "--out-dir", str(out)], tmp_path, env, [[], inside])]
+    assert_same_run(straight(2), out, 0)
+
+
+def test_several_nodes_need_their_rank_and_node_0_s_address(tmp_path):
+    for env, fragment in (({"NNODES": "2", "MASTER_ADDR": "10.0.0.1"}, "NODE_RANK must be 0 to 1"),
+                          ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"}, "NODE_RANK must be 0 to 1"),
+                          ({"NNODES": "2", "NODE_RANK": "0"}, "MASTER_ADDR must name node 0"),
+                          ({"NNODES": "two"}, "NNODES must be a positive integer")):
+        proc = launch(["--profile", "cpu"], tmp_path, **env)
+        assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and fragment in proc.stderr, env
+        assert len(proc.stderr.strip().splitlines()) == 1
