@@ -249,6 +249,7 @@ CASES = {
     "train-max-grad-norm-inf": ("train", lambda c: [OW, "--max-grad-norm", "inf"]),
     "train-micro-batch-size-not-int": ("train", lambda c: [OW, "--micro-batch-size", "2.5"]),
     "train-unknown-flag": ("train", lambda c: [OW, "--learning-rate", "0.001"]),
+    "train-frozen-sharding-unknown": ("train", lambda c: [OW, "--frozen-sharding", "zero3"]),
     "plan-num-gpus-zero": ("plan", lambda c: ["--num-gpus", "0"]),
     "plan-lr-inf": ("plan", lambda c: ["--lr", "inf"]),
     "find_batch-cap-gb-inf": ("find_batch", lambda c: ["--cap-gb", "inf"]),
