@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .budget import GIB, Fit, fit_line
 from .config import Parser, check_can_create, load_config, positive
-from .errors import main_guard
+from .errors import UserError, main_guard
 from .distributed import process_group
 from .llm import apply_activation_checkpointing, load_frozen_llms
 from .memtrace import make_optimizer, optimizer_step, planning_batch
@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def find(cfg, args, di) -> None:
+    if cfg.frozen_sharding == "fsdp":
+        raise UserError("find_batch measures with whole frozen LLMs on each rank; for --frozen-sharding fsdp, "
+                        f"plan the micro-batch with python -m latentwire.plan --profile {cfg.run.profile}")
     out = Path(cfg.out_dir)
     json_path, tb_dir = Path(args.json or out / "find_batch.json"), Path(args.tb_dir or out / "find_batch_tb")
     check_can_create(json_path.parent, "output directory")

@@ -254,6 +254,7 @@ CASES = {
     "plan-lr-inf": ("plan", lambda c: ["--lr", "inf"]),
     "find_batch-cap-gb-inf": ("find_batch", lambda c: ["--cap-gb", "inf"]),
     "find_batch-steps-negative": ("find_batch", lambda c: ["--steps", "-1"]),
+    "find_batch-frozen-sharding-fsdp": ("find_batch", lambda c: ["--frozen-sharding", "fsdp"]),
     "evaluate-n-zero": ("evaluate", lambda c: ["--n", "0"]),
     "evaluate-device-unknown": ("evaluate", lambda c: ["--device", "tpu"]),
     "launch2-micro-batch-size-zero": ("launch2", lambda c: [OW, "--micro-batch-size", "0"]),

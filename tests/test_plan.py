@@ -61,6 +61,20 @@ def test_shipped_configurations_have_the_published_parameter_counts():
     assert set(expected) <= set(KNOWN_LLMS)
 
 
+def test_the_sharded_70b_pair_holds_an_eighth_per_gpu():
+    """h100x8-70b: FSDP2 shards over its 8 GPUs; the largest unit gathered whole is Qwen2.5-72B's
+    root (its head, 152064 x 8192, and the final norm's 8192, in bf16), two of them at once."""
+    from latentwire.plan import fsdp_frozen_memory
+
+    cfg = load_config(["--profile", "h100x8-70b"])
+    specs, _ = specs_and_answers(cfg)
+    with FakeTensorMode():
+        held, gathered = fsdp_frozen_memory(fake_llms(cfg, specs), cfg.num_gpus)
+    assert cfg.num_gpus == 8 and cfg.frozen_sharding == "fsdp"
+    assert held == pytest.approx(2 * (LLAMA_3_1_70B_PARAMS + QWEN_2_5_72B_PARAMS) / 8, rel=0.005)
+    assert gathered == 2 * (152064 * 8192 + 8192) * 2
+
+
 def test_a_local_model_directory_is_read_from_its_config(tmp_path):
     spec = llm_spec("qwen", "Qwen/Qwen2.5-7B")
     spec.config.save_pretrained(tmp_path)
