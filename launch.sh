@@ -129,7 +129,7 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
         "$PYTHON" -m latentwire.launch --nnodes="$nodes" --nproc_per_node="$nproc" \
         --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:$port" \
-        "$ROOT/train.py" "$@" "${resume[@]}" &
+        "$ROOT/train.py" "$@" ${resume[@]+"${resume[@]}"} &  # an empty array is "unbound" to bash < 4.4
     step_pid=$!
     preempted=0
     # srun passes SIGTERM on to each node's torchrun, which passes it to its ranks.
@@ -153,7 +153,7 @@ if [[ "$nnodes" == 1 ]]; then
     echo "launch.sh: 1 node x $nproc process(es) ($device)"
 else
     node_rank="${NODE_RANK:-}"
-    if [[ ! "$node_rank" =~ ^[0-9]+$ || "$node_rank" -ge "$nnodes" ]]; then
+    if [[ ! "$node_rank" =~ ^(0|[1-9][0-9]*)$ || "$node_rank" -ge "$nnodes" ]]; then
         echo "error: with NNODES=$nnodes, NODE_RANK must be 0 to $((nnodes - 1)), got '$node_rank'" >&2
         exit 2
     fi

@@ -32,7 +32,7 @@ from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserEr
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
 from latentwire.evaluate import Plan as EvalPlan, evaluate_wire
-from latentwire.llm import apply_activation_checkpointing, held_bytes, load_frozen_llms, start_fsdp_root
+from latentwire.llm import apply_activation_checkpointing, check_untied, held_bytes, load_frozen_llms, start_fsdp_root
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireConfig, WireEncoder, count_parameters, forward_ce_sums
@@ -129,12 +129,14 @@ def train(cfg, di) -> None:
     if cfg.frozen_sharding == "fsdp" and di.is_distributed:
         mesh = init_device_mesh(device.type, (world,))  # on the GPU: NCCL's all-gathers, not gloo's
         for llm in llms.values():
+            check_untied(llm)
             for layer in llm.model.get_decoder().layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(llm.model.get_input_embeddings(), mesh=mesh)  # looked up on its own, before the model
-            # The root: the final norm and the head. FSDP keeps a root whole from forward to backward
-            # by default; the head is the largest layer (2 GB for a 128k vocabulary), so it is freed too.
-            fully_shard(llm.model, mesh=mesh, reshard_after_forward=True)
+            # The final norm and the head as one unit, not left to the root: FSDP keeps a root's
+            # weights whole from forward to the end of backward, and a 152k-token head is 2.5 GB.
+            fully_shard([llm.model.get_decoder().norm, llm.model.get_output_embeddings()], mesh=mesh)
+            fully_shard(llm.model, mesh=mesh)
             start_fsdp_root(llm)
 
     # --- Data: a disjoint shard per rank -----------------------------------------------------
@@ -318,7 +320,8 @@ def train(cfg, di) -> None:
     if exit_after_save is not None:
         raise exit_after_save
     if di.is_main:
-        print(closing_line(path, out_dir, finished=state.step == cfg.max_steps), flush=True)
+        print(closing_line(path, out_dir, finished=state.step == cfg.max_steps,
+                           sharded=cfg.frozen_sharding == "fsdp" and di.is_distributed), flush=True)
 
 
 # --- Helpers the loop calls --------------------------------------------------------------------
@@ -398,10 +401,12 @@ def run_summary(profile: str, device: torch.device, precision: str, layout: tupl
             f"({held_text} held per rank)")
 
 
-def closing_line(checkpoint: Path, out_dir: Path, finished: bool) -> str:
+def closing_line(checkpoint: Path, out_dir: Path, finished: bool, sharded: bool) -> str:
     """Where the run left its checkpoint, and what to run next."""
     nxt = (f"evaluate it: python -m latentwire.evaluate --ckpt {out_dir}" if finished
            else "continue: the same command with --resume")
+    if finished and sharded:
+        nxt += " (it loads the LLMs whole, on one device)"
     return f"saved {checkpoint}; metrics in {out_dir / 'metrics.jsonl'} and {out_dir / 'tb'}; {nxt}"
 
 

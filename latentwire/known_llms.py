@@ -36,7 +36,7 @@ LLAMA_3_1_70B = dict(
     num_key_value_heads=8, head_dim=128)
 QWEN_2_5_72B = dict(
     QWEN_2_5_7B, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-    num_key_value_heads=8, max_window_layers=80)
+    num_key_value_heads=8, max_window_layers=80, rms_norm_eps=1e-5)
 
 # hub id -> (config values, whether its tokenizer has a BOS token). Instruct variants share the
 # base model's architecture; Qwen2.5's tokenizer has no BOS (its config's bos_token_id is unused).

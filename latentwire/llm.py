@@ -283,6 +283,14 @@ def held_bytes(model: nn.Module) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
 
 
+def check_untied(llm: FrozenLLM) -> None:
+    """--frozen-sharding fsdp shards the embedding table and the head as separate units; an LLM that
+    ties them (Qwen2.5 up to 3B, Llama-3.2) would put one parameter in two."""
+    if llm.model.get_output_embeddings().weight is llm.model.get_input_embeddings().weight:
+        raise UserError(f"--frozen-sharding fsdp: the {llm.name} LLM ties its input and output embeddings, "
+                        "which are sharded separately; use --frozen-sharding none")
+
+
 def start_fsdp_root(llm: FrozenLLM) -> None:
     """FSDP2 makes the first of its modules to run forward the root, which sets up every module
     under it, and fails if a module under it ran first. The embedding table, sharded on its own, is

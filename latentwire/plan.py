@@ -128,10 +128,11 @@ def next_micro_batch(first: StepTrace, budget: Budget, weight_bytes: int) -> int
 
 def fsdp_frozen_memory(llms: dict, world_size: int) -> tuple[int, int]:
     """(frozen bytes one rank holds, bytes all-gathered at once) under train.py's fully_shard: each
-    decoder layer, the embedding table and the rest of each LLM (final norm, head) are units, and
-    every parameter is split on its first dimension, padded to a multiple of the world size. A unit
-    is whole while it runs, and FSDP gathers the next while one runs: two of the largest at once.
-    Computed, not traced: the trace runs the unsharded step, and this replaces its frozen weights."""
+    decoder layer, the embedding table and the final norm with the head are units, and every
+    parameter is split on its first dimension, padded to a multiple of the world size. A unit is
+    whole from its forward (or backward) to the end of it, and FSDP gathers the next one meanwhile:
+    at most two of the largest at once. Computed, not traced: the trace runs the unsharded step,
+    and this replaces its frozen weights."""
     def held(p) -> int:
         return math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0]) * p.element_size()
 

@@ -250,6 +250,10 @@ CASES = {
     "train-micro-batch-size-not-int": ("train", lambda c: [OW, "--micro-batch-size", "2.5"]),
     "train-unknown-flag": ("train", lambda c: [OW, "--learning-rate", "0.001"]),
     "train-frozen-sharding-unknown": ("train", lambda c: [OW, "--frozen-sharding", "zero3"]),
+    "launch2-frozen-sharding-tied-embeddings": ("launch2", lambda c: {"says": "ties its input and output embeddings",
+        "args": [OW, "--frozen-sharding", "fsdp", "--llama", "random:" + c.write("tied.json", json.dumps(
+            {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 1024, "tie_word_embeddings": True}))]}),
     "plan-num-gpus-zero": ("plan", lambda c: ["--num-gpus", "0"]),
     "plan-lr-inf": ("plan", lambda c: ["--lr", "inf"]),
     "find_batch-cap-gb-inf": ("find_batch", lambda c: ["--cap-gb", "inf"]),

@@ -143,19 +143,35 @@ def free_port() -> int:
 
 def run_two_nodes(args, tmp_path, node_env: list[dict], prefix: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """Node 0 and node 1 as two launch.sh processes (one rank each), started together; `prefix`
-    runs a node's launch.sh inside something (a network namespace)."""
+    runs a node's launch.sh inside something (a network namespace). Each node's output goes to a
+    file (two pipes read one after the other could fill and stall the other node), and each node is
+    its own process group, killed whole if it outlives the test (torchrun and its rank with it)."""
     port = str(free_port())
-    nodes = [subprocess.Popen([*prefix[r], str(REPO / "launch.sh"), *args], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=child_env(PYTHON=sys.executable, NNODES="2", NODE_RANK=str(r), NPROC_PER_NODE="1",
-                                            MASTER_PORT=port, RDZV_ID=f"two-nodes-{port}", **node_env[r]))
-             for r in (0, 1)]
+    nodes, logs = [], []
     try:
-        outputs = [node.communicate(timeout=600) for node in nodes]
+        for r in (0, 1):
+            logs.append((open(tmp_path / f"node{r}.out", "w+"), open(tmp_path / f"node{r}.err", "w+")))
+            nodes.append(subprocess.Popen(
+                [*prefix[r], str(REPO / "launch.sh"), *args], cwd=tmp_path, text=True, stdout=logs[r][0],
+                stderr=logs[r][1], start_new_session=True,
+                env=child_env(PYTHON=sys.executable, NNODES="2", NODE_RANK=str(r), NPROC_PER_NODE="1",
+                              MASTER_PORT=port, RDZV_ID=f"two-nodes-{port}", **node_env[r])))
+        for node in nodes:
+            node.wait(timeout=600)
     finally:
         for node in nodes:
-            node.kill()
-    return [subprocess.CompletedProcess(node.args, node.returncode, *out) for node, out in zip(nodes, outputs)]
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    outputs = []
+    for node, files in zip(nodes, logs):
+        texts = []
+        for f in files:
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        outputs.append(subprocess.CompletedProcess(node.args, node.returncode, *texts))
+    return outputs
 
 
 @pytest.mark.slow
