@@ -22,6 +22,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
 
 
+REQUIRED = object()
+
+
 @dataclass(frozen=True)
 class Field:
     kind: type  # int, float, bool or str
@@ -30,6 +33,9 @@ class Field:
     nullable: bool = False
     positive: bool = False  # > 0 (numbers only)
     non_negative: bool = False  # >= 0 (numbers only)
+    # Fields added after profiles were written have a default, so a user's own profile file from
+    # before them still loads; the rest must be given.
+    default: object = REQUIRED
 
 
 FIELDS: dict[str, Field] = {
@@ -53,10 +59,10 @@ FIELDS: dict[str, Field] = {
     "activation_checkpointing": Field(bool, "recompute the frozen LLMs' decoder layers in backward"),
     "frozen_sharding": Field(str, "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded "
                                   "over the ranks by FSDP2, a decoder layer gathered only while it runs)",
-                             choices=("none", "fsdp")),
+                             choices=("none", "fsdp"), default="none"),
     # --- batch and schedule ---------------------------------------------------------------
     "num_gpus": Field(int, "ranks the profile is laid out for (the memory plan's default --num-gpus; train.py "
-                           "runs with as many as torchrun starts)", positive=True),
+                           "runs with as many as torchrun starts)", positive=True, default=1),
     "micro_batch_size": Field(int, "examples per rank per forward pass", positive=True),
     "grad_accum_steps": Field(int, "micro-batches per optimizer step", positive=True),
     "max_steps": Field(int, "optimizer steps", positive=True),
@@ -171,7 +177,7 @@ def resolve_profile(profiles: dict, key: str, path: Path = DEFAULT_PROFILES) -> 
         cur = profiles[cur].get("extends")
         if cur is not None and not isinstance(cur, str):
             raise UserError(f"profile {chain[-1]!r} in {path}: field 'extends' must be a profile key")
-    merged: dict = {}
+    merged = {name: spec.default for name, spec in FIELDS.items() if spec.default is not REQUIRED}
     for name in reversed(chain):
         merged.update({k: v for k, v in profiles[name].items() if k != "extends"})
     for name in chain:

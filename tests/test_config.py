@@ -67,6 +67,14 @@ def test_broken_profile_names_the_field(tmp_path, mutate, fragments):
         assert fragment in str(e.value)
 
 
+def test_a_profile_file_from_before_the_newer_fields_still_loads(tmp_path):
+    """frozen_sharding and num_gpus came later: a user's own profile without them gets their
+    defaults (whole LLMs, one GPU) instead of a missing-field error."""
+    path = broken(tmp_path, lambda p: [p["cpu"].pop(name) for name in ("frozen_sharding", "num_gpus")])
+    cfg = load_config(["--profile", "cpu", "--hw-profiles", path])
+    assert (cfg.frozen_sharding, cfg.num_gpus) == ("none", 1)
+
+
 def test_inherited_field_errors_name_the_profile(tmp_path):
     path = broken(tmp_path, lambda p: p["h100"].update(lr=-1))
     with pytest.raises(UserError, match="'h200'.*'lr' must be > 0"):
