@@ -214,10 +214,7 @@ def train(cfg, di) -> None:
     meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, wire).step_flops,
                       peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps)
-    eval_plan = EvalPlan.of(cfg, text_baselines=False)
-    # Sharded LLMs all-gather in every forward, so every rank must make the same calls: each
-    # evaluates every example (greedy decoding stops alike) instead of its share.
-    eval_shard = (0, 1) if cfg.frozen_sharding == "fsdp" else (rank, world)
+    eval_plan = EvalPlan.of(cfg, text_baselines=False, lockstep=cfg.frozen_sharding == "fsdp" and di.is_distributed)
     if di.is_main:
         print(run_summary(cfg.run.profile, device, cfg.precision, state.layout, model, llms), flush=True)
 
@@ -297,7 +294,7 @@ def train(cfg, di) -> None:
                 if eval_due:
                     # Evaluation's eval-mode, padded, KV-cached calls would recompile every region.
                     with torch.compiler.set_stance("force_eager"):
-                        record |= evaluate_wire(model, llms, eval_examples, eval_plan, device, *eval_shard)
+                        record |= evaluate_wire(model, llms, eval_examples, eval_plan, device, rank, world)
                 logger.log(record)
                 meter.next_window(after_pause=eval_due)
 

@@ -111,16 +111,20 @@ class Plan:
     max_answer_tokens: int
     pad_multiple: int
     progress: Callable[[int, int], object] | None = None  # (examples done, of) on this rank, after each chunk
+    # The LLMs are sharded over the ranks (FSDP): each of their forwards needs every rank, so every
+    # rank runs as many chunks (the short ones repeat one, its records dropped) and decodes until
+    # all are done.
+    lockstep: bool = False
 
     @classmethod
     def of(cls, config, *, text_baselines: bool, batch_size: int | None = None, max_new_tokens: int | None = None,
-           progress=None) -> Plan:
+           progress=None, lockstep: bool = False) -> Plan:
         """From a run's configuration; batch size and generation limit default to the run's."""
         return cls(batch_size=batch_size or config.micro_batch_size,
                    max_new_tokens=max_new_tokens or config.max_new_tokens, text_baselines=text_baselines,
                    precision=config.precision, seed=config.seed, num_latents=config.num_latents,
                    max_prompt_bytes=config.max_prompt_bytes, max_answer_tokens=config.max_answer_tokens,
-                   pad_multiple=config.pad_multiple, progress=progress)
+                   pad_multiple=config.pad_multiple, progress=progress, lockstep=lockstep)
 
 
 def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices: range, partners: list[int],
@@ -141,14 +145,14 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
         prompts = {name: wire_prompts(llm, model.adapters[name](wire)) for name, llm in llms.items()}
         add_nll(records, key, llms, prompts, targets)
         if key == "wire":
-            add_answers(records, key, llms, prompts, golds, plan.max_new_tokens)
+            add_answers(records, key, llms, prompts, golds, plan)
 
     if plan.text_baselines:
         chunk = [examples[i] for i in indices]
         for key, cut in (("text", None), ("text_cut", plan.num_latents)):
             prompts = {name: text_prompts(llm, chunk, cut) for name, llm in llms.items()}
             add_nll(records, key, llms, prompts, targets)
-            add_answers(records, key, llms, prompts, golds, plan.max_new_tokens)
+            add_answers(records, key, llms, prompts, golds, plan)
     return records
 
 
@@ -159,9 +163,9 @@ def add_nll(records: list[dict], key: str, llms: dict, prompts: dict, targets: d
             record["nll_sum"][f"{key}_{name}"], record["tokens"][f"{key}_{name}"] = s, c
 
 
-def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]],
-                max_new_tokens: int) -> None:
-    answers = {name: [decode_answer(llm.tokenizer, ids) for ids in greedy_generate(llm, prompts[name], max_new_tokens)]
+def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]], plan: Plan) -> None:
+    answers = {name: [decode_answer(llm.tokenizer, ids) for ids in
+                      greedy_generate(llm, prompts[name], plan.max_new_tokens, stop_together=plan.lockstep)]
                for name, llm in llms.items()}
     answers["joint"] = joint_pick(llms, prompts, answers)
     for who, texts in answers.items():
@@ -199,8 +203,11 @@ def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], plan
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             chunks, local = rank_chunks(len(examples), plan.batch_size, rank, world), []
-            for chunk in chunks:
-                local += evaluate_chunk(model, llms, examples, chunk, partners, collate, plan, device)
+            most = rank_chunks(len(examples), plan.batch_size, 0, world)  # rank 0 is dealt the most
+            for i in range(len(most) if plan.lockstep else len(chunks)):
+                chunk = chunks[i] if i < len(chunks) else most[0]  # lockstep: a chunk run again, dropped
+                records = evaluate_chunk(model, llms, examples, chunk, partners, collate, plan, device)
+                local += records if i < len(chunks) else []
                 if plan.progress:
                     plan.progress(len(local), sum(map(len, chunks)))
     finally:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import IGNORE_INDEX, prompt_text
@@ -108,10 +109,19 @@ def stop_token_ids(llm: FrozenLLM) -> frozenset[int]:
     return newline_token_ids(llm.tokenizer) | eos
 
 
-def greedy_generate(llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_cache: bool = True) -> list[list[int]]:
+def all_done(done: torch.Tensor, on_every_rank: bool) -> bool:
+    finished = done.all().to(torch.int32).reshape(1)
+    if on_every_rank:
+        dist.all_reduce(finished, op=dist.ReduceOp.MIN)
+    return bool(finished.item())
+
+
+def greedy_generate(llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_cache: bool = True,
+                    stop_together: bool = False) -> list[list[int]]:
     """Greedy tokens after each prompt, each row ending at its first stop token (kept) or after
     max_new_tokens. `use_cache=False` recomputes the whole sequence at every step: the reference
-    that the KV-cache path must reproduce token for token."""
+    that the KV-cache path must reproduce token for token. `stop_together`: every rank decodes
+    until all ranks' rows are done (an LLM sharded over the ranks needs every rank in every forward)."""
     model, table = llm.model, llm.model.get_input_embeddings()
     stops = stop_token_ids(llm)
     stop_ids = torch.tensor(sorted(stops), device=prompts.embeds.device)
@@ -130,7 +140,7 @@ def greedy_generate(llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_c
             next_ids = out.logits[:, -1].argmax(-1)
             generated.append(next_ids)
             done |= torch.isin(next_ids, stop_ids)
-            if done.all():
+            if all_done(done, stop_together):
                 break
             # Finished rows keep generating (their tokens are cut below): a batch advances together.
             embeds = torch.cat([embeds, table(next_ids)[:, None].to(embeds.dtype)], dim=1)
