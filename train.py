@@ -32,7 +32,8 @@ from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserEr
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
 from latentwire.evaluate import Plan as EvalPlan, evaluate_wire
-from latentwire.llm import apply_activation_checkpointing, check_untied, held_bytes, load_frozen_llms, start_fsdp_root
+from latentwire.llm import (apply_activation_checkpointing, check_untied, fsdp_units, held_bytes, load_frozen_llms,
+                            start_fsdp_root)
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireConfig, WireEncoder, count_parameters, forward_ce_sums
@@ -123,19 +124,16 @@ def train(cfg, di) -> None:
     # it runs: all-gathered for its forward and again for its backward (the wire's gradient passes
     # through it), freed after each. Frozen weights have no gradients, so there is no
     # reduce-scatter; the all-gathers are the whole cost. The trainable part stays under DDP.
-    if cfg.frozen_sharding == "fsdp" and not di.is_distributed and di.is_main:
+    shard_frozen = cfg.frozen_sharding == "fsdp" and di.is_distributed
+    if cfg.frozen_sharding == "fsdp" and not shard_frozen and di.is_main:
         print("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
               file=sys.stderr, flush=True)
-    if cfg.frozen_sharding == "fsdp" and di.is_distributed:
+    if shard_frozen:
         mesh = init_device_mesh(device.type, (world,))  # on the GPU: NCCL's all-gathers, not gloo's
         for llm in llms.values():
             check_untied(llm)
-            for layer in llm.model.get_decoder().layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(llm.model.get_input_embeddings(), mesh=mesh)  # looked up on its own, before the model
-            # The final norm and the head as one unit, not left to the root: FSDP keeps a root's
-            # weights whole from forward to the end of backward, and a 152k-token head is 2.5 GB.
-            fully_shard([llm.model.get_decoder().norm, llm.model.get_output_embeddings()], mesh=mesh)
+            for unit in fsdp_units(llm):  # each decoder layer, the embedding table, the norm with the head
+                fully_shard(unit, mesh=mesh)
             fully_shard(llm.model, mesh=mesh)
             start_fsdp_root(llm)
 
@@ -214,7 +212,7 @@ def train(cfg, di) -> None:
     meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, wire).step_flops,
                       peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps)
-    eval_plan = EvalPlan.of(cfg, text_baselines=False, lockstep=cfg.frozen_sharding == "fsdp" and di.is_distributed)
+    eval_plan = EvalPlan.of(cfg, text_baselines=False, lockstep=shard_frozen)
     if di.is_main:
         print(run_summary(cfg.run.profile, device, cfg.precision, state.layout, model, llms), flush=True)
 
@@ -318,7 +316,7 @@ def train(cfg, di) -> None:
         raise exit_after_save
     if di.is_main:
         print(closing_line(path, out_dir, finished=state.step == cfg.max_steps,
-                           sharded=cfg.frozen_sharding == "fsdp" and di.is_distributed), flush=True)
+                           sharded=shard_frozen), flush=True)
 
 
 # --- Helpers the loop calls --------------------------------------------------------------------

@@ -283,6 +283,15 @@ def held_bytes(model: nn.Module) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
 
 
+def fsdp_units(llm: FrozenLLM) -> list[nn.Module | list[nn.Module]]:
+    """What --frozen-sharding fsdp shards, each unit whole only while it runs: each decoder layer;
+    the embedding table, looked up on its own before the model's forward; the final norm with the
+    head, one unit rather than left to the root, which FSDP keeps whole from forward to the end of
+    backward (a 152k-token head is 2.5 GB). The model itself, the root, then holds nothing."""
+    decoder = llm.model.get_decoder()
+    return [*decoder.layers, llm.model.get_input_embeddings(), [decoder.norm, llm.model.get_output_embeddings()]]
+
+
 def check_untied(llm: FrozenLLM) -> None:
     """--frozen-sharding fsdp shards the embedding table and the head as separate units; an LLM that
     ties them (Qwen2.5 up to 3B, Llama-3.2) would put one parameter in two."""

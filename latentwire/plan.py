@@ -38,7 +38,7 @@ from .config import Parser, load_config, positive
 from .data import round_up
 from .errors import UserError, main_guard
 from .known_llms import LLMSpec, llm_parameter_count, llm_spec
-from .llm import LLM_NAMES
+from .llm import LLM_NAMES, fsdp_units
 from .memtrace import StepTrace, StepTracer, fake_llms
 from .model import WireConfig, WireEncoder
 
@@ -127,21 +127,21 @@ def next_micro_batch(first: StepTrace, budget: Budget, weight_bytes: int) -> int
 
 
 def fsdp_frozen_memory(llms: dict, world_size: int) -> tuple[int, int]:
-    """(frozen bytes one rank holds, bytes all-gathered at once) under train.py's fully_shard: each
-    decoder layer, the embedding table and the final norm with the head are units, and every
-    parameter is split on its first dimension, padded to a multiple of the world size. A unit is
-    whole from its forward (or backward) to the end of it, and FSDP gathers the next one meanwhile:
-    at most two of the largest at once. Computed, not traced: the trace runs the unsharded step,
-    and this replaces its frozen weights."""
+    """(frozen bytes one rank holds, bytes all-gathered at once) under train.py's fully_shard of
+    `llm.fsdp_units`, every parameter split on its first dimension, padded to a multiple of the
+    world size (anything left to the root counts as one more unit). A unit is whole from its
+    forward (or backward) to the end of it, and FSDP gathers the next one meanwhile: at most two of
+    the largest at once. Computed, not traced: the trace runs the unsharded step, and this replaces
+    its frozen weights."""
     def held(p) -> int:
         return math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0]) * p.element_size()
 
     units = []
     for llm in llms.values():
-        modules = [*llm.model.get_decoder().layers, llm.model.get_input_embeddings()]
-        in_modules = {id(p) for m in modules for p in m.parameters()}
-        units += [list(m.parameters()) for m in modules]
-        units.append([p for p in llm.model.parameters() if id(p) not in in_modules])
+        modules = [unit if isinstance(unit, list) else [unit] for unit in fsdp_units(llm)]
+        units += [[p for m in unit for p in m.parameters()] for unit in modules]
+        in_units = {id(p) for unit in units for p in unit}
+        units.append([p for p in llm.model.parameters() if id(p) not in in_units])
     largest = max(sum(p.numel() * p.element_size() for p in unit) for unit in units)
     return sum(held(p) for unit in units for p in unit), 2 * largest
 
