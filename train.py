@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
@@ -32,8 +31,8 @@ from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserEr
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
 from latentwire.evaluate import Plan as EvalPlan, evaluate_wire
-from latentwire.llm import (apply_activation_checkpointing, check_untied, fsdp_units, held_bytes, load_frozen_llms,
-                            start_fsdp_root)
+from latentwire.llm import (apply_activation_checkpointing, build_frozen_llms, held_per_rank, load_weights,
+                            shard_frozen_llm, start_fsdp_root)
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireConfig, WireEncoder, count_parameters, forward_ce_sums
@@ -93,10 +92,11 @@ def train(cfg, di) -> None:
     if tf32:
         torch.set_float32_matmul_precision("high")
 
-    # --- Frozen LLMs, stored in the autocast dtype -------------------------------------------
+    # --- Frozen LLMs, stored in the autocast dtype, built on the meta device ------------------
     # No gradients and no optimizer state means no fp32 master copy is needed: bf16 weights take
-    # 16 GB instead of 32 GB for an 8B model.
-    llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), device)
+    # 16 GB instead of 32 GB for an 8B model. Built on the meta device (shapes, no memory), they
+    # are wrapped and sharded below and only then allocated and read, each rank its own shards.
+    llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
 
     # --- Activation checkpointing of the frozen decoder layers -------------------------------
     # Gradients flow through the frozen LLMs to the wire, so their activations are kept for
@@ -104,19 +104,6 @@ def train(cfg, di) -> None:
     if cfg.activation_checkpointing:
         for llm in llms.values():
             apply_activation_checkpointing(llm)
-
-    # --- Trainable model, wrapped in DDP -----------------------------------------------------
-    # Only the encoder and adapters are DDP's: the frozen LLMs are neither broadcast nor bucketed.
-    # Its only buffers are constants (the LLMs' embedding RMS), equal on every rank, so it need not
-    # re-broadcast them before every forward. The gradients live in DDP's all-reduce buckets
-    # (gradient_as_bucket_view) instead of being copied into them: one copy and one memcpy less.
-    wire = WireConfig.of(cfg)
-    model = WireEncoder.for_llms(wire, llms).to(device)
-    torch.manual_seed(cfg.seed + rank)
-    ddp_model = model
-    if di.is_distributed:
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True, **ddp_buffer_options())
 
     # --- Frozen LLMs sharded with FSDP2 (--frozen-sharding fsdp) ------------------------------
     # Replicated, every rank holds both LLMs whole: 31 GB for 8B + 7B in bf16, 287 GB for 70B + 72B.
@@ -130,12 +117,29 @@ def train(cfg, di) -> None:
               file=sys.stderr, flush=True)
     if shard_frozen:
         mesh = init_device_mesh(device.type, (world,))  # on the GPU: NCCL's all-gathers, not gloo's
-        for llm in llms.values():
-            check_untied(llm)
-            for unit in fsdp_units(llm):  # each decoder layer, the embedding table, the norm with the head
-                fully_shard(unit, mesh=mesh)
-            fully_shard(llm.model, mesh=mesh)
+        for llm in llms.values():  # fully_shard each decoder layer, the embedding table, the norm with the head
+            shard_frozen_llm(llm, mesh)
+
+    # --- Frozen weights read into place --------------------------------------------------------
+    # to_empty allocates what this rank holds on the device (under FSDP2, 1/world of each
+    # tensor); each is then read from the checkpoint's memory map, a tensor or a shard at a time.
+    for llm in llms.values():
+        load_weights(llm, device)
+        if shard_frozen:
             start_fsdp_root(llm)
+
+    # --- Trainable model, wrapped in DDP -----------------------------------------------------
+    # Only the encoder and adapters are DDP's: the frozen LLMs are neither broadcast nor bucketed.
+    # Its only buffers are constants (the LLMs' embedding RMS), equal on every rank, so it need not
+    # re-broadcast them before every forward. The gradients live in DDP's all-reduce buckets
+    # (gradient_as_bucket_view) instead of being copied into them: one copy and one memcpy less.
+    wire = WireConfig.of(cfg)
+    model = WireEncoder.for_llms(wire, llms).to(device)
+    torch.manual_seed(cfg.seed + rank)
+    ddp_model = model
+    if di.is_distributed:
+        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True, **ddp_buffer_options())
 
     # --- Data: a disjoint shard per rank -----------------------------------------------------
     # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank,
@@ -316,7 +320,7 @@ def train(cfg, di) -> None:
         raise exit_after_save
     if di.is_main:
         print(closing_line(path, out_dir, finished=state.step == cfg.max_steps,
-                           sharded=shard_frozen), flush=True)
+                           sharded_over=world if shard_frozen else 0), flush=True)
 
 
 # --- Helpers the loop calls --------------------------------------------------------------------
@@ -389,19 +393,17 @@ def run_summary(profile: str, device: torch.device, precision: str, layout: tupl
                 model: torch.nn.Module, llms: dict) -> str:
     world, micro, accum = layout
     frozen = sum(count_parameters(llm.model, False) for llm in llms.values())
-    held = sum(held_bytes(llm.model) for llm in llms.values())
-    held_text = f"{held / 2 ** 30:.2f} GiB" if held >= 2 ** 30 else f"{held / 2 ** 20:.2f} MiB"
     return (f"profile {profile}: {world} x {device.type}, {precision}, global batch {micro} x {accum} x {world} = "
             f"{micro * accum * world}, trainable {count_parameters(model, True) / 1e6:.2f}M, frozen {frozen / 1e6:.1f}M "
-            f"({held_text} held per rank)")
+            f"({held_per_rank(llms)})")
 
 
-def closing_line(checkpoint: Path, out_dir: Path, finished: bool, sharded: bool) -> str:
-    """Where the run left its checkpoint, and what to run next."""
-    nxt = (f"evaluate it: python -m latentwire.evaluate --ckpt {out_dir}" if finished
+def closing_line(checkpoint: Path, out_dir: Path, finished: bool, sharded_over: int) -> str:
+    """Where the run left its checkpoint, and what to run next: a run that sharded its LLMs over N
+    ranks is evaluated on N ranks, which shard them the same way."""
+    launch = f"torchrun --nproc_per_node={sharded_over} -m" if sharded_over else "python -m"
+    nxt = (f"evaluate it: {launch} latentwire.evaluate --ckpt {out_dir}" if finished
            else "continue: the same command with --resume")
-    if finished and sharded:
-        nxt += " (it loads the LLMs whole, on one device)"
     return f"saved {checkpoint}; metrics in {out_dir / 'metrics.jsonl'} and {out_dir / 'tb'}; {nxt}"
 
 

@@ -3,6 +3,9 @@
     python -m latentwire.evaluate --ckpt RUN/checkpoints/step_00000200 [--dataset squad] [--n 500]
     torchrun --nproc_per_node=2 -m latentwire.evaluate --ckpt RUN --eval-examples 500   # the same numbers
 
+A run trained with --frozen-sharding fsdp is evaluated under torchrun with its LLMs sharded the same
+way (in lockstep, see Plan), so a 70B pair that fits no single GPU is evaluated where it trained.
+
 For each LLM and each input, on the held-out split:
 - `wire`: the M soft tokens of the trained wire, fed as in training: `[soft ; embed(prefix_ids)]`,
   then greedy generation (KV cache, stop at EOS or a newline, at most max_new_tokens);
@@ -41,6 +44,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
 from .config import FIELDS, Config, Parser, RunFlags, check_can_create, check_value, positive
@@ -49,7 +53,7 @@ from .distributed import process_group
 from .errors import UserError, main_guard
 from .generation import (answer_ids, continuation_nll, decode_answer, greedy_generate, joint_pick, text_prompts,
                          wire_prompts)
-from .llm import load_frozen_llms
+from .llm import build_frozen_llms, held_per_rank, load_weights, shard_frozen_llm, start_fsdp_root
 from .model import WireConfig, WireEncoder
 from .precision import AMP_DTYPES, frozen_weight_dtype
 from .report import build_report, markdown, summarize, write_report
@@ -318,10 +322,22 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
     check_can_create(out_dir, "output directory")
     examples = load_examples(dataset, "validation", args.n, cfg.seed)
-    llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
+    llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
+    # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
+    sharded = cfg.frozen_sharding == "fsdp" and di.is_distributed
+    if sharded:
+        mesh = init_device_mesh(di.device.type, (di.world_size,))
+        for llm in llms.values():
+            shard_frozen_llm(llm, mesh)
+    for llm in llms.values():
+        load_weights(llm, di.device)
+        if sharded:
+            start_fsdp_root(llm)
+    if sharded and di.is_main:
+        print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr, flush=True)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
     plan = Plan.of(cfg, text_baselines=True, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                   progress=report_progress(di.world_size) if di.is_main else None)
+                   progress=report_progress(di.world_size) if di.is_main else None, lockstep=sharded)
     records = evaluate_examples(model, llms, examples, plan, di.device, di.rank, di.world_size)
     if not di.is_main:
         return

@@ -68,7 +68,7 @@ def llm_spec(name: str, source: str) -> LLMSpec:
     if source == TINY:
         return _tiny_spec(name)
     if source.startswith(RANDOM):
-        has_bos = tiny_tokenizer(name).bos_token_id is not None  # the tokenizer llm.random_model reads it with
+        has_bos = tiny_tokenizer(name).bos_token_id is not None  # the tokenizer llm.random_architecture reads it with
         return LLMSpec(source, random_config(source), has_bos, "random weights, configuration of " + source[len(RANDOM):])
     if os.path.isdir(os.path.expanduser(source)):
         return _local_spec(source)

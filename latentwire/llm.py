@@ -1,21 +1,23 @@
-"""The two frozen LLMs: loading (hub id, local directory, a tiny one built offline, or a real
-architecture with random weights) and freezing.
+"""The two frozen LLMs: building (hub id, local directory, a tiny one built offline, or a real
+architecture with random weights), loading their weights, and freezing.
 
 - `tiny` builds a small randomly initialised Llama or Qwen2 and a tokenizer trained here on the
   built-in synthetic corpus, so the cpu profile needs no download.
 - `random:SOURCE` builds the architecture of SOURCE (a hub id whose configuration ships in
-  `latentwire.known_llms`, a model directory, or a config.json) with random weights, directly on
-  the rank's device, and the tiny tokenizer of its family: the same FLOPs and memory as the real
+  `latentwire.known_llms`, a model directory, or a config.json) with random weights drawn on the
+  rank's device, and the tiny tokenizer of its family: the same FLOPs and memory as the real
   model, to benchmark or plan a card before downloading 32 GB.
-- a hub id or a local directory loads the real weights, tensor by tensor onto the rank's device.
-The random ones are built from fixed seeds, so every rank, every run and the evaluation build the
-very same models.
+- a hub id or a local directory reads the real weights from its .safetensors files.
+Each is built on the meta device first and filled by `load_weights`, so that FSDP2 can shard it
+in between and a rank reads only its shards. The random ones are drawn from fixed seeds, tensor by
+tensor: every rank, every run, every layout and the evaluation see the very same models.
 """
 from __future__ import annotations
 
 import glob
 import math
 import os
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -61,6 +63,8 @@ class FrozenLLM:
     name: str
     model: nn.Module
     tokenizer: object
+    weights: object = None  # where `load_weights` reads the model's tensors from
+    source: str = ""
 
     @property
     def hidden_size(self) -> int:
@@ -76,10 +80,17 @@ class FrozenLLM:
         """RMS of the input-embedding table: adapters scale their output to it, so soft tokens look
         to the LLM like the token embeddings it was trained on. Summed in fp32 a chunk of rows at
         a time: an fp32 copy of a whole table (2 GiB for Qwen2.5-7B, and its square as much
-        again) would not fit next to the weights on a 32 GB card."""
+        again) would not fit next to the weights on a 32 GB card. Under FSDP2 each rank sums its
+        shard and an all-reduce adds them up."""
+        from torch.distributed.tensor import DTensor
+
         w = self.model.get_input_embeddings().weight.detach()
+        local = w.to_local() if isinstance(w, DTensor) else w
         rows = max(1, EMBED_RMS_CHUNK_ELEMENTS // w.shape[-1])
-        squares = sum(chunk.float().square().sum(dtype=torch.float64) for chunk in w.split(rows))
+        squares = sum((chunk.float().square().sum(dtype=torch.float64) for chunk in local.split(rows)),
+                      torch.zeros((), dtype=torch.float64, device=local.device))
+        if isinstance(w, DTensor):
+            torch.distributed.all_reduce(squares, group=w.device_mesh.get_group())
         return math.sqrt(squares.item() / w.numel())
 
     def answer_logits(self, soft: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -159,13 +170,98 @@ def tiny_model(family: str, tokenizer) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=torch.float32)
 
 
-# --- loading ---------------------------------------------------------------------------------
+# --- loading: built on the meta device, then filled -------------------------------------------
+# Every source builds its model on the meta device (the structure, no memory) with a weight
+# source beside it; `load_weights` then allocates the model on the rank's device and fills it. In
+# between, train.py may wrap the layers for activation checkpointing and shard them with FSDP2:
+# a sharded parameter is then allocated and read only for the rows this rank holds, so no rank
+# ever holds a 70B model whole, in host or device memory.
 
-def random_model(name: str, source: str, dtype: torch.dtype, device: torch.device):
-    """`random:SOURCE`: SOURCE's architecture with seeded random weights, allocated and initialised
-    on `device` (no host copy of 16 GB), read through its family's tiny tokenizer."""
+class CheckpointWeights:
+    """The tensors of a model's .safetensors files, read a row range at a time from the memory map."""
+
+    def __init__(self, files: list[str]):
+        from safetensors import safe_open
+
+        self.file_of = {}
+        self.shapes = {}
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    self.file_of[key] = path
+                    self.shapes[key] = tuple(f.get_slice(key).get_shape())
+
+    def read(self, key: str, rows: slice, like: torch.Tensor) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.file_of[key], framework="pt") as f:
+            return f.get_slice(key)[rows]
+
+
+class StateDictWeights:
+    """The tensors of a model built whole in host memory (the tiny ones, a few MB)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+        self.shapes = {key: tuple(t.shape) for key, t in state.items()}
+
+    def read(self, key: str, rows: slice, like: torch.Tensor) -> torch.Tensor:
+        return self.state[key][rows]
+
+
+class SeededWeights:
+    """`random:` weights drawn tensor by tensor, each from a generator seeded by its name, on the
+    rank's device: the same values whatever layout (whole or sharded, any world size) reads them.
+    The initialisation transformers' models use: N(0, initializer_range) for linear and embedding
+    weights, zero biases, unit norm weights."""
+
+    def __init__(self, model: nn.Module, seed: int, std: float):
+        self.seed, self.std = seed, std
+        self.shapes, self.kinds = {}, {}
+        for module_name, module in model.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                key = f"{module_name}.{name}" if module_name else name
+                self.shapes[key] = tuple(p.shape)
+                drawn = isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight"
+                self.kinds[key] = "normal" if drawn else "zeros" if name == "bias" else "ones"
+
+    def read(self, key: str, rows: slice, like: torch.Tensor) -> torch.Tensor:
+        kind = self.kinds[key]
+        if kind != "normal":
+            return (torch.zeros if kind == "zeros" else torch.ones)(like.shape, dtype=like.dtype, device=like.device)
+        generator = torch.Generator(like.device).manual_seed(self.seed * 2 ** 32 + zlib.crc32(key.encode()))
+        full = torch.empty(self.shapes[key], dtype=like.dtype, device=like.device)
+        return full.normal_(0.0, self.std, generator=generator)[rows]
+
+
+def meta_model(config, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
+
+
+def build_frozen_llm(name: str, source: str, dtype: torch.dtype) -> FrozenLLM:
+    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'random:SOURCE', a hub id or a local
+    directory. The model is on the meta device, frozen, until `load_weights`."""
+    if source == TINY:
+        tokenizer = tiny_tokenizer(name)
+        whole = tiny_model(name, tokenizer)
+        config, weights = whole.config, StateDictWeights(whole.state_dict())
+    elif source.startswith(RANDOM):
+        config, tokenizer = random_architecture(name, source)
+    else:
+        config, tokenizer, weights = pretrained_config(source)
+    with one_line_error(f"cannot build model {source!r} from its configuration"):
+        model = meta_model(config, dtype)
+    if source.startswith(RANDOM):
+        weights = SeededWeights(model, RANDOM_SEED + LLM_NAMES.index(name), config.initializer_range)
+    check_buffers_computable(model, source)
+    return FrozenLLM(name, freeze(model), tokenizer, weights, source)
+
+
+def random_architecture(name: str, source: str):
+    """`random:SOURCE`: SOURCE's configuration, read through its family's tiny tokenizer."""
     from .known_llms import random_config
 
     config = random_config(source)
@@ -173,19 +269,13 @@ def random_model(name: str, source: str, dtype: torch.dtype, device: torch.devic
     if len(tokenizer) > config.vocab_size:
         raise UserError(f"{source}: vocabulary of {config.vocab_size} is smaller than the {len(tokenizer)} ids "
                         "of the tokenizer that reads it")
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
-        torch.manual_seed(RANDOM_SEED + LLM_NAMES.index(name))
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
-    return model, tokenizer
+    return config, tokenizer
 
 
-def load_pretrained(source: str, dtype: torch.dtype, device: torch.device):
-    """A hub id or a local directory. Hub ids download only because the user named one.
-
-    The model is built on `device` and its weights are copied in one tensor at a time, so a rank
-    holds at most one tensor (the largest is the embedding table, about 1 GiB) in host memory
-    instead of the whole model (31 GB for the two LLMs, on each of a node's ranks)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def pretrained_config(source: str):
+    """A hub id or a local directory: its configuration, tokenizer and weight files. Hub ids
+    download only because the user named one."""
+    from transformers import AutoConfig, AutoTokenizer
 
     looks_local = source.startswith((".", "/", "~")) or os.path.isdir(os.path.expanduser(source))
     if looks_local and not os.path.isdir(os.path.expanduser(source)):
@@ -197,16 +287,12 @@ def load_pretrained(source: str, dtype: torch.dtype, device: torch.device):
     with one_line_error(f"cannot load the tokenizer of model {source!r}"):
         tokenizer = AutoTokenizer.from_pretrained(source)
     with one_line_error(f"cannot load model {source!r}"):
-        files = weight_files(source)
+        weights = CheckpointWeights(weight_files(source))
     if tokenizer.eos_token_id is None:
         raise UserError(f"model {source!r}: its tokenizer has no EOS token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # right padding never reaches the loss
-    with one_line_error(f"cannot build model {source!r} from its configuration"), torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
-    with one_line_error(f"cannot read the weights of model {source!r}"):
-        copy_weights(model, files, source)
-    return model, tokenizer
+    return config, tokenizer, weights
 
 
 @contextmanager
@@ -235,45 +321,85 @@ def weight_files(source: str) -> list[str]:
     return files
 
 
-def copy_weights(model: nn.Module, files: list[str], source: str) -> None:
-    """Each checkpoint tensor read from the memory-mapped file and copied into its parameter (cast
-    to the parameter's dtype); every parameter must be filled, directly or through a tied one."""
-    from safetensors import safe_open
+def rotary_embedding(model: nn.Module) -> nn.Module | None:
+    return getattr(model.get_decoder(), "rotary_emb", None)
 
-    targets = model.state_dict()
+
+def check_buffers_computable(model: nn.Module, source: str) -> None:
+    """Buffers outside the state dict are in no checkpoint: `load_weights` computes RoPE's inverse
+    frequencies again from the configuration, and knows no other."""
+    rotary = rotary_embedding(model)
+    computed = set() if rotary is None else {id(b) for b in rotary.buffers()}
+    saved = model.state_dict().keys()
+    for key, buffer in model.named_buffers():
+        if key not in saved and id(buffer) not in computed:
+            raise UserError(f"model {source!r}: its buffer {key} is in no checkpoint and not one latentwire can "
+                            "compute again (it recomputes RoPE's: Llama, Qwen, Mistral and their like load)")
+
+
+def held_rows(target: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    """The part of a parameter this rank holds, and which rows of the whole one it is: all of them,
+    or under FSDP2 the rank's piece of dim 0 (torch.chunk's, so the last ranks may hold fewer)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(target, DTensor):
+        return target, slice(0, target.shape[0])
+    (placement,) = target.placements
+    assert placement.is_shard(0), f"FSDP2 shards dim 0, not {placement}"
+    mesh = target.device_mesh
+    per_rank = -(-target.shape[0] // mesh.size())
+    start = min(mesh.get_local_rank() * per_rank, target.shape[0])
+    local = target.to_local()
+    return local, slice(start, start + local.shape[0])
+
+
+def load_weights(llm: FrozenLLM, device: torch.device) -> None:
+    """Allocate the model on `device` (it was built on the meta device) and copy its weights in, one
+    tensor, or one rank's rows of it, at a time, cast to the parameter's dtype. Every parameter
+    must be filled, directly or through a tied one."""
+    model, weights, source = llm.model, llm.weights, llm.source
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gave each module a parameter of its own, tied ones included
     filled = set()
-    with torch.no_grad():
-        for path in files:
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    if key in targets:
-                        shape = tuple(f.get_slice(key).get_shape())
-                        if shape != tuple(targets[key].shape):
-                            raise UserError(f"model {source!r}: tensor {key} has shape {shape} in its checkpoint, "
-                                            f"{tuple(targets[key].shape)} in its configuration")
-                        targets[key].copy_(f.get_tensor(key))
-                        filled.add(targets[key].data_ptr())
-    missing = [key for key, t in targets.items() if t.data_ptr() not in filled]
+    with torch.no_grad(), one_line_error(f"cannot read the weights of model {source!r}"):
+        for key, target in model.state_dict().items():
+            local, rows = held_rows(target)
+            if key not in weights.shapes or local.data_ptr() in filled or local.numel() == 0:
+                continue
+            if weights.shapes[key] != tuple(target.shape):
+                raise UserError(f"model {source!r}: tensor {key} has shape {weights.shapes[key]} in its checkpoint, "
+                                f"{tuple(target.shape)} in its configuration")
+            local.copy_(weights.read(key, rows, local))
+            filled.add(local.data_ptr())
+    missing = [key for key, target in model.state_dict().items()
+               if (local := held_rows(target)[0]).numel() and local.data_ptr() not in filled]
     if missing:
         raise UserError(f"model {source!r}: its checkpoint has no tensor for {missing[0]}"
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if (rotary := rotary_embedding(model)) is not None:
+        model.get_decoder().rotary_emb = type(rotary)(config=model.config).to(device)
+    llm.weights = None  # the tiny models' host copy goes
 
 
 def load_frozen_llm(name: str, source: str, dtype: torch.dtype, device: torch.device) -> FrozenLLM:
-    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'random:SOURCE', a hub id or a local directory."""
-    if source == TINY:
-        tokenizer = tiny_tokenizer(name)
-        model = tiny_model(name, tokenizer).to(dtype=dtype, device=device)
-    elif source.startswith(RANDOM):
-        model, tokenizer = random_model(name, source, dtype, device)
-    else:
-        model, tokenizer = load_pretrained(source, dtype, device)
-    return FrozenLLM(name, freeze(model), tokenizer)
+    """An LLM built and loaded whole on `device`."""
+    llm = build_frozen_llm(name, source, dtype)
+    load_weights(llm, device)
+    return llm
+
+
+def build_frozen_llms(cfg, dtype: torch.dtype) -> dict[str, FrozenLLM]:
+    """Both frozen LLMs of a configuration by name, each from its source field (`cfg.llama`,
+    `cfg.qwen`), on the meta device."""
+    return {name: build_frozen_llm(name, getattr(cfg, name), dtype) for name in LLM_NAMES}
 
 
 def load_frozen_llms(cfg, dtype: torch.dtype, device: torch.device) -> dict[str, FrozenLLM]:
-    """Both frozen LLMs of a configuration by name, each from its source field (`cfg.llama`, `cfg.qwen`)."""
-    return {name: load_frozen_llm(name, getattr(cfg, name), dtype, device) for name in LLM_NAMES}
+    """Both frozen LLMs of a configuration, built and loaded whole on `device`."""
+    llms = build_frozen_llms(cfg, dtype)
+    for llm in llms.values():
+        load_weights(llm, device)
+    return llms
 
 
 def held_bytes(model: nn.Module) -> int:
@@ -281,6 +407,12 @@ def held_bytes(model: nn.Module) -> int:
     from torch.distributed.tensor import DTensor
 
     return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+
+
+def held_per_rank(llms: dict[str, FrozenLLM]) -> str:
+    """'1.79 MiB held per rank': the frozen weights one rank holds, as the opening lines say it."""
+    held = sum(held_bytes(llm.model) for llm in llms.values())
+    return (f"{held / 2 ** 30:.2f} GiB" if held >= 2 ** 30 else f"{held / 2 ** 20:.2f} MiB") + " held per rank"
 
 
 def fsdp_units(llm: FrozenLLM) -> list[nn.Module | list[nn.Module]]:
@@ -298,6 +430,16 @@ def check_untied(llm: FrozenLLM) -> None:
     if llm.model.get_output_embeddings().weight is llm.model.get_input_embeddings().weight:
         raise UserError(f"--frozen-sharding fsdp: the {llm.name} LLM ties its input and output embeddings, "
                         "which are sharded separately; use --frozen-sharding none")
+
+
+def shard_frozen_llm(llm: FrozenLLM, mesh) -> None:
+    """FSDP2 over `mesh`: fully_shard each of `fsdp_units`, then the model, which becomes the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    check_untied(llm)
+    for unit in fsdp_units(llm):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(llm.model, mesh=mesh)
 
 
 def start_fsdp_root(llm: FrozenLLM) -> None:

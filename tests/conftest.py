@@ -23,10 +23,26 @@ RUN = ["--profile", "cpu", *EXACT, *FAST, "--micro-batch-size", "4", "--grad-acc
 # 20 steps on one process, and the same global batch on two ranks under torchrun.
 TWENTY = {1: [*RUN, "--max-steps", "20"], 2: [*RUN, "--max-steps", "20", "--micro-batch-size", "2"]}
 
+# A Llama architecture small enough to draw in a test, for `random:`.
+SMALL_LLAMA = dict(model_type="llama", vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def saved_reader(tmp_path_factory):
+    """The tiny Qwen reader saved as a hub checkpoint is (safetensors, config, tokenizer)."""
+    from latentwire.llm import tiny_model, tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("reader")
+    tokenizer = tiny_tokenizer("qwen")
+    tiny_model("qwen", tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -58,6 +74,17 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 600, **env) -> sub
 def run_module(module: str, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=child_env(), capture_output=True,
                           text=True, timeout=timeout)
+
+
+def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
+    """`python -m latentwire.evaluate`, or under torchrun with `nproc` ranks."""
+    # --eval-examples, not --n: torchrun's parser would take --n for an abbreviation of its own flags.
+    args = ["--ckpt", str(ckpt), "--eval-examples", str(n), "--batch-size", "8", "--max-new-tokens", "6",
+            "--out-dir", str(out_dir)]
+    if nproc == 1:
+        return ok(run_module("latentwire.evaluate", args))
+    return ok(run_module("torch.distributed.run", ["--standalone", f"--nproc_per_node={nproc}",
+                                                   "-m", "latentwire.evaluate", *args]))
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -283,6 +283,10 @@ CASES = {
     "train-llama-tokenizer-but-no-weights": ("train", llm("llama", "no_weights")),
     "train-llama-garbage-weights": ("train", llm("llama", "garbage_weights")),
     "train-llama-random-unknown-model-type": ("train", llm("llama", "unknown_type", prefix="random:")),
+    "train-llama-random-buffer-not-computable": ("train", lambda c: {"says": "embed_tokens.embed_scale is in no checkpoint",
+        "args": [OW, "--llama", "random:" + c.write("gemma3.json", json.dumps(
+            {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "head_dim": 16,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048, "pad_token_id": 0}))]}),
     "plan-llama-unknown-model-type": ("plan", lambda c: ["--llama", str(c.models["unknown_type"])]),
     "find_batch-llama-empty-dir": ("find_batch", lambda c: ["--llama", str(c.models["empty"])]),
     "evaluate-meta-llama-unknown-model-type": ("evaluate", lambda c: c.meta(llama=str(c.models["unknown_type"])) or []),

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import assert_one_line_error, ok, read_metrics, run_module, run_train
+from conftest import assert_one_line_error, evaluate_cli, ok, read_metrics, run_module, run_train
 from latentwire import evaluate as ev
 from latentwire import generation as gen
 from latentwire import report as reporting
@@ -251,16 +251,6 @@ def test_weights_of_another_model_are_a_one_line_error(tmp_path, cfg, llms):
 
 
 # --- the default cpu-profile run -------------------------------------------------------------
-
-def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
-    # --eval-examples, not --n: torchrun's parser would take --n for an abbreviation of its own flags.
-    args = ["--ckpt", str(ckpt), "--eval-examples", str(n), "--batch-size", "8", "--max-new-tokens", "6",
-            "--out-dir", str(out_dir)]
-    if nproc == 1:
-        return ok(run_module("latentwire.evaluate", args))
-    return ok(run_module("torch.distributed.run", ["--standalone", f"--nproc_per_node={nproc}",
-                                                   "-m", "latentwire.evaluate", *args]))
-
 
 @pytest.fixture(scope="module")
 def default_run(default_cpu_run):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import FAST, assert_one_line_error, ok, read_metrics, run_train
+from conftest import FAST, SMALL_LLAMA, assert_one_line_error, ok, read_metrics, run_train
 
 CPU = torch.device("cpu")
 MiB = 2 ** 20
@@ -224,18 +224,6 @@ def test_embed_rms_needs_no_fp32_copy_of_the_table():
     assert rms == pytest.approx(table.weight.float().pow(2).mean().sqrt().item(), rel=1e-5)
 
 
-@pytest.fixture(scope="module")
-def saved_reader(tmp_path_factory):
-    """The tiny Qwen reader saved as a hub checkpoint is (safetensors, config, tokenizer)."""
-    from latentwire.llm import tiny_model, tiny_tokenizer
-
-    path = tmp_path_factory.mktemp("reader")
-    tokenizer = tiny_tokenizer("qwen")
-    tiny_model("qwen", tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def test_a_checkpoint_loads_tensor_by_tensor_into_the_model_built_on_the_device(saved_reader):
     from transformers import AutoModelForCausalLM
 
@@ -268,10 +256,6 @@ def test_a_checkpoint_missing_a_tensor_is_a_user_error(saved_reader, tmp_path):
 
 # --- random: LLMs -----------------------------------------------------------------------------
 
-SMALL_LLAMA = dict(model_type="llama", vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-
-
 def test_random_llm_is_the_configured_architecture_seeded_and_planned_alike(tmp_path):
     from latentwire.known_llms import llm_spec
     from latentwire.llm import load_frozen_llm
@@ -288,6 +272,17 @@ def test_random_llm_is_the_configured_architecture_seeded_and_planned_alike(tmp_
     for name, hub_id in (("llama", "meta-llama/Llama-3.1-8B"), ("qwen", "Qwen/Qwen2.5-7B")):
         real, random = llm_spec(name, hub_id), llm_spec(name, f"random:{hub_id}")
         assert random.config.to_dict() == real.config.to_dict() and random.has_bos == real.has_bos
+
+
+def test_tied_embeddings_stay_one_tensor_after_loading(tmp_path):
+    """Built on the meta device and allocated by to_empty, which gives each module a parameter of its
+    own: a model that ties its head to its embedding table must come out tied (one table, not two)."""
+    from latentwire.llm import load_frozen_llm
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(SMALL_LLAMA, tie_word_embeddings=True)))
+    model = load_frozen_llm("llama", f"random:{config}", torch.float32, CPU).model
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
 @pytest.mark.parametrize("source, message", [

@@ -1,13 +1,13 @@
 """Frozen LLMs sharded by FSDP2 (--frozen-sharding fsdp) on two gloo ranks: the same training as
-whole LLMs on every rank, a resume as exact as unsharded, and each rank holding half the frozen
-bytes."""
+whole LLMs on every rank, a resume as exact as unsharded, each rank holding half the frozen bytes
+and reading only its rows of the checkpoint."""
 import json
 import re
 
 import pytest
 import torch
 
-from conftest import RUN, assert_same_run, final_weights, ok, read_metrics, run_module, run_train
+from conftest import RUN, SMALL_LLAMA, assert_same_run, evaluate_cli, final_weights, ok, read_metrics, run_module, run_train
 
 # Two ranks, accumulation 2, fp32 without dropout, the decoder layers recomputed in backward as on
 # the GPU profiles; the last step evaluates, which under fsdp must make the same LLM calls on every
@@ -17,17 +17,21 @@ ARGS = [*RUN, "--max-steps", "4", "--micro-batch-size", "2", "--activation-check
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The unbroken run with whole LLMs and with sharded ones: their out_dirs and train.py's output."""
+def runs(tmp_path_factory, saved_reader):
+    """The unbroken run with whole LLMs and with sharded ones: their out_dirs and train.py's output.
+    The Qwen reader is read from a checkpoint directory (the tiny one, saved), so both ways of
+    loading it, whole and a rank's rows, are in the comparison."""
     root = tmp_path_factory.mktemp("sharding")
-    procs = {mode: ok(run_train([*ARGS, "--frozen-sharding", mode, "--out-dir", str(root / mode)], nproc=2))
+    args = [*ARGS, "--qwen", str(saved_reader)]
+    procs = {mode: ok(run_train([*args, "--frozen-sharding", mode, "--out-dir", str(root / mode)], nproc=2))
              for mode in ("none", "fsdp")}
     return {mode: (root / mode, proc) for mode, proc in procs.items()}
 
 
-def held_mib(proc) -> float:
-    """The frozen parameter bytes rank 0 holds, in MiB, as train.py's opening line reports them."""
-    return float(re.search(r"\(([\d.]+) MiB held per rank\)", proc.stdout).group(1))
+def held_mib(proc, stream: str = "stdout") -> float:
+    """The frozen parameter bytes rank 0 holds, in MiB, as train.py's opening line (and a sharded
+    evaluation, on stderr) reports them."""
+    return float(re.search(r"\(([\d.]+) MiB held per rank\)", getattr(proc, stream)).group(1))
 
 
 @pytest.mark.slow
@@ -43,19 +47,90 @@ def test_sharded_frozen_llms_train_as_whole_ones(runs):
 
 
 @pytest.mark.slow
-def test_stop_and_resume_under_fsdp_is_bitwise_exact(runs, tmp_path):
-    args, split = [*ARGS, "--frozen-sharding", "fsdp"], tmp_path / "split"
+def test_stop_and_resume_under_fsdp_is_bitwise_exact(runs, saved_reader, tmp_path):
+    args, split = [*ARGS, "--qwen", str(saved_reader), "--frozen-sharding", "fsdp"], tmp_path / "split"
     ok(run_train([*args, "--out-dir", str(split), "--stop-at-step", "2"], nproc=2))
     ok(run_train([*args, "--out-dir", str(split), "--resume"], nproc=2))
     assert_same_run(runs["fsdp"][0], split, 2)
 
 
 @pytest.mark.slow
-def test_the_memory_plan_holds_what_a_sharded_rank_holds(runs, tmp_path):
+def test_the_memory_plan_holds_what_a_sharded_rank_holds(runs, saved_reader, tmp_path):
     """The plan computes the shards (padding included) and the all-gathered units rather than
     tracing them: its frozen bytes per rank are what rank 0 of the real run holds."""
-    ok(run_module("latentwire.plan", ["--profile", "cpu", "--frozen-sharding", "fsdp", "--json", str(tmp_path / "p.json")]))
+    ok(run_module("latentwire.plan", ["--profile", "cpu", "--qwen", str(saved_reader), "--frozen-sharding", "fsdp", "--json", str(tmp_path / "p.json")]))
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["world_size"] == 2 and plan["frozen_sharding"] == "fsdp"  # the cpu profile's num_gpus
     assert plan["params_frozen_bytes"] / 2 ** 20 == pytest.approx(held_mib(runs["fsdp"][1]), abs=0.006)
     assert 0 < plan["fsdp_gathered_bytes"] < plan["params_frozen_bytes"]
+
+
+
+@pytest.mark.slow
+def test_a_sharded_run_is_evaluated_sharded_with_the_numbers_of_whole_llms(runs, tmp_path):
+    """The run says to evaluate it on as many ranks; there the LLMs are sharded again, each rank
+    holding half, and the report is the one-process, whole-LLM report."""
+    sharded_run, proc = runs["fsdp"]
+    assert f"torchrun --nproc_per_node=2 -m latentwire.evaluate --ckpt {sharded_run}" in proc.stdout
+    two = evaluate_cli(sharded_run, tmp_path / "two", nproc=2, n=12)
+    evaluate_cli(sharded_run, tmp_path / "one", n=12)
+    assert held_mib(two, stream="stderr") == pytest.approx(held_mib(proc), abs=0.006)
+    reports = [json.loads(next((tmp_path / d).glob("*.json")).read_text()) for d in ("two", "one")]
+    assert reports[0]["answers"] == reports[1]["answers"]
+    assert reports[0]["metrics"] == pytest.approx(reports[1]["metrics"], rel=1e-6)
+
+@pytest.fixture
+def rank_one_of_two():
+    """This process as rank 1 of 2 on torch's fake backend: a mesh to shard over whose collectives do
+    nothing. Loading needs none: a rank allocates and reads its shards on its own."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "random"])
+def test_a_sharded_rank_allocates_and_reads_only_its_rows(rank_one_of_two, saved_reader, tmp_path, source):
+    """Built on the meta device, wrapped and sharded as train.py does, then loaded: rank 1 holds the
+    second torch.chunk of every tensor of the whole model, and reads no more than that."""
+    from torch.distributed.fsdp import fully_shard
+
+    from latentwire.llm import apply_activation_checkpointing, build_frozen_llm, fsdp_units, load_frozen_llm, load_weights
+
+    if source == "checkpoint":
+        name, source = "qwen", str(saved_reader)
+    else:
+        (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
+        name, source = "llama", f"random:{tmp_path / 'config.json'}"
+    reference = load_frozen_llm(name, source, torch.float32, torch.device("cpu")).model
+    whole = reference.state_dict()
+    llm = build_frozen_llm(name, source, torch.float32)
+    apply_activation_checkpointing(llm)
+    for unit in fsdp_units(llm):
+        fully_shard(unit, mesh=rank_one_of_two)
+    fully_shard(llm.model, mesh=rank_one_of_two)
+    read_rows, read = [], llm.weights.read
+
+    def counted_read(key, rows, like):
+        tensor = read(key, rows, like)
+        read_rows.append(tensor.shape[0])
+        return tensor
+
+    llm.weights.read = counted_read
+    load_weights(llm, torch.device("cpu"))
+
+    sharded = llm.model.state_dict()
+    assert sharded.keys() == whole.keys()
+    for key, tensor in whole.items():
+        pieces = torch.chunk(tensor, 2)
+        mine = pieces[1] if len(pieces) == 2 else tensor[:0]
+        assert torch.equal(sharded[key].to_local(), mine), key
+    assert sum(read_rows) == sum(t.to_local().shape[0] for t in sharded.values())
+    assert sum(read_rows) <= sum(t.shape[0] for t in whole.values()) / 2
+    # RoPE's inverse frequencies, in no checkpoint, computed again on the device.
+    assert torch.equal(llm.model.get_decoder().rotary_emb.inv_freq, reference.get_decoder().rotary_emb.inv_freq)
