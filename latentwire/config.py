@@ -77,8 +77,10 @@ FIELDS: dict[str, Field] = {
     "final_div_factor": Field(float, "final lr = initial lr / final_div_factor", positive=True),
     "seed": Field(int, "seed of model init, data order and dropout", non_negative=True),
     # --- model ----------------------------------------------------------------------------
-    "llama": Field(str, "Llama-family LLM: hub id, local directory, 'tiny', or 'random:HUB_ID_OR_CONFIG_JSON'"),
-    "qwen": Field(str, "Qwen-family LLM: hub id, local directory, 'tiny', or 'random:HUB_ID_OR_CONFIG_JSON'"),
+    "llama": Field(str, "Llama-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), 'tiny-random', "
+                        "or 'random:HUB_ID_OR_CONFIG_JSON'"),
+    "qwen": Field(str, "Qwen-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), 'tiny-random', "
+                       "or 'random:HUB_ID_OR_CONFIG_JSON'"),
     "num_latents": Field(int, "M, the number of soft tokens on the wire", positive=True),
     "d_z": Field(int, "width of one wire token", positive=True),
     "encoder_dim": Field(int, "width of the byte encoder", positive=True),

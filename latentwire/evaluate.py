@@ -20,8 +20,8 @@ Controls for the wire (NLL only): `zeroed` (the wire is all zeros before the ada
 where that changes what the adapters read (under bf16 autocast they read the wire in bf16
 anyway, so a bf16 payload is the wire itself and has no control of its own).
 
-The tiny LLMs of the cpu profile are random networks that never saw text, so on that profile the
-text baselines score about nothing: only the wire, trained through them, can.
+The cpu profile's tiny readers were pretrained to read (84% EM from the text), and
+the report gives the wire's share of that text baseline (`report.share_of_text`).
 
 Examples are cut into chunks of `batch_size` consecutive examples and the chunks are dealt to the
 ranks round-robin. A chunk is padded and computed the same way whatever the number of ranks, and
@@ -140,7 +140,8 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
     partner = to_device(collate([dataset[partners[i]] for i in indices]), device)
     targets = {name: answer_ids(batch["answers"][name]) for name in llms}
     golds = [examples[i]["answers"]["text"] for i in indices]
-    records = [{"index": i, "nll_sum": {}, "tokens": {}, "em": {}, "f1": {}, "answer": {}} for i in indices]
+    records = [{"index": i, "nll_sum": {}, "tokens": {}, "first_token": {}, "em": {}, "f1": {}, "answer": {}}
+               for i in indices]
 
     z = model.wire(batch["bytes"], batch["byte_mask"])
     wires = {"wire": z, "zeroed": torch.zeros_like(z), "shuffled": model.wire(partner["bytes"], partner["byte_mask"]),
@@ -162,9 +163,10 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
 
 def add_nll(records: list[dict], key: str, llms: dict, prompts: dict, targets: dict) -> None:
     for name, llm in llms.items():
-        sums, counts = continuation_nll(llm, prompts[name], targets[name])
-        for record, s, c in zip(records, sums, counts, strict=True):
+        sums, counts, first_hits = continuation_nll(llm, prompts[name], targets[name])
+        for record, s, c, hit in zip(records, sums, counts, first_hits, strict=True):
             record["nll_sum"][f"{key}_{name}"], record["tokens"][f"{key}_{name}"] = s, c
+            record["first_token"][f"{key}_{name}"] = float(hit)
 
 
 def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]], plan: Plan) -> None:

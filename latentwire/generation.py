@@ -63,9 +63,12 @@ def text_prompts(llm: FrozenLLM, examples: list[dict], max_prompt_tokens: int | 
 
 # --- teacher-forced scoring -------------------------------------------------------------------
 
-def continuation_nll(llm: FrozenLLM, prompts: Prompts, continuations: list[list[int]]) -> tuple[list[float], list[int]]:
-    """Per example: the summed NLL of its continuation's tokens and then EOS after its prompt, and
-    that target count. With a wire prompt and the answer tokens, this is training's loss quantity."""
+def continuation_nll(llm: FrozenLLM, prompts: Prompts,
+                     continuations: list[list[int]]) -> tuple[list[float], list[int], list[bool]]:
+    """Per example: the summed NLL of its continuation's tokens and then EOS after its prompt, that
+    target count, and whether the prompt's most likely next token is the continuation's first. With
+    a wire prompt and the answer tokens, the first two are training's loss quantity; the third is
+    first-token accuracy, where a wire that learned only the answer prior fails first."""
     device = prompts.embeds.device
     eos = llm.tokenizer.eos_token_id
     length = max(map(len, continuations))
@@ -83,7 +86,8 @@ def continuation_nll(llm: FrozenLLM, prompts: Prompts, continuations: list[list[
         logits = llm.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions(mask),
                            use_cache=False, logits_to_keep=length + 1).logits
     ce = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
-    return ce.sum(1).tolist(), [len(c) + 1 for c in continuations]
+    first_hits = (logits[:, 0].argmax(-1) == labels[:, 0]).tolist()
+    return ce.sum(1).tolist(), [len(c) + 1 for c in continuations], first_hits
 
 
 def answer_ids(collated_answers: dict) -> list[list[int]]:

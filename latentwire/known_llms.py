@@ -62,11 +62,14 @@ class LLMSpec:
 
 
 def llm_spec(name: str, source: str) -> LLMSpec:
-    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'random:SOURCE', a local directory or a known hub id."""
-    from .llm import RANDOM, TINY, tiny_tokenizer
+    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'tiny-random', 'random:SOURCE', a local
+    directory or a known hub id."""
+    from .llm import RANDOM, TINY, TINY_RANDOM, tiny_reader, tiny_tokenizer
 
-    if source == TINY:
+    if source == TINY_RANDOM:
         return _tiny_spec(name)
+    if source == TINY:
+        return _local_spec(tiny_reader(name))
     if source.startswith(RANDOM):
         has_bos = tiny_tokenizer(name).bos_token_id is not None  # the tokenizer llm.random_architecture reads it with
         return LLMSpec(source, random_config(source), has_bos, "random weights, configuration of " + source[len(RANDOM):])
@@ -122,7 +125,7 @@ def _tiny_spec(name: str) -> LLMSpec:
     tokenizer = tiny_tokenizer(name)
     with FakeTensorMode():  # its configuration is built with it; the weights are never allocated
         config = tiny_model(name, tokenizer).config
-    return LLMSpec("tiny", config, tokenizer.bos_token_id is not None, "configuration built offline by latentwire.llm")
+    return LLMSpec("tiny-random", config, tokenizer.bos_token_id is not None, "configuration built offline by latentwire.llm")
 
 
 def _local_spec(directory: str) -> LLMSpec:

@@ -1,8 +1,11 @@
-"""The two frozen LLMs: building (hub id, local directory, a tiny one built offline, or a real
+"""The two frozen LLMs: building (hub id, local directory, the tiny readers shipped here, or a real
 architecture with random weights), loading their weights, and freezing.
 
-- `tiny` builds a small randomly initialised Llama or Qwen2 and a tokenizer trained here on the
-  built-in synthetic corpus, so the cpu profile needs no download.
+- `tiny` loads the tiny Llama and Qwen2 readers shipped in `latentwire/tiny_readers/`: small models
+  pretrained here (`python -m latentwire.readers`) to answer the synthetic reading-comprehension
+  questions from their text, with tokenizers trained on the same corpus, so the cpu profile needs
+  no download and its text baseline means something. `tiny-random` is the same architectures
+  randomly initialised: readers that cannot read, for tests that need none.
 - `random:SOURCE` builds the architecture of SOURCE (a hub id whose configuration ships in
   `latentwire.known_llms`, a model directory, or a config.json) with random weights drawn on the
   rank's device, and the tiny tokenizer of its family: the same FLOPs and memory as the real
@@ -21,6 +24,7 @@ import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +32,8 @@ from torch import nn
 from .errors import UserError
 
 TINY = "tiny"
+TINY_RANDOM = "tiny-random"
+TINY_READERS = Path(__file__).resolve().parent / "tiny_readers"
 RANDOM = "random:"
 # The two frozen LLMs, named as their configuration fields are.
 LLM_NAMES = ("llama", "qwen")
@@ -48,7 +54,7 @@ EMBED_RMS_CHUNK_ELEMENTS = 2 ** 20
 TINY_SPECS = {
     "llama": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1024),
-    "qwen": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    "qwen": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=768),
 }
 
@@ -133,6 +139,11 @@ def freeze(model: nn.Module) -> nn.Module:
 
 # --- tiny, offline models ---------------------------------------------------------------------
 
+def tiny_reader(name: str) -> str:
+    """The directory of the shipped tiny reader of the `name` slot."""
+    return str(TINY_READERS / name)
+
+
 @lru_cache(maxsize=None)
 def tiny_tokenizer(family: str):
     """A byte-level BPE trained on the synthetic corpus; Llama-style (BOS + EOS) or Qwen-style
@@ -212,18 +223,30 @@ class StateDictWeights:
 class SeededWeights:
     """`random:` weights drawn tensor by tensor, each from a generator seeded by its name, on the
     rank's device: the same values whatever layout (whole or sharded, any world size) reads them.
-    The initialisation transformers' models use: N(0, initializer_range) for linear and embedding
-    weights, zero biases, unit norm weights."""
+    Each rank draws a whole tensor and keeps its rows (one tensor at a time, 2.5 GB at most for a
+    72B's embedding table). The initialisation transformers' models use: N(0, initializer_range)
+    for linear and embedding weights, zero biases, unit norm weights."""
 
-    def __init__(self, model: nn.Module, seed: int, std: float):
+    def __init__(self, model: nn.Module, seed: int, std: float, source: str):
         self.seed, self.std = seed, std
         self.shapes, self.kinds = {}, {}
         for module_name, module in model.named_modules():
             for name, p in module.named_parameters(recurse=False):
                 key = f"{module_name}.{name}" if module_name else name
                 self.shapes[key] = tuple(p.shape)
-                drawn = isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight"
-                self.kinds[key] = "normal" if drawn else "zeros" if name == "bias" else "ones"
+                self.kinds[key] = self.kind(module, name)
+                if self.kinds[key] is None:
+                    raise UserError(f"{source}: no random initialisation for {key} of a {type(module).__name__}")
+
+    @staticmethod
+    def kind(module: nn.Module, name: str) -> str | None:
+        if name == "bias":
+            return "zeros"
+        if name == "weight" and isinstance(module, (nn.Linear, nn.Embedding)):
+            return "normal"
+        if name == "weight" and "Norm" in type(module).__name__:
+            return "ones"
+        return None
 
     def read(self, key: str, rows: slice, like: torch.Tensor) -> torch.Tensor:
         kind = self.kinds[key]
@@ -242,20 +265,21 @@ def meta_model(config, dtype: torch.dtype) -> nn.Module:
 
 
 def build_frozen_llm(name: str, source: str, dtype: torch.dtype) -> FrozenLLM:
-    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'random:SOURCE', a hub id or a local
-    directory. The model is on the meta device, frozen, until `load_weights`."""
-    if source == TINY:
+    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'tiny-random', 'random:SOURCE', a hub id or a
+    local directory. The model is on the meta device, frozen, until `load_weights`."""
+    if source == TINY_RANDOM:
         tokenizer = tiny_tokenizer(name)
         whole = tiny_model(name, tokenizer)
         config, weights = whole.config, StateDictWeights(whole.state_dict())
     elif source.startswith(RANDOM):
         config, tokenizer = random_architecture(name, source)
     else:
-        config, tokenizer, weights = pretrained_config(source)
+        config, tokenizer, weights = pretrained_config(tiny_reader(name) if source == TINY else source,
+                                                       plain_tokenizer=source == TINY)
     with one_line_error(f"cannot build model {source!r} from its configuration"):
         model = meta_model(config, dtype)
     if source.startswith(RANDOM):
-        weights = SeededWeights(model, RANDOM_SEED + LLM_NAMES.index(name), config.initializer_range)
+        weights = SeededWeights(model, RANDOM_SEED + LLM_NAMES.index(name), config.initializer_range, source)
     check_buffers_computable(model, source)
     return FrozenLLM(name, freeze(model), tokenizer, weights, source)
 
@@ -272,10 +296,12 @@ def random_architecture(name: str, source: str):
     return config, tokenizer
 
 
-def pretrained_config(source: str):
+def pretrained_config(source: str, plain_tokenizer: bool = False):
     """A hub id or a local directory: its configuration, tokenizer and weight files. Hub ids
-    download only because the user named one."""
-    from transformers import AutoConfig, AutoTokenizer
+    download only because the user named one. The tiny readers' tokenizers are plain BPE files
+    (`plain_tokenizer`): AutoTokenizer would wrap the Qwen one in Qwen2's class, as its config says
+    qwen2, and that class's own pre-tokenizer splits numbers digit by digit."""
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
     looks_local = source.startswith((".", "/", "~")) or os.path.isdir(os.path.expanduser(source))
     if looks_local and not os.path.isdir(os.path.expanduser(source)):
@@ -285,7 +311,7 @@ def pretrained_config(source: str):
     with one_line_error(f"cannot read the configuration of model {source!r}"):
         config = AutoConfig.from_pretrained(source)
     with one_line_error(f"cannot load the tokenizer of model {source!r}"):
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = (PreTrainedTokenizerFast if plain_tokenizer else AutoTokenizer).from_pretrained(source)
     with one_line_error(f"cannot load model {source!r}"):
         weights = CheckpointWeights(weight_files(source))
     if tokenizer.eos_token_id is None:
@@ -377,7 +403,8 @@ def load_weights(llm: FrozenLLM, device: torch.device) -> None:
         raise UserError(f"model {source!r}: its checkpoint has no tensor for {missing[0]}"
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     if (rotary := rotary_embedding(model)) is not None:
-        model.get_decoder().rotary_emb = type(rotary)(config=model.config).to(device)
+        with torch.device(device):
+            model.get_decoder().rotary_emb = freeze(type(rotary)(config=model.config))
     llm.weights = None  # the tiny models' host copy goes
 
 

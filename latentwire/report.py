@@ -21,18 +21,29 @@ SIGNIFICANT_SE = 3
 
 
 def summarize(records: list[dict]) -> dict[str, float]:
-    """`nll_*`: summed NLL over summed targets (training's token-weighted loss); `em_*`, `f1_*`:
-    the mean over examples, in %."""
+    """`nll_*`: summed NLL over summed targets (training's token-weighted loss); `em_*`, `f1_*`,
+    `first_token_*`: the mean over examples, in %."""
     out = {}
     for key in records[0]["tokens"]:
         out[f"nll_{key}"] = sum(r["nll_sum"][key] for r in records) / sum(r["tokens"][key] for r in records)
-    for metric in ("em", "f1"):
+    for metric in ("em", "f1", "first_token"):
         for key in records[0][metric]:
             out[f"{metric}_{key}"] = 100 * sum(r[metric][key] for r in records) / len(records)
     return out
 
 
 # --- the report -------------------------------------------------------------------------------
+
+def share_of_text(metrics: dict[str, float], who: str) -> dict[str, float | None]:
+    """The wire's EM, F1 and first-token accuracy as a fraction of the full text prompt's, for one
+    LLM (or joint): what LatentWire asks, how much of what a reader gets from the text the wire
+    carries. None where the text scores 0 (a reader that cannot read has nothing to share)."""
+    out = {}
+    for metric in ("em", "f1", "first_token"):  # joint has no first token: it picks whole answers
+        wire, text = metrics.get(f"{metric}_wire_{who}"), metrics.get(f"{metric}_text_{who}")
+        out[metric] = wire / text if wire is not None and text else None
+    return out
+
 
 def control_margin(records: list[dict], control: str, name: str) -> dict[str, float]:
     """How much higher the answer NLL per token is with `control` than with the trained wire, and
@@ -69,6 +80,7 @@ def build_report(ckpt: Path, step, cfg, dataset: str, examples: list[dict], reco
         "wire_vs_controls": margins,
         "wire_carries_information": {name: all(m["margin"] > SIGNIFICANT_SE * m["se"] for m in by_control.values())
                                      for name, by_control in margins.items()},
+        "wire_share_of_text": {who: share_of_text(metrics, who) for who in (*llms, "joint")} if plan.text_baselines else {},
         "compression": compression(llms, examples, cfg.num_latents),
         "payload_bytes": payload_bytes(cfg.num_latents, cfg.d_z),
         "answers": [{"index": r["index"], "question": examples[r["index"]]["question"],
@@ -96,16 +108,27 @@ def markdown(report: dict) -> str:
         "token (the first gold answer + EOS, as in training). Joint: of the LLMs' answers, the one with "
         "the higher log-probability summed over both LLMs.",
         "",
-        "| input | LLM | EM | F1 | answer NLL |",
-        "|---|---|---:|---:|---:|",
+        "| input | LLM | EM | F1 | first token | answer NLL |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     inputs = (("wire", f"wire, {M} soft tokens"), ("text", f"text, full prompt ({tokens} tokens)"),
               ("text_cut", f"text, prompt cut to {M} tokens"))
     for key, label in inputs:
         for who in (*names, "joint"):
-            nll = f"{m[f'nll_{key}_{who}']:.3f}" if who != "joint" else ""
-            lines.append(f"| {label} | {who} | {m[f'em_{key}_{who}']:.1f} | {m[f'f1_{key}_{who}']:.1f} | {nll} |")
+            first, nll = ((f"{m[f'first_token_{key}_{who}']:.1f}", f"{m[f'nll_{key}_{who}']:.3f}") if who != "joint"
+                          else ("", ""))
+            lines.append(f"| {label} | {who} | {m[f'em_{key}_{who}']:.1f} | {m[f'f1_{key}_{who}']:.1f} | {first} | {nll} |")
     lines += [
+        "",
+        "## The wire's share of the text baseline",
+        "",
+        f"The wire's score over the full text prompt's, per reader: how much of what the reader gets from "
+        f"the text the {M} soft tokens carry, at the compression beside it. First token: the answer's "
+        "first token is the reader's most likely next token (teacher-forced).",
+        "",
+        "| LLM | EM share | F1 share | first-token share | compression (prompt tokens / M) |",
+        "|---|---:|---:|---:|---:|",
+        *(share_row(report, who) for who in (*names, "joint")),
         "",
         "## Does the wire carry information?",
         "",
@@ -139,6 +162,13 @@ def markdown(report: dict) -> str:
           for a in report["answers"][:EXAMPLES_IN_MARKDOWN]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def share_row(report: dict, who: str) -> str:
+    share, c = report["wire_share_of_text"][who], report["compression"]
+    cells = " | ".join("" if share[k] is None else f"{100 * share[k]:.0f}%" for k in ("em", "f1", "first_token"))
+    compressed = f"{c[f'compression_{who}']:.1f}x" if f"compression_{who}" in c else ""
+    return f"| {who} | {cells} | {compressed} |"
 
 
 def control_row(report: dict, name: str) -> str:

@@ -80,8 +80,15 @@ def collate(cfg, llms, examples):
     return collator([dataset[i] for i in range(len(examples))])
 
 
+@pytest.fixture(scope="module")
+def random_llms():
+    """Readers that cannot read ramble on for as many tokens as they are allowed: long generations."""
+    return {n: load_frozen_llm(n, "tiny-random", torch.float32, CPU) for n in LLM_NAMES}
+
+
 @torch.no_grad()
-def test_generation_with_and_without_kv_cache_gives_identical_tokens(cfg, llms):
+def test_generation_with_and_without_kv_cache_gives_identical_tokens(cfg, random_llms):
+    llms = random_llms
     examples = synthetic_examples(6, seed=5)
     batch = collate(cfg, llms, examples)
     soft = wire_encoder(cfg, llms).eval()(batch["bytes"], batch["byte_mask"])
@@ -103,11 +110,32 @@ def test_left_padding_changes_neither_generation_nor_nll(llms):
         together = gen.text_prompts(llm, examples, None)
         answers = [llm.tokenizer(ex["answers"]["text"][0], add_special_tokens=False)["input_ids"] for ex in examples]
         batch_tokens = gen.greedy_generate(llm, together, max_new_tokens=6)
-        batch_nll, _ = gen.continuation_nll(llm, together, answers)
+        batch_nll, _, _ = gen.continuation_nll(llm, together, answers)
         for i, ex in enumerate(examples):
             alone = gen.text_prompts(llm, [ex], None)
             assert gen.greedy_generate(llm, alone, max_new_tokens=6) == [batch_tokens[i]]
             assert gen.continuation_nll(llm, alone, [answers[i]])[0][0] == pytest.approx(batch_nll[i], rel=1e-4)
+
+
+@torch.no_grad()
+def test_first_token_accuracy_is_the_readers_argmax_right_after_the_prompt(llms):
+    examples = synthetic_examples(8, seed=8)
+    for llm in llms.values():
+        answers = [llm.tokenizer(" " + ex["answers"]["text"][0], add_special_tokens=False)["input_ids"] for ex in examples]
+        _, _, hits = gen.continuation_nll(llm, gen.text_prompts(llm, examples, None), answers)
+        alone = [llm.model(input_ids=torch.tensor([gen.text_prompt_ids(llm, ex, None)])).logits[0, -1].argmax().item()
+                 for ex in examples]
+        assert hits == [first == answer[0] for first, answer in zip(alone, answers)]
+        assert any(hits)  # the tiny readers read, so this compares hits too, not only misses
+
+
+def test_the_wire_share_of_the_text_baseline():
+    m = {"em_wire_llama": 30.0, "em_text_llama": 60.0, "f1_wire_llama": 40.0, "f1_text_llama": 80.0,
+         "first_token_wire_llama": 45.0, "first_token_text_llama": 90.0,
+         "em_wire_joint": 10.0, "em_text_joint": 0.0, "f1_wire_joint": 5.0, "f1_text_joint": 10.0}
+    assert reporting.share_of_text(m, "llama") == {"em": 0.5, "f1": 0.5, "first_token": 0.5}
+    # A text baseline of 0 has no share; joint picks whole answers and has no first token.
+    assert reporting.share_of_text(m, "joint") == {"em": None, "f1": 0.5, "first_token": None}
 
 
 @torch.no_grad()
@@ -311,6 +339,13 @@ def test_report_has_baselines_compression_and_payload(one_process_report):
         assert c[f"compression_{name}"] == pytest.approx(c[f"prompt_tokens_{name}"] / 8) and c[f"compression_{name}"] > 1
         assert f"| {name} | {report['metrics'][f'nll_wire_{name}']:.3f} |" in md
     assert "## Answers" in md and "## Does the wire carry information?" in md and "wire in int8" in md
+    m, share = report["metrics"], report["wire_share_of_text"]
+    for name in LLM_NAMES:
+        assert m[f"f1_text_{name}"] > 50  # the shipped readers read
+        assert share[name]["f1"] == pytest.approx(m[f"f1_wire_{name}"] / m[f"f1_text_{name}"])
+        assert f"| {name} | {100 * share[name]['em']:.0f}% | {100 * share[name]['f1']:.0f}% |" in md
+        assert 0 <= m[f"first_token_wire_{name}"] <= 100
+    assert "## The wire's share of the text baseline" in md
 
 
 @pytest.mark.slow
@@ -333,7 +368,7 @@ def test_train_logs_periodic_evaluation_equal_to_the_command(tmp_path):
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert {f"eval_{k}": v for k, v in report["metrics"].items() if f"eval_{k}" in logged[4]} == \
         pytest.approx({k: v for k, v in logged[4].items() if k.startswith("eval_")}, rel=1e-6)
-    assert sum(k.startswith("eval_") for k in logged[4]) == 16  # 5 wire NLLs x 2 LLMs + EM/F1 x 3
+    assert sum(k.startswith("eval_") for k in logged[4]) == 26  # 5 wire inputs x 2 LLMs x (NLL, first token) + EM/F1 x 3
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])

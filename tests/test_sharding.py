@@ -79,25 +79,28 @@ def test_a_sharded_run_is_evaluated_sharded_with_the_numbers_of_whole_llms(runs,
     assert reports[0]["answers"] == reports[1]["answers"]
     assert reports[0]["metrics"] == pytest.approx(reports[1]["metrics"], rel=1e-6)
 
-@pytest.fixture
-def rank_one_of_two():
-    """This process as rank 1 of 2 on torch's fake backend: a mesh to shard over whose collectives do
-    nothing. Loading needs none: a rank allocates and reads its shards on its own."""
+@pytest.fixture(params=[(2, 1), (3, 2)], ids=["rank1of2", "rank2of3"])
+def fake_rank(request):
+    """This process as one rank of a world on torch's fake backend: a mesh to shard over whose
+    collectives do nothing. Loading needs none: a rank allocates and reads its shards on its own.
+    Three ranks split dim-0 sizes unevenly (torch.chunk gives the last rank fewer rows)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    world, rank = request.param
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        yield init_device_mesh("cpu", (2,))
+        yield init_device_mesh("cpu", (world,)), world, rank
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("source", ["checkpoint", "random"])
-def test_a_sharded_rank_allocates_and_reads_only_its_rows(rank_one_of_two, saved_reader, tmp_path, source):
-    """Built on the meta device, wrapped and sharded as train.py does, then loaded: rank 1 holds the
-    second torch.chunk of every tensor of the whole model, and reads no more than that."""
+def test_a_sharded_rank_allocates_and_reads_only_its_rows(fake_rank, saved_reader, tmp_path, source):
+    """Built on the meta device, wrapped and sharded as train.py does, then loaded: the rank holds its
+    torch.chunk of every tensor of the whole model (the Qwen's 256-row MLP splits 86/86/84 over
+    three; the Llama's odd vocabulary too), and reads no more than that."""
     from torch.distributed.fsdp import fully_shard
 
     from latentwire.llm import apply_activation_checkpointing, build_frozen_llm, fsdp_units, load_frozen_llm, load_weights
@@ -105,15 +108,16 @@ def test_a_sharded_rank_allocates_and_reads_only_its_rows(rank_one_of_two, saved
     if source == "checkpoint":
         name, source = "qwen", str(saved_reader)
     else:
-        (tmp_path / "config.json").write_text(json.dumps(SMALL_LLAMA))
+        (tmp_path / "config.json").write_text(json.dumps(dict(SMALL_LLAMA, vocab_size=4099, intermediate_size=130)))
         name, source = "llama", f"random:{tmp_path / 'config.json'}"
     reference = load_frozen_llm(name, source, torch.float32, torch.device("cpu")).model
     whole = reference.state_dict()
     llm = build_frozen_llm(name, source, torch.float32)
     apply_activation_checkpointing(llm)
+    mesh, world, rank = fake_rank
     for unit in fsdp_units(llm):
-        fully_shard(unit, mesh=rank_one_of_two)
-    fully_shard(llm.model, mesh=rank_one_of_two)
+        fully_shard(unit, mesh=mesh)
+    fully_shard(llm.model, mesh=mesh)
     read_rows, read = [], llm.weights.read
 
     def counted_read(key, rows, like):
@@ -127,10 +131,10 @@ def test_a_sharded_rank_allocates_and_reads_only_its_rows(rank_one_of_two, saved
     sharded = llm.model.state_dict()
     assert sharded.keys() == whole.keys()
     for key, tensor in whole.items():
-        pieces = torch.chunk(tensor, 2)
-        mine = pieces[1] if len(pieces) == 2 else tensor[:0]
+        pieces = torch.chunk(tensor, world)
+        mine = pieces[rank] if rank < len(pieces) else tensor[:0]
         assert torch.equal(sharded[key].to_local(), mine), key
     assert sum(read_rows) == sum(t.to_local().shape[0] for t in sharded.values())
-    assert sum(read_rows) <= sum(t.shape[0] for t in whole.values()) / 2
+    assert sum(read_rows) <= sum(-(-t.shape[0] // world) for t in whole.values())
     # RoPE's inverse frequencies, in no checkpoint, computed again on the device.
     assert torch.equal(llm.model.get_decoder().rotary_emb.inv_freq, reference.get_decoder().rotary_emb.inv_freq)
