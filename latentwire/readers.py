@@ -6,9 +6,10 @@ wire's share of the text baseline (what LatentWire measures) cannot be asked of 
     OMP_NUM_THREADS=1 python -m latentwire.readers [--out DIR] [--steps N] [--only llama|qwen]
 
 builds them from scratch into latentwire/tiny_readers/ (or DIR) and prints each one's held-out
-exact match, in about 15 minutes on one core. It is seeded: on the same torch and thread count
-it gives the shipped weights bit for bit. Each reader is a model directory (safetensors, config,
-tokenizer) that `--llama DIR` / `--qwen DIR` load like any other.
+exact match, in about 25 minutes on one core (14 for the Llama, 11 for the Qwen). It is seeded: on
+the same torch and thread count it gives the shipped weights bit for bit. Each reader is a model
+directory (safetensors, config, tokenizer) that `--llama tiny` / `--qwen tiny` load, the tokenizer
+as the plain BPE file it is (see llm.pretrained_config).
 """
 from __future__ import annotations
 
