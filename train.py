@@ -32,7 +32,7 @@ from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_g
 from latentwire.elastic import apply_elastic_batch
 from latentwire.evaluate import Plan as EvalPlan, evaluate_wire
 from latentwire.llm import (apply_activation_checkpointing, build_frozen_llms, held_per_rank, load_weights,
-                            shard_frozen_llm, start_fsdp_root)
+                            shard_frozen_llm)
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireConfig, WireEncoder, count_parameters, forward_ce_sums
@@ -125,8 +125,6 @@ def train(cfg, di) -> None:
     # tensor); each is then read from the checkpoint's memory map, a tensor or a shard at a time.
     for llm in llms.values():
         load_weights(llm, device)
-        if shard_frozen:
-            start_fsdp_root(llm)
 
     # --- Trainable model, wrapped in DDP -----------------------------------------------------
     # Only the encoder and adapters are DDP's: the frozen LLMs are neither broadcast nor bucketed.

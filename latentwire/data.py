@@ -335,15 +335,19 @@ class Collator:
 
     def _collate_answers(self, tok, special: SpecialIds, answers: list[str]) -> dict[str, torch.Tensor]:
         prefix, eos, pad = special.prefix, [special.eos], special.pad
-        # The answer follows the wire as a new word: with its leading space, BPE vocabularies
-        # (trained on running text, where words start with a space) give whole-word tokens.
-        spaced = [" " + a for a in answers]
-        token_ids = [ids[:self.max_answer_tokens] for ids in tok(spaced, add_special_tokens=False)["input_ids"]]
+        token_ids = [ids[:self.max_answer_tokens] for ids in answer_token_ids(tok, answers)]
         length = round_up(max(len(prefix) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
         inputs = [prefix + ids for ids in token_ids]
         targets = [[IGNORE_INDEX] * len(prefix) + ids + eos for ids in token_ids]
         return {"input_ids": torch.tensor([row + [pad] * (length - len(row)) for row in inputs]),
                 "labels": torch.tensor([row + [IGNORE_INDEX] * (length + 1 - len(row)) for row in targets])}
+
+
+def answer_token_ids(tok, answers: list[str]) -> list[list[int]]:
+    """Each answer's tokens, as the wire's training targets them. The answer follows the wire as a
+    new word: with its leading space, BPE vocabularies (trained on running text, where words start
+    with a space) give whole-word tokens."""
+    return tok([" " + a for a in answers], add_special_tokens=False)["input_ids"]
 
 
 def count_answer_tokens(batch: dict) -> torch.Tensor:

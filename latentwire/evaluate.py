@@ -53,7 +53,7 @@ from .distributed import process_group
 from .errors import UserError, main_guard
 from .generation import (answer_ids, continuation_nll, decode_answer, greedy_generate, joint_pick, text_prompts,
                          wire_prompts)
-from .llm import build_frozen_llms, held_per_rank, load_weights, shard_frozen_llm, start_fsdp_root
+from .llm import build_frozen_llms, held_per_rank, load_weights, shard_frozen_llm
 from .model import WireConfig, WireEncoder
 from .precision import AMP_DTYPES, frozen_weight_dtype
 from .report import build_report, markdown, summarize, write_report
@@ -333,8 +333,6 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
             shard_frozen_llm(llm, mesh)
     for llm in llms.values():
         load_weights(llm, di.device)
-        if sharded:
-            start_fsdp_root(llm)
     if sharded and di.is_main:
         print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr, flush=True)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)

@@ -380,9 +380,12 @@ def held_rows(target: torch.Tensor) -> tuple[torch.Tensor, slice]:
 
 
 def load_weights(llm: FrozenLLM, device: torch.device) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
     """Allocate the model on `device` (it was built on the meta device) and copy its weights in, one
     tensor, or one rank's rows of it, at a time, cast to the parameter's dtype. Every parameter
-    must be filled, directly or through a tied one."""
+    must be filled, directly or through a tied one. A model FSDP2 sharded then runs once, so that
+    it is the root (`start_fsdp_root`): loaded, it is ready to use either way."""
     model, weights, source = llm.model, llm.weights, llm.source
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gave each module a parameter of its own, tied ones included
@@ -406,6 +409,8 @@ def load_weights(llm: FrozenLLM, device: torch.device) -> None:
         with torch.device(device):
             model.get_decoder().rotary_emb = freeze(type(rotary)(config=model.config))
     llm.weights = None  # the tiny models' host copy goes
+    if isinstance(model, FSDPModule):
+        start_fsdp_root(llm)
 
 
 def load_frozen_llm(name: str, source: str, dtype: torch.dtype, device: torch.device) -> FrozenLLM:

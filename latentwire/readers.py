@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import Parser, positive
-from .data import IGNORE_INDEX, answer_text, load_examples, synthetic_examples
+from .data import IGNORE_INDEX, answer_text, answer_token_ids, load_examples, synthetic_examples
 from .errors import main_guard
 from .generation import decode_answer, greedy_generate, text_prompt_ids, text_prompts
 from .llm import LLM_NAMES, TINY_READERS, FrozenLLM, tiny_model, tiny_tokenizer
@@ -42,17 +42,15 @@ ANSWER_WEIGHT = 8.0
 STEPS = {"llama": 6000, "qwen": 4000}
 
 
-def answer_ids(llm: FrozenLLM, example: dict) -> list[int]:
-    """The answer as the wire's training targets it: a leading space (a new word), then EOS."""
-    return llm.tokenizer(" " + answer_text(example), add_special_tokens=False)["input_ids"] + [llm.tokenizer.eos_token_id]
-
-
 def lm_batch(llm: FrozenLLM, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded rows, their next-token targets (IGNORE_INDEX on padding) and each target's
-    weight: 1 on the prompt's tokens, ANSWER_WEIGHT on the answer's and the EOS after it."""
-    rows = [(text_prompt_ids(llm, ex, None), answer_ids(llm, ex)) for ex in examples]
+    weight: 1 on the prompt's tokens, ANSWER_WEIGHT on the answer's (as the wire's training targets
+    them) and the EOS after it."""
+    eos = llm.tokenizer.eos_token_id
+    answers = answer_token_ids(llm.tokenizer, [answer_text(ex) for ex in examples])
+    rows = [(text_prompt_ids(llm, ex, None), answer + [eos]) for ex, answer in zip(examples, answers, strict=True)]
     length = max(len(prompt) + len(answer) for prompt, answer in rows)
-    ids = torch.full((len(rows), length), llm.tokenizer.eos_token_id, dtype=torch.long)
+    ids = torch.full((len(rows), length), eos, dtype=torch.long)
     targets = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     weights = torch.zeros((len(rows), length))
     for r, (prompt, answer) in enumerate(rows):
