@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from latentwire.checkpoint import Checkpointer, TrainState, list_checkpoints
 from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import check_can_create, load_config
-from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples, to_device
+from latentwire.data import Collator, PromptDataset, ShardSampler, load_examples, to_device
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
@@ -35,7 +35,8 @@ from latentwire.llm import (apply_activation_checkpointing, build_frozen_llms, h
                             shard_frozen_llm)
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
-from latentwire.model import WireConfig, WireEncoder, count_parameters, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder, count_parameters
+from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 from latentwire.preemption import StopFlag, shield_worker_from_stop_signals
 from latentwire.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic, sdpa_kernels,
                                   use_tf32)
@@ -145,7 +146,9 @@ def train(cfg, di) -> None:
     # an epoch part-way, which is how a resumed run continues the same sample order.
     dataset = PromptDataset(examples)
     sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed)
-    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
+    objectives = Objectives.of(cfg)
+    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple,
+                                teacher=objectives.teacher)
     loader = make_loader(dataset, sampler, collate, micro_batch_size=cfg.micro_batch_size, num_workers=cfg.num_workers,
                          prefetch_factor=cfg.prefetch_factor, device_type=device.type, seed=cfg.seed + rank)
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
@@ -193,11 +196,11 @@ def train(cfg, di) -> None:
     # hold (no duck sizing; Python floats as graph constants, which cut the cpu profile's compile
     # from 67 s to 19 s), patched around each call of the step because dynamo reads them lazily,
     # whenever it traces, and flipping them for the whole process would leak into the caller's code.
-    forward = forward_ce_sums
+    forward = forward_loss_sums
     if cfg.compile:
         for region in step_regions(model, llms):
             region.compile(mode=cfg.compile_mode, dynamic=True)
-        forward = stable_shapes()(forward_ce_sums)
+        forward = stable_shapes()(forward_loss_sums)
 
     # --- Fused attention kernels -------------------------------------------------------------
     # All attention goes through SDPA. On an sm80+ card in bf16/fp16 only the flash, cuDNN and
@@ -231,17 +234,19 @@ def train(cfg, di) -> None:
             micro_batches = [to_device(b, device) for b in micro_batches]
 
             # --- Exact gradient accumulation ---------------------------------------------
-            # Each LLM's loss is its summed token cross-entropy divided by the number of answer
-            # tokens in the whole global batch (all micro-batches, all ranks), so the step equals
-            # one big batch however it is split. The counts are made and summed on the device: no
-            # host sync. The stop flag rides along in the same all-reduce: no extra collective, and
-            # every rank learns of a signal any rank received.
-            counts = torch.stack([count_answer_tokens(b) for b in micro_batches]).sum(0)
-            counts = all_reduce_sum(torch.cat([counts, torch.full((1,), int(stop.raised), device=device)]))
+            # Each loss term of each LLM is its sum over a micro-batch divided by its count in the
+            # whole global batch (all micro-batches, all ranks: answer tokens for the answer's
+            # cross-entropy, first tokens, first-k positions), so the step equals one big batch
+            # however it is split. The counts are made and summed on the device: no host sync. The
+            # stop flag rides along in the same all-reduce: no extra collective, and every rank
+            # learns of a signal any rank received.
+            counts = torch.stack([target_counts(b, objectives) for b in micro_batches]).sum(0)
+            counts = all_reduce_sum(torch.cat([counts.flatten(), torch.full((1,), int(stop.raised), device=device)]))
+            n_targets = counts[:-1].view(len(llms), len(objectives.terms)).float()
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
-            step_ce, grad_norm = train_step(
-                ddp_model, llms, micro_batches, n_tokens=counts[:-1].float(), forward=forward, amp_dtype=amp_dtype,
-                attention_kernels=attention_kernels, scaler=scaler, optimizer=optimizer,
+            step_terms, grad_norm = train_step(
+                ddp_model, llms, micro_batches, n_targets=n_targets, objectives=objectives, forward=forward,
+                amp_dtype=amp_dtype, attention_kernels=attention_kernels, scaler=scaler, optimizer=optimizer,
                 max_grad_norm=cfg.max_grad_norm, world_size=world,
                 no_sync=ddp_model.no_sync if di.is_distributed else nullcontext)
 
@@ -250,7 +255,7 @@ def train(cfg, di) -> None:
             # the global answer-token count for the throughput. The norm is global (after DDP's
             # all-reduce), so every rank decides alike; a NaN loss on any rank makes it NaN.
             finite, stop_requested, answer_tokens = torch.stack(
-                [torch.isfinite(grad_norm).long(), counts[-1], counts[:-1].sum()]).tolist()
+                [torch.isfinite(grad_norm).long(), counts[-1], n_targets[:, 0].sum().long()]).tolist()
 
             # --- Non-finite steps are skipped, counted, and stop the run if they persist --
             # With fp16 the GradScaler skips the update itself and lowers its scale.
@@ -286,10 +291,8 @@ def train(cfg, di) -> None:
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
             if state.step == 1 or state.step % cfg.log_every == 0 or state.step == cfg.max_steps or eval_due:
-                per_llm_loss = all_reduce_sum(step_ce).tolist()
                 record = {"step": state.step, "time": time.time(), "epoch": state.epoch,
-                          "loss": sum(per_llm_loss) / len(per_llm_loss),
-                          **{f"loss_{n}": v for n, v in zip(llms, per_llm_loss)},
+                          **loss_record(all_reduce_sum(step_terms), objectives, list(llms)),
                           "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **meter.read()}
                 if eval_due:
                     # Evaluation's eval-mode, padded, KV-cached calls would recompile every region.
@@ -334,30 +337,43 @@ def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tupl
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda")
 
 
-def train_step(model, llms: dict, micro_batches: list[dict], *, n_tokens: torch.Tensor, forward,
-               amp_dtype: torch.dtype | None, attention_kernels, scaler, optimizer, max_grad_norm: float, world_size: int,
-               no_sync) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch.Tensor, objectives: Objectives,
+               forward, amp_dtype: torch.dtype | None, attention_kernels, scaler, optimizer, max_grad_norm: float,
+               world_size: int, no_sync) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over one optimizer step's micro-batches, then clipping. Returns each
-    LLM's cross-entropy over `n_tokens` (the answer tokens of the whole global batch, per LLM) and
+    LLM's loss terms over `n_targets` (their counts in the whole global batch, [LLMs, terms]) and
     the pre-clip gradient norm; the update is the caller's, once it has read whether the norm is
     finite. The memory plan and find_batch trace and measure this same function."""
-    step_ce = torch.zeros(len(llms), device=n_tokens.device)
+    weights = objectives.weights(n_targets.device)
+    step_terms = torch.zeros_like(n_targets)
     for i, batch in enumerate(micro_batches):
         # --- One gradient all-reduce per optimizer step: no_sync on all but the last ---------
         with nullcontext() if i == len(micro_batches) - 1 else no_sync():
             # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32 --
             with torch.autocast(batch["bytes"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None), \
                     attention_kernels():
-                ce_sums = forward(model, llms, batch)
-            # DDP averages gradients over ranks, hence the factor world_size (see the counts).
-            per_llm = ce_sums / n_tokens
-            scaler.scale(per_llm.mean() * world_size).backward()
-        step_ce += per_llm.detach()
+                sums = forward(model, llms, batch, objectives)
+            # --- Objectives: the answer's cross-entropy, plus the weighted terms that are on ---
+            # The KD term's teacher (the LLM reading the prompt's text) ran inside the forward
+            # under no_grad: a target, not a path for gradients. DDP averages gradients over
+            # ranks, hence the factor world_size (see the counts).
+            terms = sums / n_targets
+            scaler.scale((terms * weights).sum(-1).mean() * world_size).backward()
+        step_terms += terms.detach()
 
     # --- Gradient clipping (the logged norm is the pre-clip norm) ----------------------------
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
-    return step_ce, grad_norm
+    return step_terms, grad_norm
+
+
+def loss_record(terms: torch.Tensor, objectives: Objectives, names: list[str]) -> dict:
+    """The logged losses of a step from its [LLMs, terms] values: `loss` (the objective, averaged
+    over the LLMs), `loss_<llm>` (its weighted sum of terms) and each term per LLM."""
+    per_llm = (terms * objectives.weights(terms.device)).sum(-1).tolist()
+    values = terms.tolist()
+    return {"loss": sum(per_llm) / len(per_llm), **{f"loss_{n}": v for n, v in zip(names, per_llm)},
+            **{f"{term}_{n}": row[j] for n, row in zip(names, values) for j, term in enumerate(objectives.terms)}}
 
 
 def check_out_dir(out_dir: Path, run) -> None:

@@ -25,9 +25,10 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import train  # noqa: E402
 from latentwire.config import load_config  # noqa: E402
-from latentwire.data import Collator, PromptDataset, ShardSampler, count_answer_tokens, load_examples  # noqa: E402
+from latentwire.data import Collator, PromptDataset, ShardSampler, load_examples  # noqa: E402
 from latentwire.llm import load_frozen_llms  # noqa: E402
-from latentwire.model import WireConfig, WireEncoder, forward_ce_sums  # noqa: E402
+from latentwire.model import WireConfig, WireEncoder  # noqa: E402
+from latentwire.objectives import Objectives, forward_loss_sums, target_counts  # noqa: E402
 from latentwire.precision import frozen_weight_dtype  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -86,7 +87,8 @@ def make_loader(cfg, llms: dict) -> DataLoader:
     """train.py's DataLoader for a world of one: the same examples, sampler (so the same batch
     order), collate, workers and prefetch; no pinned memory, as on CPU there is no copy to overlap."""
     dataset = PromptDataset(load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed))
-    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
+    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple,
+                               teacher=Objectives.of(cfg).teacher)
     return train.make_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.seed), collate,
                              micro_batch_size=cfg.micro_batch_size, num_workers=cfg.num_workers,
                              prefetch_factor=cfg.prefetch_factor, device_type="cpu", seed=cfg.seed)
@@ -100,15 +102,15 @@ def take(loader: DataLoader, n: int) -> list[dict]:
 def forward_backward(forward, model, llms: dict, batch: dict, micro_steps: int) -> None:
     """One micro-batch as a minimal loop writes it: each LLM's answer cross-entropy per answer
     token, averaged over the LLMs and over the step's micro-batches, then backward."""
-    tokens = count_answer_tokens(batch).float()
-    loss = (forward(model, llms, batch) / tokens).mean() / micro_steps
+    objectives = Objectives()
+    loss = (forward(model, llms, batch, objectives) / target_counts(batch, objectives)).mean() / micro_steps
     loss.backward()
 
 
 def bare_step(model, llms: dict, optimizer: torch.optim.Optimizer, micro_batches: list[dict]) -> None:
     """The reference the harness is measured against: no DDP, no clipping, no schedule, no logging."""
     for batch in micro_batches:
-        forward_backward(forward_ce_sums, model, llms, batch, len(micro_batches))
+        forward_backward(forward_loss_sums, model, llms, batch, len(micro_batches))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -2,7 +2,7 @@
 
 Two ways to torch.compile train.py's step, same shape settings (`latentwire.compiling.stable_shapes`:
 dynamic sizes, no duck sizing, constant floats) and the same compile mode:
-- whole:    torch.compile(forward_ce_sums): one graph, every decoder layer of both LLMs unrolled
+- whole:    torch.compile(forward_loss_sums): one graph, every decoder layer of both LLMs unrolled
             in it (how train.py compiled before);
 - regional: train.py's compile block, over `latentwire.compiling.step_regions`: each decoder
             layer (inside its activation checkpointing wrapper), each byte-encoder block and the
@@ -51,7 +51,7 @@ from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import load_config
 from latentwire.known_llms import LLAMA_3_1_8B, QWEN_2_5_7B
 from latentwire.llm import apply_activation_checkpointing
-from latentwire.model import forward_ce_sums
+from latentwire.objectives import forward_loss_sums
 
 VARIANTS = ("whole", "regional")
 SLICE_VOCAB = 32768
@@ -110,14 +110,14 @@ def compile_kwargs(mode: str, backend: str) -> dict:
 
 def whole_step(mode: str, backend: str):
     """The step as one graph (how train.py compiled before regional compilation)."""
-    return stable_shapes()(torch.compile(forward_ce_sums, **compile_kwargs(mode, backend)))
+    return stable_shapes()(torch.compile(forward_loss_sums, **compile_kwargs(mode, backend)))
 
 
 def regional_step(model, llms: dict, mode: str, backend: str):
     """train.py's compile block: each of the step's regions compiled on its own."""
     for region in step_regions(model, llms):
         region.compile(**compile_kwargs(mode, backend))
-    return stable_shapes()(forward_ce_sums)
+    return stable_shapes()(forward_loss_sums)
 
 
 def timed_step(forward, model, llms, batch) -> float:

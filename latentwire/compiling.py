@@ -35,7 +35,7 @@ from torch import nn
 @contextmanager
 def stable_shapes():
     """Dynamo settings for tracing the step's regions; train.py calls its step inside them
-    (`stable_shapes()(forward_ce_sums)`, a fresh patch per call).
+    (`stable_shapes()(forward_loss_sums)`, a fresh patch per call).
 
     - no duck sizing: each input size gets a symbol of its own (see the module docstring);
     - floats specialised: Python floats (norm eps, attention scale, dropout p) are constants of the

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
+from .prompting import DEFAULT_ANCHOR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
@@ -87,6 +88,20 @@ FIELDS: dict[str, Field] = {
     "encoder_layers": Field(int, "transformer layers of the byte encoder", positive=True),
     "encoder_heads": Field(int, "attention heads of the byte encoder", positive=True),
     "dropout": Field(float, "dropout in the encoder and adapters", non_negative=True),
+    # --- prompt contract (latentwire.prompting) ---------------------------------------------
+    "anchor_text": Field(str, "text after the wire and after a text prompt, before the answer (training, teacher "
+                              "and evaluation alike; '' for none)", default=DEFAULT_ANCHOR),
+    "chat_template": Field(bool, "wrap the wire and text prompts in the tokenizers' chat template (instruct models)",
+                           default=False),
+    # --- objectives (latentwire.objectives); the answer cross-entropy always has weight 1 --------------
+    "first_token_weight": Field(float, "weight of the cross-entropy of the first answer token (0: off)",
+                                non_negative=True, default=0.0),
+    "k_token_weight": Field(float, "weight of the cross-entropy of the first k_tokens answer targets (0: off)",
+                            non_negative=True, default=0.0),
+    "kd_weight": Field(float, "weight of distillation from the LLM reading the text prompt, over the first k_tokens "
+                              "answer positions (0: off, and no teacher pass)", non_negative=True, default=0.0),
+    "k_tokens": Field(int, "answer positions of k_token_weight and kd_weight", positive=True, default=4),
+    "kd_temperature": Field(float, "softmax temperature of distillation", positive=True, default=2.0),
     # --- data -----------------------------------------------------------------------------
     "dataset": Field(str, "'synthetic', 'squad', 'hotpot_qa' or a local .json/.jsonl/.parquet"),
     "num_examples": Field(int, "size of the synthetic training set", positive=True),
@@ -119,6 +134,11 @@ FIELDS: dict[str, Field] = {
     "profiler_stacks": Field(bool, "profiler: record Python stacks (slower, larger traces)"),
     "memory_snapshot": Field(bool, "CUDA: record allocation history, write a snapshot at the end"),
 }
+
+
+def field_defaults() -> dict:
+    """The fields that have a default (those added after profiles were written), with it."""
+    return {name: spec.default for name, spec in FIELDS.items() if spec.default is not REQUIRED}
 
 
 @dataclass(frozen=True)
@@ -179,7 +199,7 @@ def resolve_profile(profiles: dict, key: str, path: Path = DEFAULT_PROFILES) -> 
         cur = profiles[cur].get("extends")
         if cur is not None and not isinstance(cur, str):
             raise UserError(f"profile {chain[-1]!r} in {path}: field 'extends' must be a profile key")
-    merged = {name: spec.default for name, spec in FIELDS.items() if spec.default is not REQUIRED}
+    merged = field_defaults()
     for name in reversed(chain):
         merged.update({k: v for k, v in profiles[name].items() if k != "extends"})
     for name in chain:

@@ -270,77 +270,95 @@ def round_up(n: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class SpecialIds:
-    """The ids an answer row is built from: an optional BOS prefix, the EOS target, the padding."""
-    prefix: list[int]
+    """The ids an LLM's rows are built from besides the answer: its prompt contract's lead and tail
+    (latentwire.prompting), the EOS target and the padding."""
+    lead: list[int]
+    tail: list[int]
     eos: int
     pad: int
 
     @classmethod
-    def of(cls, tok) -> "SpecialIds":
-        prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    def of(cls, tok, contract) -> "SpecialIds":
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        return cls(prefix, tok.eos_token_id, pad)
+        return cls(list(contract.lead), list(contract.tail), tok.eos_token_id, pad)
 
 
 class Collator:
-    """Pads prompt bytes for the encoder and answer tokens (with labels) for each LLM.
+    """Pads prompt bytes for the encoder and, for each LLM, the tokens around the wire with the
+    answer's labels; with `teacher`, also the prompt as that LLM's tokens, for distillation.
 
-    Label layout: the model feeds `[M soft tokens ; embed(input_ids)]` and keeps the last T+1
-    logits. The logit at the last soft token predicts input_ids[0], so labels[k] is the target
-    of position M-1+k: the BOS (if any) is never a target, and the EOS is the target of the last
-    answer token. Padding is on the right, so a causal LLM's real positions never attend to it,
-    and its labels are -100, so it never reaches the loss.
+    Row layout (latentwire.prompting): the LLM reads `[lead ; M soft tokens ; input_ids]` where
+    input_ids is the tail (the anchor) then the answer, and keeps the last T+1 logits. The logit
+    at the last soft token predicts input_ids[0], so labels[k] is the target of the k-th kept
+    position: the tail's tokens are never targets, and the EOS is the target of the last answer
+    token. Padding is on the right, so a causal LLM's real positions never attend to it, and its
+    labels are -100, so it never reaches the loss. The teacher's `text_ids` ([lead ; prompt]) are
+    padded on the left instead, so that followed by the same input_ids its kept logits are the
+    same positions as the wire's.
     """
 
-    def __init__(self, tokenizers: dict, max_prompt_bytes: int, max_answer_tokens: int, pad_multiple: int):
+    def __init__(self, tokenizers: dict, contracts: dict, max_prompt_bytes: int, max_answer_tokens: int,
+                 pad_multiple: int, teacher: bool = False):
         for name, tok in tokenizers.items():
             if tok.eos_token_id is None:
                 raise UserError(f"the {name} tokenizer has no EOS token")
         self.tokenizers = tokenizers
         # Special ids read once: a transformers tokenizer resolves each attribute read through
         # several Python calls, which per row would cost as much as the tokenisation.
-        self.special_ids = {name: SpecialIds.of(tok) for name, tok in tokenizers.items()}
+        self.special_ids = {name: SpecialIds.of(tok, contracts[name]) for name, tok in tokenizers.items()}
         self.max_prompt_bytes = max_prompt_bytes
         self.max_answer_tokens = max_answer_tokens
         self.pad_multiple = pad_multiple
+        self.teacher = teacher
 
     @classmethod
-    def for_llms(cls, llms: dict, max_prompt_bytes: int, max_answer_tokens: int, pad_multiple: int) -> Collator:
-        """Answers tokenised for each frozen LLM by its own tokenizer."""
-        return cls({name: llm.tokenizer for name, llm in llms.items()}, max_prompt_bytes, max_answer_tokens,
-                   pad_multiple)
+    def for_llms(cls, llms: dict, max_prompt_bytes: int, max_answer_tokens: int, pad_multiple: int,
+                 teacher: bool = False) -> Collator:
+        """Rows for each frozen LLM by its own tokenizer and prompt contract."""
+        return cls({name: llm.tokenizer for name, llm in llms.items()},
+                   {name: llm.contract for name, llm in llms.items()}, max_prompt_bytes, max_answer_tokens,
+                   pad_multiple, teacher)
 
     def __call__(self, items: list[dict]) -> dict:
-        byte_ids, byte_mask = self._collate_bytes([item["prompt"] for item in items])
+        prompts = [item["prompt"][:self.max_prompt_bytes] for item in items]
+        byte_ids, byte_mask = self._collate_bytes(prompts)
+        # The teacher reads what the encoder reads: the prompt cut at the same byte.
+        texts = [p.decode("utf-8", errors="ignore") for p in prompts] if self.teacher else None
         answers = [item["answer"] for item in items]
         return {
             "bytes": byte_ids,
             "byte_mask": byte_mask,
-            "answers": {name: self._collate_answers(tok, self.special_ids[name], answers)
+            "answers": {name: self._collate_llm(tok, self.special_ids[name], answers, texts)
                         for name, tok in self.tokenizers.items()},
             "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
         }
 
-    # Both collations build each output with one tensor constructor over padded rows: per-row
+    # Every collation builds each output with one tensor constructor over padded rows: per-row
     # tensor writes cost more than the tokenisation itself and would show up as data wait.
 
     def _collate_bytes(self, prompts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         # prompt_text is never empty, so every row has at least one real byte to attend to.
-        prompts = [p[:self.max_prompt_bytes] for p in prompts]
         length = round_up(max(len(p) for p in prompts), self.pad_multiple)
         raw = torch.frombuffer(bytearray(b"".join(p.ljust(length, b"\0") for p in prompts)), dtype=torch.uint8)
         byte_mask = torch.arange(length) < torch.tensor([len(p) for p in prompts])[:, None]
         byte_ids = raw.view(len(prompts), length).long().masked_fill_(~byte_mask, PAD_BYTE)
         return byte_ids, byte_mask
 
-    def _collate_answers(self, tok, special: SpecialIds, answers: list[str]) -> dict[str, torch.Tensor]:
-        prefix, eos, pad = special.prefix, [special.eos], special.pad
+    def _collate_llm(self, tok, special: SpecialIds, answers: list[str], texts: list[str] | None) -> dict:
+        tail, eos, pad = special.tail, [special.eos], special.pad
         token_ids = [ids[:self.max_answer_tokens] for ids in answer_token_ids(tok, answers)]
-        length = round_up(max(len(prefix) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
-        inputs = [prefix + ids for ids in token_ids]
-        targets = [[IGNORE_INDEX] * len(prefix) + ids + eos for ids in token_ids]
-        return {"input_ids": torch.tensor([row + [pad] * (length - len(row)) for row in inputs]),
+        length = round_up(max(len(tail) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
+        inputs = [tail + ids for ids in token_ids]
+        targets = [[IGNORE_INDEX] * len(tail) + ids + eos for ids in token_ids]
+        rows = {"lead_ids": torch.tensor([special.lead] * len(answers), dtype=torch.long).view(len(answers), -1),
+                "input_ids": torch.tensor([row + [pad] * (length - len(row)) for row in inputs]),
                 "labels": torch.tensor([row + [IGNORE_INDEX] * (length + 1 - len(row)) for row in targets])}
+        if texts is not None:
+            prompts = [special.lead + ids for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+            width = round_up(max(map(len, prompts)), ANSWER_PAD_MULTIPLE)
+            rows["text_ids"] = torch.tensor([[pad] * (width - len(row)) + row for row in prompts])
+            rows["text_mask"] = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in prompts])
+        return rows
 
 
 def answer_token_ids(tok, answers: list[str]) -> list[list[int]]:
@@ -348,12 +366,6 @@ def answer_token_ids(tok, answers: list[str]) -> list[list[int]]:
     new word: with its leading space, BPE vocabularies (trained on running text, where words start
     with a space) give whole-word tokens."""
     return tok([" " + a for a in answers], add_special_tokens=False)["input_ids"]
-
-
-def count_answer_tokens(batch: dict) -> torch.Tensor:
-    """Supervised targets per LLM (answer tokens + EOS), the loss normaliser: an int64 tensor in
-    the order of batch["answers"], on the batch's device, so counting needs no host sync."""
-    return torch.stack([(a["labels"] != IGNORE_INDEX).sum() for a in batch["answers"].values()])
 
 
 class ShardSampler(torch.utils.data.DistributedSampler):

@@ -7,9 +7,10 @@ A run trained with --frozen-sharding fsdp is evaluated under torchrun with its L
 way (in lockstep, see Plan), so a 70B pair that fits no single GPU is evaluated where it trained.
 
 For each LLM and each input, on the held-out split:
-- `wire`: the M soft tokens of the trained wire, fed as in training: `[soft ; embed(prefix_ids)]`,
-  then greedy generation (KV cache, stop at EOS or a newline, at most max_new_tokens);
-- `text`: the whole prompt as that LLM's tokens, `prefix_ids + prompt + SEPARATOR`;
+- `wire`: the M soft tokens of the trained wire, fed as in training: `[lead ; soft ; tail]` (the
+  prompt contract of latentwire.prompting: BOS where the tokenizer has one, the anchor text), then
+  greedy generation (KV cache, stop at EOS or a newline, at most max_new_tokens);
+- `text`: the whole prompt as that LLM's tokens in the same contract, `lead + prompt + tail`;
 - `text_cut`: the same with the prompt cut to its first M tokens (the wire's token budget);
 - `joint`: of the two LLMs' answers, the one with the higher log-probability summed over both LLMs.
 Each gets SQuAD exact match and F1 (in %, best over the gold answers) and the answer NLL per token:
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
-from .config import FIELDS, Config, Parser, RunFlags, check_can_create, check_value, positive
+from .config import FIELDS, Config, Parser, RunFlags, check_can_create, check_value, field_defaults, positive
 from .data import Collator, PromptDataset, load_examples, to_device
 from .distributed import process_group
 from .errors import UserError, main_guard
@@ -147,7 +148,8 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
     wires = {"wire": z, "zeroed": torch.zeros_like(z), "shuffled": model.wire(partner["bytes"], partner["byte_mask"]),
              **{p: payload_roundtrip(z, p) for p in payload_controls(plan.precision)}}
     for key, wire in wires.items():
-        prompts = {name: wire_prompts(llm, model.adapters[name](wire)) for name, llm in llms.items()}
+        prompts = {name: wire_prompts(llm, model.adapters[name](wire), batch["answers"][name]["lead_ids"])
+                   for name, llm in llms.items()}
         add_nll(records, key, llms, prompts, targets)
         if key == "wire":
             add_answers(records, key, llms, prompts, golds, plan)
@@ -265,7 +267,9 @@ def read_meta(ckpt: Path) -> tuple[Config, int | None]:
     missing = [name for name in READ_FIELDS if name not in config]
     if missing:
         raise UserError(f"{where}: config has no field {missing[0]!r}")
-    values = {name: check_value(name, value, where=str(where)) for name, value in config.items() if name in FIELDS}
+    # Fields added after the checkpoint was written take their defaults, as an older profile's do.
+    values = field_defaults()
+    values |= {name: check_value(name, value, where=str(where)) for name, value in config.items() if name in FIELDS}
     return Config(values, RunFlags(profile=str(meta.get("profile")))), meta.get("step")
 
 

@@ -121,7 +121,8 @@ class Probe:
 
     def __init__(self, cfg, llms: dict, device: torch.device, steps: int, cap_bytes: int):
         self.cfg, self.llms, self.device, self.steps, self.cap_bytes = cfg, llms, device, steps, cap_bytes
-        self.answers = {name: (len(llm.prefix_ids), llm.model.config.vocab_size) for name, llm in llms.items()}
+        self.answers = {name: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)
+                        for name, llm in llms.items()}
         # train.py's attention kernels for this card and dtype
         self.attention_kernels, _ = sdpa_kernels(cuda_capability(device), frozen_weight_dtype(cfg.precision))
         self.resident = resident_bytes(llm.model for llm in llms.values())
@@ -154,9 +155,9 @@ class Probe:
         model = WireEncoder.for_llms(WireConfig.of(self.cfg), self.llms)
         model.to(self.device).train()
         optimizer = make_optimizer(self.cfg, model, self.device.type)
-        batch, n_targets = planning_batch(self.cfg, self.answers, micro_batch, self.device)
+        batch = planning_batch(self.cfg, self.answers, micro_batch, self.device)
         for _ in range(self.steps):
-            optimizer_step(self.cfg, model, self.llms, optimizer, batch, n_targets, self.device, self.attention_kernels)
+            optimizer_step(self.cfg, model, self.llms, optimizer, batch, self.attention_kernels)
 
 
 def free_memory(device: torch.device) -> None:

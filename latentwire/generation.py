@@ -11,11 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import IGNORE_INDEX, prompt_text
-from .llm import FrozenLLM, padded_attention
-
-# Between the prompt and the answer in both text baselines. The answer's own tokens (the same
-# targets as the wire's) start with the space that makes it a new word, so none is added here.
-SEPARATOR = "\nanswer:"
+from .llm import FrozenLLM, padded_attention, positions
 
 
 # --- prompts as input embeddings --------------------------------------------------------------
@@ -28,24 +24,18 @@ class Prompts:
     mask: torch.Tensor  # [B, P], long
 
 
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids counting real tokens only, so left padding does not shift the rotary positions."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def wire_prompts(llm: FrozenLLM, soft: torch.Tensor) -> Prompts:
-    """`[soft ; embed(prefix_ids)]`: what training puts before the answer (see data.Collator)."""
-    table = llm.model.get_input_embeddings()
-    prefix = table(torch.tensor(llm.prefix_ids, dtype=torch.long, device=soft.device))
-    prefix = prefix[None].expand(soft.shape[0], -1, -1)
-    embeds = torch.cat([soft.to(prefix.dtype), prefix], dim=1)
+def wire_prompts(llm: FrozenLLM, soft: torch.Tensor, lead_ids: torch.Tensor) -> Prompts:
+    """`[lead ; soft ; tail]`: what training puts before the answer (llm.wire_embeds, the prompt
+    contract of latentwire.prompting)."""
+    tail = torch.tensor(llm.contract.tail, dtype=torch.long, device=soft.device).expand(soft.shape[0], -1)
+    embeds = llm.wire_embeds(soft, lead_ids, tail)
     return Prompts(embeds, torch.ones(embeds.shape[:2], dtype=torch.long, device=soft.device))
 
 
 def text_prompt_ids(llm: FrozenLLM, example: dict, max_prompt_tokens: int | None) -> list[int]:
-    tok = llm.tokenizer
-    ids = tok(prompt_text(example), add_special_tokens=False)["input_ids"][:max_prompt_tokens]
-    return llm.prefix_ids + ids + tok(SEPARATOR, add_special_tokens=False)["input_ids"]
+    """`lead ; prompt ; tail` in tokens: what the distillation teacher reads, and the text baselines."""
+    ids = llm.tokenizer(prompt_text(example), add_special_tokens=False)["input_ids"][:max_prompt_tokens]
+    return llm.contract.around(ids)
 
 
 def text_prompts(llm: FrozenLLM, examples: list[dict], max_prompt_tokens: int | None) -> Prompts:

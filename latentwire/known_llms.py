@@ -57,7 +57,7 @@ class LLMSpec:
     """What the planner needs of one frozen LLM."""
     source: str          # as the profile names it
     config: object       # a transformers PretrainedConfig
-    has_bos: bool        # a BOS precedes the answer tokens (data.Collator)
+    has_bos: bool        # a BOS leads every prompt (latentwire.prompting)
     origin: str          # where the configuration came from, for the report
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .errors import UserError
+from .prompting import PromptContract, PromptFormat
 
 TINY = "tiny"
 TINY_RANDOM = "tiny-random"
@@ -69,18 +70,13 @@ class FrozenLLM:
     name: str
     model: nn.Module
     tokenizer: object
+    contract: PromptContract | None = None  # the token ids around every prompt (latentwire.prompting)
     weights: object = None  # where `load_weights` reads the model's tensors from
     source: str = ""
 
     @property
     def hidden_size(self) -> int:
         return self.model.config.hidden_size
-
-    @property
-    def prefix_ids(self) -> list[int]:
-        """Tokens fed between the wire and the answer: BOS if the model has one (Llama), else none (Qwen)."""
-        bos = self.tokenizer.bos_token_id
-        return [] if bos is None else [bos]
 
     def embed_rms(self) -> float:
         """RMS of the input-embedding table: adapters scale their output to it, so soft tokens look
@@ -99,13 +95,45 @@ class FrozenLLM:
             torch.distributed.all_reduce(squares, group=w.device_mesh.get_group())
         return math.sqrt(squares.item() / w.numel())
 
-    def answer_logits(self, soft: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of the last T+1 positions of [soft ; embed(input_ids)], i.e. the predictions of the
-        answer tokens and the EOS after them (see data.Collator for the label layout)."""
-        tok_embeds = self.model.get_input_embeddings()(input_ids)
-        embeds = torch.cat([soft.to(tok_embeds.dtype), tok_embeds], dim=1)
-        out = self.model(inputs_embeds=embeds, use_cache=False, logits_to_keep=input_ids.shape[1] + 1)
+    def wire_embeds(self, soft: torch.Tensor, lead_ids: torch.Tensor, after_ids: torch.Tensor) -> torch.Tensor:
+        """`[embed(lead) ; soft ; embed(after)]`: the wire where a text prompt's tokens would be."""
+        table = self.model.get_input_embeddings()
+        return torch.cat([table(lead_ids), soft.to(table.weight.dtype), table(after_ids)], dim=1)
+
+    def answer_logits(self, soft: torch.Tensor, lead_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the last T+1 positions of [lead ; soft ; embed(input_ids)] (input_ids: the tail,
+        then the answer), i.e. the predictions of the tail's and answer's tokens after the wire's
+        last and the EOS after them (see data.Collator for the label layout)."""
+        out = self.model(inputs_embeds=self.wire_embeds(soft, lead_ids, input_ids), use_cache=False,
+                         logits_to_keep=input_ids.shape[1] + 1)
         return out.logits
+
+    def teacher_logits(self, text_ids: torch.Tensor, text_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The same positions as `answer_logits`, with the prompt's tokens in place of the wire:
+        `text_ids` is [lead ; prompt], left-padded (`text_mask` 0 on padding), so that every row's
+        prompt ends where its input_ids begin and the kept logits line up with the wire's."""
+        ids = torch.cat([text_ids, input_ids], dim=1)
+        real = torch.cat([text_mask, torch.ones_like(input_ids)], dim=1).bool()
+        out = self.model(input_ids=ids, attention_mask=padded_causal_mask(real), position_ids=positions(real),
+                         use_cache=False, logits_to_keep=input_ids.shape[1] + 1)
+        return out.logits
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counting real tokens only, so left padding does not shift the rotary positions."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def padded_causal_mask(real: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L], True where a query may attend: causal, never to padding. A 4-D mask goes to
+    attention as it is, under the training attention too (transformers builds no mask of its own
+    for it). A padding query attends to itself: for a query with no key, CUDA's memory-efficient
+    kernel has returned NaN (pytorch#110213; the CPU kernels give 0), and a NaN value poisons even
+    the queries that give it zero weight."""
+    length = real.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=real.device).tril()
+    diagonal = torch.eye(length, dtype=torch.bool, device=real.device)
+    return ((causal & real[:, None, :]) | diagonal)[:, None]
 
 
 def causal_attention() -> str:
@@ -264,9 +292,10 @@ def meta_model(config, dtype: torch.dtype) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
 
 
-def build_frozen_llm(name: str, source: str, dtype: torch.dtype) -> FrozenLLM:
+def build_frozen_llm(name: str, source: str, dtype: torch.dtype, prompt: PromptFormat = PromptFormat()) -> FrozenLLM:
     """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'tiny-random', 'random:SOURCE', a hub id or a
-    local directory. The model is on the meta device, frozen, until `load_weights`."""
+    local directory; `prompt` makes its tokenizer's prompt contract. The model is on the meta
+    device, frozen, until `load_weights`."""
     if source == TINY_RANDOM:
         tokenizer = tiny_tokenizer(name)
         whole = tiny_model(name, tokenizer)
@@ -281,7 +310,8 @@ def build_frozen_llm(name: str, source: str, dtype: torch.dtype) -> FrozenLLM:
     if source.startswith(RANDOM):
         weights = SeededWeights(model, RANDOM_SEED + LLM_NAMES.index(name), config.initializer_range, source)
     check_buffers_computable(model, source)
-    return FrozenLLM(name, freeze(model), tokenizer, weights, source)
+    contract = PromptContract.of(tokenizer, prompt, who=f"the {name} ({source})")
+    return FrozenLLM(name, freeze(model), tokenizer, contract, weights, source)
 
 
 def random_architecture(name: str, source: str):
@@ -423,7 +453,7 @@ def load_frozen_llm(name: str, source: str, dtype: torch.dtype, device: torch.de
 def build_frozen_llms(cfg, dtype: torch.dtype) -> dict[str, FrozenLLM]:
     """Both frozen LLMs of a configuration by name, each from its source field (`cfg.llama`,
     `cfg.qwen`), on the meta device."""
-    return {name: build_frozen_llm(name, getattr(cfg, name), dtype) for name in LLM_NAMES}
+    return {name: build_frozen_llm(name, getattr(cfg, name), dtype, PromptFormat.of(cfg)) for name in LLM_NAMES}
 
 
 def load_frozen_llms(cfg, dtype: torch.dtype, device: torch.device) -> dict[str, FrozenLLM]:

@@ -28,7 +28,8 @@ from torch.utils._pytree import tree_leaves
 
 from .data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, round_up
 from .llm import FrozenLLM, apply_activation_checkpointing, causal_attention, freeze
-from .model import WireConfig, WireEncoder, forward_ce_sums
+from .model import WireConfig, WireEncoder
+from .objectives import Objectives, forward_loss_sums, target_counts
 from .precision import AMP_DTYPES, frozen_weight_dtype
 
 CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
@@ -47,38 +48,45 @@ def make_optimizer(cfg, model: torch.nn.Module, device_type: str) -> torch.optim
                  device_type=device_type)
 
 
-def optimizer_step(cfg, model, llms: dict, optimizer, batch: dict, n_targets: float, device: torch.device,
-                   attention_kernels=nullcontext) -> None:
+def optimizer_step(cfg, model, llms: dict, optimizer, batch: dict, attention_kernels=nullcontext) -> None:
     """One micro-batch through train.py's `train_step`, then the update (no GradScaler: its fp16
     loss scaling costs a few scalars)."""
     from train import train_step
-    train_step(model, llms, [batch], n_tokens=torch.full((len(llms),), float(n_targets), device=device),
-               forward=forward_ce_sums, amp_dtype=AMP_DTYPES[cfg.precision],
-               attention_kernels=attention_kernels, scaler=torch.amp.GradScaler(device.type, enabled=False),
+    objectives = Objectives.of(cfg)
+    train_step(model, llms, [batch], n_targets=target_counts(batch, objectives).float(), objectives=objectives,
+               forward=forward_loss_sums, amp_dtype=AMP_DTYPES[cfg.precision],
+               attention_kernels=attention_kernels, scaler=torch.amp.GradScaler(batch["bytes"].device.type, enabled=False),
                optimizer=optimizer, max_grad_norm=cfg.max_grad_norm, world_size=1, no_sync=nullcontext)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def planning_batch(cfg, answers: dict[str, tuple[int, int]], micro_batch: int,
-                   device: torch.device = torch.device("cpu")) -> tuple[dict, float]:
-    """The largest batch `data.Collator` can emit, and its number of answer targets per LLM.
+def planning_batch(cfg, answers: dict[str, tuple[int, int, int]], micro_batch: int,
+                   device: torch.device = torch.device("cpu")) -> dict:
+    """The largest batch `data.Collator` can emit for this configuration.
 
     Every prompt is cut at max_prompt_bytes and every answer at max_answer_tokens, padded as the
-    collator pads. `answers` maps an LLM's name to (tokens before the answer: 1 with a BOS, vocab size).
+    collator pads. `answers` maps an LLM's name to (lead tokens, tail tokens, vocabulary size) of its
+    prompt contract. With distillation, the teacher's prompt is as many tokens as it has bytes (a
+    byte-level BPE token is at least one byte): an upper bound.
     """
     length = round_up(cfg.max_prompt_bytes, cfg.pad_multiple)
     byte_ids = torch.full((micro_batch, length), PAD_BYTE, dtype=torch.long, device=device)
     byte_ids[:, :cfg.max_prompt_bytes] = torch.randint(0, 256, (micro_batch, cfg.max_prompt_bytes), device=device)
     batch = {"bytes": byte_ids, "byte_mask": byte_ids != PAD_BYTE, "answers": {}}
     targets = cfg.max_answer_tokens + 1  # the answer tokens and the EOS after them
-    for name, (prefix, vocab) in answers.items():
-        width = round_up(prefix + cfg.max_answer_tokens, ANSWER_PAD_MULTIPLE)
-        input_ids = torch.randint(0, vocab, (micro_batch, width), device=device)
+    for name, (lead, tail, vocab) in answers.items():
+        width = round_up(tail + cfg.max_answer_tokens, ANSWER_PAD_MULTIPLE)
         labels = torch.full((micro_batch, width + 1), IGNORE_INDEX, dtype=torch.long, device=device)
-        labels[:, prefix:prefix + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
-        batch["answers"][name] = {"input_ids": input_ids, "labels": labels}
-    return batch, float(micro_batch * targets)
+        labels[:, tail:tail + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
+        rows = {"lead_ids": torch.randint(0, vocab, (micro_batch, lead), device=device),
+                "input_ids": torch.randint(0, vocab, (micro_batch, width), device=device), "labels": labels}
+        if Objectives.of(cfg).teacher:
+            text = round_up(lead + cfg.max_prompt_bytes, ANSWER_PAD_MULTIPLE)
+            rows["text_ids"] = torch.randint(0, vocab, (micro_batch, text), device=device)
+            rows["text_mask"] = torch.ones((micro_batch, text), dtype=torch.long, device=device)
+        batch["answers"][name] = rows
+    return batch
 
 
 # --- CUDA attention on a CPU trace ------------------------------------------------------------
@@ -97,8 +105,8 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if attn_mask is None:  # the LLMs: causal, no mask; flash reads grouped K/V heads as they are
         return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
                                                                   scale=scale)[0]
-    if enable_gqa:  # no model here makes such a call: the encoder's masked attention is not grouped
-        raise ValueError("memory plan: masked grouped-query attention has no CUDA kernel to trace it as")
+    if enable_gqa:  # the distillation teacher's padded prompts: on CUDA transformers repeats the K/V heads
+        key, value = (t.repeat_interleave(query.shape[1] // t.shape[1], dim=1) for t in (key, value))
     # As on CUDA: the boolean mask becomes an additive bias in the query's dtype, broadcast (a view).
     bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~attn_mask, float("-inf"))
     bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
@@ -195,14 +203,14 @@ class StepTracer:
     so one step is already the steady state.
     """
 
-    def __init__(self, cfg, llms: dict[str, FrozenLLM], answers: dict[str, tuple[int, int]]):
+    def __init__(self, cfg, llms: dict[str, FrozenLLM], answers: dict[str, tuple[int, int, int]]):
         self.cfg, self.llms, self.answers = cfg, llms, answers
         # The adapters' output scale (the LLMs' embedding RMS) changes values, not memory.
         self.model = WireEncoder(WireConfig.of(cfg), {name: (llm.hidden_size, 1.0) for name, llm in llms.items()})
         self.optimizer = make_optimizer(cfg, self.model, cfg.device)
 
     def trace(self, micro_batch: int, steps: int) -> StepTrace:
-        batch, n_targets = planning_batch(self.cfg, self.answers, micro_batch)
+        batch = planning_batch(self.cfg, self.answers, micro_batch)
         tracker = FrozenAwareMemTracker()
         tracker.track_external(self.model, self.optimizer, *(llm.model for llm in self.llms.values()), batch)
         seen = {}
@@ -215,7 +223,7 @@ class StepTracer:
         attention = cuda_attention() if self.cfg.device == "cuda" else nullcontext()
         with tracker, attention:
             for _ in range(steps):
-                optimizer_step(self.cfg, self.model, self.llms, self.optimizer, batch, n_targets, torch.device("cpu"))
+                optimizer_step(self.cfg, self.model, self.llms, self.optimizer, batch)
                 tracker.reset_mod_stats()
         for hook in hooks:
             hook.remove()

@@ -169,21 +169,5 @@ class WireEncoder(nn.Module):
         return {name: adapter(z) for name, adapter in self.adapters.items()}
 
 
-def answer_ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) next-token cross-entropy over answer tokens; the caller divides by the
-    token count of the whole global batch, which is what makes gradient accumulation exact."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-
-
-def forward_ce_sums(wire_encoder: nn.Module, llms: dict, batch: dict) -> torch.Tensor:
-    """One micro-batch: the summed answer cross-entropy of each LLM, stacked in `llms` order."""
-    soft = wire_encoder(batch["bytes"], batch["byte_mask"])
-    sums = []
-    for name, llm in llms.items():
-        ans = batch["answers"][name]
-        sums.append(answer_ce_sum(llm.answer_logits(soft[name], ans["input_ids"]), ans["labels"]))
-    return torch.stack(sums)
-
-
 def count_parameters(module: nn.Module, trainable: bool) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad == trainable)

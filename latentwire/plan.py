@@ -163,7 +163,10 @@ def make_plan(cfg, world_size: int = 1) -> Plan:
 
     start = time.perf_counter()
     specs = {name: llm_spec(name, getattr(cfg, name)) for name in LLM_NAMES}
-    answers = {name: (int(spec.has_bos), spec.config.vocab_size) for name, spec in specs.items()}
+    # No tokenizer here (a hub model is planned before it is downloaded): the anchor is counted at a
+    # token per byte, an upper bound for byte-level BPE; a chat template's framing is not counted.
+    answers = {name: (int(spec.has_bos), len(cfg.anchor_text.encode()), spec.config.vocab_size)
+               for name, spec in specs.items()}
     shapes = trainable_shapes(cfg, specs)
     budget = budget_for(cfg.device, cfg.memory_gb, cfg.target_util, world_size, sum(math.prod(s) for s in shapes))
     sharded = cfg.frozen_sharding == "fsdp" and world_size > 1

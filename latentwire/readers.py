@@ -26,6 +26,7 @@ from .data import IGNORE_INDEX, answer_text, answer_token_ids, load_examples, sy
 from .errors import main_guard
 from .generation import decode_answer, greedy_generate, text_prompt_ids, text_prompts
 from .llm import LLM_NAMES, TINY_READERS, FrozenLLM, tiny_model, tiny_tokenizer
+from .prompting import PromptContract
 from .squad_metrics import best_em_f1
 
 # Disjoint from the seeds the wire's runs draw their examples from (config seeds are small).
@@ -102,7 +103,7 @@ def held_out_em(llm: FrozenLLM, n: int = HELD_OUT_EXAMPLES, seed: int = 0, batch
 def build_reader(name: str, steps: int, batch_size: int, lr: float, seed: int, log) -> FrozenLLM:
     """The `tiny-random` model of the `name` slot (its seeded initialisation), pretrained."""
     tokenizer = tiny_tokenizer(name)
-    llm = FrozenLLM(name, tiny_model(name, tokenizer), tokenizer)
+    llm = FrozenLLM(name, tiny_model(name, tokenizer), tokenizer, PromptContract.of(tokenizer))
     pretrain(llm, steps, batch_size, lr, seed + LLM_NAMES.index(name), log)
     return llm
 

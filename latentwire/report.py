@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .data import prompt_text
-from .generation import SEPARATOR
 
 if TYPE_CHECKING:
     from .evaluate import Plan
@@ -75,7 +74,8 @@ def build_report(ckpt: Path, step, cfg, dataset: str, examples: list[dict], reco
         "checkpoint": str(ckpt), "step": step, "profile": cfg.run.profile,
         "dataset": dataset, "split": "validation", "examples": len(examples), "world_size": world,
         "settings": {"num_latents": cfg.num_latents, "d_z": cfg.d_z, "batch_size": plan.batch_size,
-                     "max_new_tokens": plan.max_new_tokens, "text_separator": SEPARATOR},
+                     "max_new_tokens": plan.max_new_tokens, "anchor_text": cfg.anchor_text,
+                     "chat_template": cfg.chat_template},
         "metrics": metrics,
         "wire_vs_controls": margins,
         "wire_carries_information": {name: all(m["margin"] > SIGNIFICANT_SE * m["se"] for m in by_control.values())

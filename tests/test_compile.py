@@ -15,7 +15,8 @@ from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
-from latentwire.model import WireConfig, WireEncoder, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder
+from latentwire.objectives import Objectives, forward_loss_sums
 
 CPU = torch.device("cpu")
 BACKEND = "aot_eager"
@@ -75,7 +76,7 @@ def compile_as_train_py(model, llms):
     """train.py's compile block, with the test backend in place of inductor and the profile's mode."""
     for region in step_regions(model, llms):
         region.compile(backend=BACKEND, dynamic=True)
-    return stable_shapes()(forward_ce_sums)
+    return stable_shapes()(forward_loss_sums)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_compiled_step_equals_eager(compiled_run):
         return loss.detach(), grads
 
     compiled_loss, compiled_grads = loss_and_grads(step)
-    eager_loss, eager_grads = loss_and_grads(forward_ce_sums)  # compiled regions, told to run eagerly below
+    eager_loss, eager_grads = loss_and_grads(forward_loss_sums)  # compiled regions, told to run eagerly below
     with torch.compiler.set_stance("force_eager"):
         forced_loss, forced_grads = loss_and_grads(step)
     torch.testing.assert_close(forced_loss, compiled_loss, rtol=1e-5, atol=1e-4)
@@ -139,7 +140,7 @@ def test_evaluation_under_force_eager_compiles_nothing(compiled_run):
     model.eval()
     try:
         with torch.compiler.set_stance("force_eager"), torch.no_grad():
-            forward_ce_sums(model, llms, compiled_run["batches"][0])
+            forward_loss_sums(model, llms, compiled_run["batches"][0], Objectives())
     finally:
         model.train()
     assert graphs() == before

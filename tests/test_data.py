@@ -7,9 +7,11 @@ from transformers import PreTrainedTokenizerFast
 
 from latentwire.errors import UserError
 from latentwire.data import (
-    PAD_BYTE, Collator, PromptDataset, answer_text, count_answer_tokens, hotpot_to_squad,
+    PAD_BYTE, Collator, PromptDataset, answer_text, hotpot_to_squad,
     load_examples, prompt_text, synthetic_corpus_text, synthetic_examples,
 )
+from latentwire.objectives import Objectives, target_counts
+from latentwire.prompting import PromptContract, PromptFormat
 
 torch.set_num_threads(1)
 
@@ -212,10 +214,18 @@ def test_prompt_dataset_items():
     assert item["prompt"].decode() == prompt_text(RECORDS[1])
 
 
-def collate(tokenizers, examples, **overrides):
+# Words of the corpus the word-level test tokenizers know: a two-token tail.
+ANCHOR = "What is"
+
+
+def contracts_of(tokenizers, anchor=ANCHOR):
+    return {name: PromptContract.of(tok, PromptFormat(anchor)) for name, tok in tokenizers.items()}
+
+
+def collate(tokenizers, examples, teacher=False, **overrides):
     settings = dict(max_prompt_bytes=512, max_answer_tokens=16, pad_multiple=32) | overrides
     ds = PromptDataset(examples)
-    return Collator(tokenizers, **settings)([ds[i] for i in range(len(ds))]), ds
+    return Collator(tokenizers, contracts_of(tokenizers), teacher=teacher, **settings)([ds[i] for i in range(len(ds))]), ds
 
 
 def test_collate_bytes_are_padded_to_a_multiple(tokenizers):
@@ -239,34 +249,58 @@ def test_collate_truncates_prompts(tokenizers):
 
 @pytest.mark.parametrize("name", ["llama", "qwen"])
 def test_collate_answer_labels(tokenizers, name):
+    """[lead ; wire ; tail + answer]: the lead (BOS, Llama only) before the wire, the tail (the anchor)
+    before the answer and never a target, the EOS the last answer token's target, padding ignored."""
     tok = tokenizers[name]
     examples = synthetic_examples(6, seed=5)
     batch, _ = collate(tokenizers, examples)
-    input_ids, labels = batch["answers"][name]["input_ids"], batch["answers"][name]["labels"]
-    prefix = [tok.bos_token_id] if name == "llama" else []
+    rows = batch["answers"][name]
+    input_ids, labels = rows["input_ids"], rows["labels"]
+    lead = [tok.bos_token_id] if name == "llama" else []
+    tail = tok(ANCHOR, add_special_tokens=False)["input_ids"]
     pad_id = tok.pad_token_id if name == "llama" else tok.eos_token_id
-    rows = [prefix + tok(answer_text(ex), add_special_tokens=False)["input_ids"] for ex in examples]
+    answers = [tok(answer_text(ex), add_special_tokens=False)["input_ids"] for ex in examples]
     T = input_ids.shape[1]
-    assert T % 8 == 0 and T >= max(map(len, rows)) and labels.shape == (6, T + 1)
-    for row, ids in enumerate(rows):
-        answer = ids[len(prefix):]
+    assert len(tail) == 2 and rows["lead_ids"].tolist() == [lead] * 6
+    assert T % 8 == 0 and T >= len(tail) + max(map(len, answers)) and labels.shape == (6, T + 1)
+    for row, answer in enumerate(answers):
+        ids = tail + answer
         assert input_ids[row].tolist() == ids + [pad_id] * (T - len(ids))
-        assert labels[row].tolist() == [-100] * len(prefix) + answer + [tok.eos_token_id] + [-100] * (T - len(ids))
-    assert count_answer_tokens(batch)[list(batch["answers"]).index(name)] == sum(len(ids) - len(prefix) + 1 for ids in rows)
+        assert labels[row].tolist() == [-100] * len(tail) + answer + [tok.eos_token_id] + [-100] * (T - len(ids))
+    counts = target_counts(batch, Objectives())[list(batch["answers"]).index(name)]
+    assert counts.tolist() == [sum(len(a) + 1 for a in answers)]
+    assert "text_ids" not in rows  # no teacher asked for: the prompt is not tokenised
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen"])
+def test_collate_teacher_prompts_end_where_the_answer_rows_begin(tokenizers, name):
+    """The teacher's [lead ; prompt] is padded on the left, so each row's prompt ends at the last
+    column and the input_ids (tail + answer) follow it directly, as the wire does."""
+    tok = tokenizers[name]
+    examples = synthetic_examples(5, seed=6)
+    batch, ds = collate(tokenizers, examples, teacher=True, max_prompt_bytes=90)
+    rows = batch["answers"][name]
+    lead = [tok.bos_token_id] if name == "llama" else []
+    assert rows["text_ids"].shape == rows["text_mask"].shape and rows["text_ids"].shape[1] % 8 == 0
+    for row in range(5):
+        real = rows["text_mask"][row].bool()
+        prompt = ds[row]["prompt"][:90].decode()  # the bytes the encoder reads
+        assert rows["text_ids"][row][real].tolist() == lead + tok(prompt, add_special_tokens=False)["input_ids"]
+        assert real[-1] and (real.long().diff() >= 0).all()  # padding only on the left
 
 
 def test_collate_truncates_answers(tokenizers):
     long_answer = dict(RECORDS[0], answers={"text": ["Paris is a city in Paris with a pet cat"]})
     batch, _ = collate(tokenizers, [long_answer], max_answer_tokens=3)
     llama, qwen = batch["answers"]["llama"], batch["answers"]["qwen"]
-    assert (llama["input_ids"][0] != tokenizers["llama"].pad_token_id).sum() == 4  # BOS + 3
+    assert (llama["input_ids"][0] != tokenizers["llama"].pad_token_id).sum() == 2 + 3  # tail + 3
     assert list(batch["answers"]) == ["llama", "qwen"]
-    assert count_answer_tokens(batch).tolist() == [4, 4]  # 3 answer tokens + EOS
-    assert qwen["labels"][0, 3] == tokenizers["qwen"].eos_token_id
+    assert target_counts(batch, Objectives()).tolist() == [[4], [4]]  # 3 answer tokens + EOS
+    assert qwen["labels"][0, 2 + 3] == tokenizers["qwen"].eos_token_id  # after the 2 tail tokens
 
 
 def test_collator_rejects_a_tokenizer_without_eos(tokenizers):
     tok = make_tokenizer(with_bos=True)
     tok.eos_token = None
     with pytest.raises(UserError, match="no EOS"):
-        Collator({"llama": tok}, 64, 8, 8)
+        Collator({"llama": tok}, contracts_of({"llama": tok}), 64, 8, 8)

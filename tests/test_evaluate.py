@@ -11,9 +11,10 @@ from latentwire import evaluate as ev
 from latentwire import generation as gen
 from latentwire import report as reporting
 from latentwire.config import load_config
-from latentwire.data import Collator, PromptDataset, count_answer_tokens, load_examples, synthetic_examples
+from latentwire.data import Collator, PromptDataset, load_examples, synthetic_examples
 from latentwire.llm import LLM_NAMES, apply_activation_checkpointing, load_frozen_llm
-from latentwire.model import WireConfig, WireEncoder, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder
+from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 from latentwire.precision import AMP_DTYPES
 from latentwire.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
 
@@ -94,7 +95,8 @@ def test_generation_with_and_without_kv_cache_gives_identical_tokens(cfg, random
     soft = wire_encoder(cfg, llms).eval()(batch["bytes"], batch["byte_mask"])
     for name, llm in llms.items():
         # The wire (no padding) and the text prompts (left-padded to different lengths).
-        for prompts in (gen.wire_prompts(llm, soft[name]), gen.text_prompts(llm, examples, None)):
+        for prompts in (gen.wire_prompts(llm, soft[name], batch["answers"][name]["lead_ids"]),
+                        gen.text_prompts(llm, examples, None)):
             cached = gen.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=True)
             recomputed = gen.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=False)
             assert cached == recomputed
@@ -139,14 +141,14 @@ def test_the_wire_share_of_the_text_baseline():
 
 
 @torch.no_grad()
-def test_text_cut_keeps_the_first_m_prompt_tokens_and_the_separator(llms):
+def test_text_cut_keeps_the_first_m_prompt_tokens_and_the_anchor(llms):
     example = synthetic_examples(1, seed=7)[0]
     for llm in llms.values():
         full, cut = gen.text_prompt_ids(llm, example, None), gen.text_prompt_ids(llm, example, 8)
-        sep = llm.tokenizer(gen.SEPARATOR, add_special_tokens=False)["input_ids"]
-        prefix = llm.prefix_ids
-        assert len(cut) == len(prefix) + 8 + len(sep) < len(full)
-        assert cut[:len(prefix) + 8] == full[:len(prefix) + 8] and cut[-len(sep):] == full[-len(sep):] == sep
+        lead, tail = list(llm.contract.lead), list(llm.contract.tail)
+        assert tail == llm.tokenizer("\nanswer:", add_special_tokens=False)["input_ids"]  # the default anchor
+        assert len(cut) == len(lead) + 8 + len(tail) < len(full)
+        assert cut[:len(lead) + 8] == full[:len(lead) + 8] and cut[-len(tail):] == full[-len(tail):] == tail
 
 
 def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
@@ -157,8 +159,9 @@ def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
     records = ev.evaluate_examples(model, llms, examples, plan, CPU, rank=0, world=1)
     batch = collate(cfg, llms, examples)
     with torch.no_grad():
-        training_sums = forward_ce_sums(model.eval(), llms, batch)
-    for i, (name, count) in enumerate(zip(batch["answers"], count_answer_tokens(batch).tolist())):
+        training_sums = forward_loss_sums(model.eval(), llms, batch, Objectives())[:, 0]
+    counts = target_counts(batch, Objectives())[:, 0]
+    for i, (name, count) in enumerate(zip(batch["answers"], counts.tolist())):
         assert sum(r["tokens"][f"wire_{name}"] for r in records) == count
         assert sum(r["nll_sum"][f"wire_{name}"] for r in records) == pytest.approx(training_sums[i].item(), rel=1e-5)
 
@@ -204,7 +207,7 @@ def summed_nll(llms, prompts, texts) -> list[float]:
 def test_joint_pick_takes_the_answer_both_llms_find_likeliest(cfg, llms):
     batch = collate(cfg, llms, synthetic_examples(4, seed=11))
     soft = wire_encoder(cfg, llms).eval()(batch["bytes"], batch["byte_mask"])
-    prompts = {n: gen.wire_prompts(llm, soft[n]) for n, llm in llms.items()}
+    prompts = {n: gen.wire_prompts(llm, soft[n], batch["answers"][n]["lead_ids"]) for n, llm in llms.items()}
     # Summed log-probability favours short answers: each LLM has the shorter one in some rows.
     answers = {"llama": ["Paris Lima Oslo Cairo", "red", "", "42"], "qwen": ["Tokyo", "red", "cat dog pony", "doctor"]}
     picked = gen.joint_pick(llms, prompts, answers)

@@ -7,7 +7,8 @@ from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.flops import FlopModel, register_cpu_attention_flops
 from latentwire.llm import load_frozen_llm
-from latentwire.model import WireConfig, WireEncoder, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder
+from latentwire.objectives import Objectives, forward_loss_sums
 
 CPU = torch.device("cpu")
 
@@ -21,19 +22,20 @@ def setup():
     return cfg, llms, model
 
 
-def counted(model, llms, batch) -> int:
+def counted(model, llms, batch, objectives) -> int:
     with FlopCounterMode(display=False) as counter:
-        forward_ce_sums(model, llms, batch).sum().backward()
+        forward_loss_sums(model, llms, batch, objectives).sum().backward()
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("batch_size, pad_multiple", [(16, 32), (3, 128)])
-def test_analytic_flops_match_flop_counter(setup, batch_size, pad_multiple):
+@pytest.mark.parametrize("batch_size, pad_multiple, kd", [(16, 32, False), (3, 128, False), (5, 32, True)])
+def test_analytic_flops_match_flop_counter(setup, batch_size, pad_multiple, kd):
+    """With distillation, the teacher's forward over the prompt's tokens is counted too."""
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(64, batch_size))[i] for i in range(batch_size)]
-    batch = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, pad_multiple)(items)
+    batch = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, pad_multiple, teacher=kd)(items)
     analytic = FlopModel.of(model, {n: l.model for n, l in llms.items()}, WireConfig.of(cfg)).step_flops([batch])
-    measured = counted(model, llms, batch)
+    measured = counted(model, llms, batch, Objectives(kd_weight=1.0 if kd else 0.0))
     assert analytic == pytest.approx(measured, rel=0.05)
 
 
@@ -43,7 +45,7 @@ def test_cpu_attention_is_counted(setup):
     items = [PromptDataset(synthetic_examples(8, 0))[i] for i in range(4)]
     batch = Collator.for_llms(llms, cfg.max_prompt_bytes, 16, 32)(items)
     with FlopCounterMode(display=False) as counter:
-        forward_ce_sums(model, llms, batch).sum().backward()
+        forward_loss_sums(model, llms, batch, Objectives()).sum().backward()
     ops = {str(op) for op in counter.get_flop_counts()["Global"]}
     assert {"aten._scaled_dot_product_flash_attention_for_cpu",
             "aten._scaled_dot_product_flash_attention_for_cpu_backward"} <= ops
@@ -54,11 +56,11 @@ def test_frozen_llms_cost_no_weight_gradients(setup):
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(8, 1))[i] for i in range(4)]
     batch = Collator.for_llms(llms, cfg.max_prompt_bytes, 16, 32)(items)
-    frozen = counted(model, llms, batch)
+    frozen = counted(model, llms, batch, Objectives())
     layers = llms["qwen"].model.get_decoder().layers
     layers.requires_grad_(True)
     try:
-        unfrozen = counted(model, llms, batch)
+        unfrozen = counted(model, llms, batch, Objectives())
     finally:
         layers.requires_grad_(False)
     from latentwire.flops import linear_params

@@ -265,7 +265,7 @@ def test_random_llm_is_the_configured_architecture_seeded_and_planned_alike(tmp_
     a, b = (load_frozen_llm("llama", f"random:{config}", torch.float32, CPU) for _ in range(2))
     assert a.model.config.hidden_size == 64 and a.model.config.vocab_size == 4096
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))  # every rank alike
-    assert a.prefix_ids == [a.tokenizer.bos_token_id]  # the Llama family's tokenizer: BOS before the answer
+    assert a.contract.lead == (a.tokenizer.bos_token_id,)  # the Llama family's tokenizer: BOS leads every prompt
     spec = llm_spec("llama", f"random:{config}")
     assert spec.has_bos and spec.config.vocab_size == 4096
     # A shipped hub configuration plans exactly as the hub id does.

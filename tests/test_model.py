@@ -3,11 +3,15 @@ import pytest
 import torch
 
 from latentwire.config import load_config
-from latentwire.data import Collator, PromptDataset, count_answer_tokens, synthetic_examples
+from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
-from latentwire.model import WireConfig, WireEncoder, forward_ce_sums
+from latentwire.model import WireConfig, WireEncoder
+from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 
 CPU = torch.device("cpu")
+ANSWER_CE = Objectives()
+# Every term on; k_tokens 2 is fewer than most answers' targets, so k_token_ce is not answer_ce.
+ALL_TERMS = Objectives(first_token_weight=0.5, k_token_weight=0.5, kd_weight=1.0, k_tokens=2)
 
 
 @pytest.fixture(scope="module")
@@ -22,56 +26,65 @@ def build(cfg, seed=0, dtype=torch.float32):
     return model, llms
 
 
-def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None):
+def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None, teacher=False):
     items = [PromptDataset(synthetic_examples(64, 3))[i] for i in range(n)]
-    collate = Collator.for_llms(llms, cfg.max_prompt_bytes,
-                                max_answer_tokens or cfg.max_answer_tokens, pad_multiple or cfg.pad_multiple)
+    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, max_answer_tokens or cfg.max_answer_tokens,
+                                pad_multiple or cfg.pad_multiple, teacher=teacher)
     return collate(items)
 
 
 def pad_more(batch, extra_bytes, extra_tokens):
-    """The same examples with more padding on every padded axis."""
+    """The same examples with more padding on every padded axis (the teacher's prompt: on the left)."""
     from latentwire.data import PAD_BYTE
-    bytes_ = torch.nn.functional.pad(batch["bytes"], (0, extra_bytes), value=PAD_BYTE)
+    pad = torch.nn.functional.pad
+    bytes_ = pad(batch["bytes"], (0, extra_bytes), value=PAD_BYTE)
     out = {"bytes": bytes_, "byte_mask": bytes_ != PAD_BYTE, "answers": {}}
     for name, a in batch["answers"].items():
-        out["answers"][name] = {"input_ids": torch.nn.functional.pad(a["input_ids"], (0, extra_tokens), value=0),
-                                "labels": torch.nn.functional.pad(a["labels"], (0, extra_tokens), value=-100)}
+        out["answers"][name] = {"lead_ids": a["lead_ids"], "input_ids": pad(a["input_ids"], (0, extra_tokens), value=0),
+                                "labels": pad(a["labels"], (0, extra_tokens), value=-100),
+                                "text_ids": pad(a["text_ids"], (extra_tokens, 0), value=0),
+                                "text_mask": pad(a["text_mask"], (extra_tokens, 0), value=0)}
     return out
 
 
 def test_padding_never_changes_the_loss(cfg):
+    """Every term, the teacher's included: more padding, on the right of the rows and on the left
+    of the teacher's prompts, changes neither a count nor a sum."""
     model, llms = build(cfg)
-    batch = batch_of(cfg, llms)
+    batch = batch_of(cfg, llms, teacher=True)
     longer = pad_more(batch, extra_bytes=96, extra_tokens=11)
-    assert torch.equal(count_answer_tokens(batch), count_answer_tokens(longer))
-    short, long_ = forward_ce_sums(model, llms, batch), forward_ce_sums(model, llms, longer)
+    assert torch.equal(target_counts(batch, ALL_TERMS), target_counts(longer, ALL_TERMS))
+    short, long_ = forward_loss_sums(model, llms, batch, ALL_TERMS), forward_loss_sums(model, llms, longer, ALL_TERMS)
     torch.testing.assert_close(long_, short, rtol=1e-5, atol=1e-5)
 
 
 def test_each_example_is_independent_of_its_batch_mates(cfg):
-    """Padding to the longest example of a batch must not change a short example's loss."""
+    """Padding to the longest example of a batch must not change a short example's loss terms."""
     model, llms = build(cfg)
-    batch = batch_of(cfg, llms)
-    together = forward_ce_sums(model, llms, batch)
-    alone = sum(forward_ce_sums(model, llms, slice_batch(batch, i)) for i in range(6))
+    batch = batch_of(cfg, llms, teacher=True)
+    together = forward_loss_sums(model, llms, batch, ALL_TERMS)
+    alone = sum(forward_loss_sums(model, llms, slice_batch(batch, i), ALL_TERMS) for i in range(6))
     torch.testing.assert_close(alone, together, rtol=1e-5, atol=1e-4)
 
 
 def slice_batch(batch, i):
+    """Example i alone, with no padding anywhere."""
     from latentwire.data import PAD_BYTE
     n = int(batch["byte_mask"][i].sum())
     b = {"bytes": batch["bytes"][i:i + 1, :n], "byte_mask": batch["byte_mask"][i:i + 1, :n], "answers": {}}
     for name, a in batch["answers"].items():
         t = int((a["labels"][i] != -100).nonzero().max()) + 1  # up to and including the EOS target
-        b["answers"][name] = {"input_ids": a["input_ids"][i:i + 1, :t - 1], "labels": a["labels"][i:i + 1, :t]}
+        real = a["text_mask"][i].bool()
+        b["answers"][name] = {"lead_ids": a["lead_ids"][i:i + 1], "input_ids": a["input_ids"][i:i + 1, :t - 1],
+                              "labels": a["labels"][i:i + 1, :t], "text_ids": a["text_ids"][i:i + 1, real],
+                              "text_mask": a["text_mask"][i:i + 1, real]}
     assert PAD_BYTE not in b["bytes"]
     return b
 
 
 def test_frozen_llms_get_no_grads_but_pass_them_to_the_wire(cfg):
     model, llms = build(cfg)
-    forward_ce_sums(model, llms, batch_of(cfg, llms)).sum().backward()
+    forward_loss_sums(model, llms, batch_of(cfg, llms, teacher=True), ALL_TERMS).sum().backward()
     for llm in llms.values():
         assert not llm.model.training
         assert all(not p.requires_grad and p.grad is None for p in llm.model.parameters())
@@ -94,7 +107,7 @@ def test_tiny_llms_are_the_same_every_time_and_different_from_each_other():
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
     assert a.hidden_size != q.hidden_size and len(a.tokenizer) != len(q.tokenizer)
-    assert a.prefix_ids == [a.tokenizer.bos_token_id] and q.prefix_ids == []
+    assert a.contract.lead == (a.tokenizer.bos_token_id,) and q.contract.lead == ()
 
 
 def test_activation_checkpointing_gives_the_same_gradients(cfg):
@@ -104,7 +117,7 @@ def test_activation_checkpointing_gives_the_same_gradients(cfg):
         if checkpointing:
             for llm in llms.values():
                 apply_activation_checkpointing(llm)
-        forward_ce_sums(model, llms, batch_of(cfg, llms)).sum().backward()
+        forward_loss_sums(model, llms, batch_of(cfg, llms), ANSWER_CE).sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
@@ -125,6 +138,6 @@ def test_hot_path_compiles_without_graph_breaks(cfg):
     import torch._dynamo
     model, llms = build(cfg)
     torch._dynamo.reset()
-    explanation = torch._dynamo.explain(forward_ce_sums)(model, llms, batch_of(cfg, llms))
+    explanation = torch._dynamo.explain(forward_loss_sums)(model, llms, batch_of(cfg, llms), ANSWER_CE)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1

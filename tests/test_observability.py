@@ -90,13 +90,13 @@ import sys, torch
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
 from latentwire.errors import main_guard
-real, calls = train.forward_ce_sums, [0]
+real, calls = train.forward_loss_sums, [0]
 def oom(*args):
     calls[0] += 1
     if calls[0] == 2:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     return real(*args)
-train.forward_ce_sums = oom
+train.forward_loss_sums = oom
 main_guard(lambda: train.main(sys.argv[1:]))
 """
 

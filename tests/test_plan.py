@@ -90,20 +90,23 @@ def test_an_unknown_model_is_a_user_error():
 
 def test_planning_batch_is_the_longest_the_collator_emits():
     """Shapes as the collator pads prompts cut at max_prompt_bytes and answers cut at max_answer_tokens."""
-    cfg = load_config(["--profile", "cpu", "--max-prompt-bytes", "100", "--max-answer-tokens", "5"])
+    cfg = load_config(["--profile", "cpu", "--max-prompt-bytes", "100", "--max-answer-tokens", "5", "--kd-weight", "1"])
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
     long_example = {"context": "Maria lives in Paris. " * 20, "question": "Where?",
                     "answers": {"text": ["Paris Tokyo Lima Cairo Oslo Berlin Madrid Toronto"]}}
-    collated = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens,
-                                 cfg.pad_multiple)([PromptDataset([long_example] * 3)[i] for i in range(3)])
-    planned, n_targets = planning_batch(cfg, {n: (len(l.prefix_ids), len(l.tokenizer)) for n, l in llms.items()}, 3)
+    collated = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple,
+                                 teacher=True)([PromptDataset([long_example] * 3)[i] for i in range(3)])
+    planned = planning_batch(cfg, {n: (len(l.contract.lead), len(l.contract.tail), len(l.tokenizer))
+                                   for n, l in llms.items()}, 3)
     assert planned["bytes"].shape == collated["bytes"].shape
     assert torch.equal(planned["byte_mask"], collated["byte_mask"])
     for name in llms:
-        for key in ("input_ids", "labels"):
+        for key in ("lead_ids", "input_ids", "labels"):
             assert planned["answers"][name][key].shape == collated["answers"][name][key].shape, (name, key)
         targets = (collated["answers"][name]["labels"] != IGNORE_INDEX).sum().item()
-        assert (planned["answers"][name]["labels"] != IGNORE_INDEX).sum().item() == targets == n_targets
+        assert (planned["answers"][name]["labels"] != IGNORE_INDEX).sum().item() == targets
+        # The distillation teacher's prompt: a token per byte bounds it from above.
+        assert planned["answers"][name]["text_ids"].shape[1] >= collated["answers"][name]["text_ids"].shape[1]
 
 
 # --- the tracer -----------------------------------------------------------------------------

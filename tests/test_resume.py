@@ -189,12 +189,12 @@ def run_with_fault(tmp_path, fault: str, args) -> subprocess.CompletedProcess:
 
 
 NAN_AT = """
-real, calls = train.forward_ce_sums, [0]
+real, calls = train.forward_loss_sums, [0]
 def poisoned(*args):
     calls[0] += 1
     out = real(*args)
     return out * float("nan") if calls[0] in {bad} else out
-train.forward_ce_sums = poisoned
+train.forward_loss_sums = poisoned
 """
 
 
@@ -262,13 +262,13 @@ RAISE_ON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
-real, calls = train.forward_ce_sums, [0]
+real, calls = train.forward_loss_sums, [0]
 def failing(*args):
     calls[0] += 1
     if os.environ["RANK"] == "1" and calls[0] == 3:
         raise RuntimeError("injected failure on rank 1")
     return real(*args)
-train.forward_ce_sums = failing
+train.forward_loss_sums = failing
 train.main(sys.argv[1:])
 """
 

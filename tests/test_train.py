@@ -14,10 +14,16 @@ def train(tmp_path, name, *args, nproc=1):
     return out
 
 
+# Every extra loss term on, at once; k_tokens 2 is fewer than most answers' targets.
+ALL_TERMS = ["--first-token-weight", "0.5", "--k-token-weight", "0.5", "--k-tokens", "2", "--kd-weight", "1"]
+
+
 @pytest.mark.slow
-def test_gradient_accumulation_and_ddp_are_exact(tmp_path):
-    """mbs 8 x 1, mbs 2 x accum 4, and mbs 2 x accum 2 x 2 ranks end with the same weights."""
-    common = ["--profile", "cpu", *EXACT, *FAST, "--max-steps", "3"]
+@pytest.mark.parametrize("terms", [[], ALL_TERMS], ids=["answer_ce", "all_terms"])
+def test_gradient_accumulation_and_ddp_are_exact(tmp_path, terms):
+    """mbs 8 x 1, mbs 2 x accum 4, and mbs 2 x accum 2 x 2 ranks end with the same weights, and log
+    the same value of every loss term of every LLM: each is normalised by its global count."""
+    common = ["--profile", "cpu", *EXACT, *FAST, "--max-steps", "3", *terms]
     big = train(tmp_path, "mbs8", *common, "--micro-batch-size", "8", "--grad-accum-steps", "1")
     accum = train(tmp_path, "accum4", *common, "--micro-batch-size", "2", "--grad-accum-steps", "4")
     ddp = train(tmp_path, "ddp2", *common, "--micro-batch-size", "2", "--grad-accum-steps", "2", nproc=2)
@@ -29,8 +35,10 @@ def test_gradient_accumulation_and_ddp_are_exact(tmp_path):
     # gradient, the norm is not.
     for other in (accum, ddp):
         for a, b in zip(read_metrics(big), read_metrics(other), strict=True):
-            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+            losses = [k for k in a if k.startswith(("loss", "answer_ce_", "first_token_ce_", "k_token_ce_", "kd_"))]
+            assert len(losses) == 3 + 2 * (4 if terms else 1)  # loss, loss_<llm>, then each term of each LLM
+            for key in (*losses, "grad_norm"):
+                assert a[key] == pytest.approx(b[key], rel=1e-5), key
     # ... and training moved the weights: the comparison is not between untouched inits.
     untouched = train(tmp_path, "lr_tiny", *common, "--micro-batch-size", "8", "--lr", "1e-12")
     assert max_rel_diff(reference, final_weights(untouched)) > 1e-3

@@ -1,0 +1,118 @@
+"""The training objectives: per LLM, a few terms, each a sum over a micro-batch that the loop divides
+by that term's count in the whole global batch, so every term is exact under accumulation and DDP.
+
+- `answer_ce` (always on, weight 1): cross-entropy of every answer token and the EOS after it.
+- `first_token_ce`: the same on the first answer token only. A wire that carries only the answer
+  prior can still predict an answer's later tokens from its earlier ones; the first it can get only
+  from the wire. LatentWire's authors found weights of 12 and more collapse training.
+- `k_token_ce`: the same on the first `k_tokens` targets.
+- `kd`: distillation from a teacher, the same frozen LLM reading the prompt's text where the wire
+  would be (prompting's contract, run without gradients): tau^2 x KL(teacher || wire) of the
+  tau-softened next-token distributions over the first `k_tokens` answer positions. Answer CE
+  alone teaches one token per position; the teacher's distribution says how sure reading makes it,
+  and which near misses are near.
+
+With every weight 0 only `answer_ce` is computed, the arithmetic of a loop that has no other term.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .data import IGNORE_INDEX
+
+TERMS = ("answer_ce", "first_token_ce", "k_token_ce", "kd")
+
+
+@dataclass(frozen=True)
+class Objectives:
+    first_token_weight: float = 0.0
+    k_token_weight: float = 0.0
+    kd_weight: float = 0.0
+    k_tokens: int = 4
+    kd_temperature: float = 2.0
+
+    @classmethod
+    def of(cls, config) -> Objectives:
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+    @property
+    def weighted(self) -> dict[str, float]:
+        """The terms that are on, with their weights, in TERMS order."""
+        weights = dict(zip(TERMS, (1.0, self.first_token_weight, self.k_token_weight, self.kd_weight)))
+        return {term: w for term, w in weights.items() if w > 0}
+
+    @property
+    def terms(self) -> tuple[str, ...]:
+        return tuple(self.weighted)
+
+    @property
+    def teacher(self) -> bool:
+        """Whether batches need the prompt's tokens and the step a teacher pass."""
+        return self.kd_weight > 0
+
+    def weights(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(list(self.weighted.values()), device=device)
+
+
+def first_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """True on each row's first k targets (labels that are not IGNORE_INDEX)."""
+    real = labels != IGNORE_INDEX
+    return real & (real.cumsum(-1) <= k)
+
+
+def keep_only(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return labels.masked_fill(~mask, IGNORE_INDEX)
+
+
+def target_counts(batch: dict, objectives: Objectives) -> torch.Tensor:
+    """[LLMs, terms] int64: what each term of each LLM sums over in this micro-batch, its
+    normaliser once summed over the global batch. On the batch's device: counting needs no sync."""
+    rows = []
+    for answers in batch["answers"].values():
+        labels = answers["labels"]
+        counts = {"answer_ce": labels != IGNORE_INDEX, "first_token_ce": first_targets(labels, 1),
+                  "k_token_ce": first_targets(labels, objectives.k_tokens), "kd": first_targets(labels, objectives.k_tokens)}
+        rows.append(torch.stack([counts[term].sum() for term in objectives.terms]))
+    return torch.stack(rows)
+
+
+def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed (not averaged) next-token cross-entropy over the labels that are not IGNORE_INDEX."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def kd_sum(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """tau^2 x KL(teacher || student) of the tau-softened distributions, summed over `mask`'s positions.
+    Every position is computed and the mask multiplies: indexing by it would sync with the host."""
+    student = F.log_softmax(logits.float() / temperature, dim=-1)
+    target = F.log_softmax(teacher.float() / temperature, dim=-1)
+    kl = (target.exp() * (target - student)).sum(-1)
+    return (kl * mask).sum() * temperature ** 2
+
+
+def llm_term_sums(logits: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None,
+                  objectives: Objectives) -> torch.Tensor:
+    sums = {"answer_ce": lambda: ce_sum(logits, labels),
+            "first_token_ce": lambda: ce_sum(logits, keep_only(labels, first_targets(labels, 1))),
+            "k_token_ce": lambda: ce_sum(logits, keep_only(labels, first_targets(labels, objectives.k_tokens))),
+            "kd": lambda: kd_sum(logits, teacher, first_targets(labels, objectives.k_tokens), objectives.kd_temperature)}
+    return torch.stack([sums[term]() for term in objectives.terms])
+
+
+def forward_loss_sums(wire_encoder: nn.Module, llms: dict, batch: dict, objectives: Objectives) -> torch.Tensor:
+    """One micro-batch: [LLMs, terms], each term's sum for each LLM, in `llms` and `objectives.terms` order."""
+    soft = wire_encoder(batch["bytes"], batch["byte_mask"])
+    sums = []
+    for name, llm in llms.items():
+        rows = batch["answers"][name]
+        teacher = None
+        if objectives.teacher:
+            with torch.no_grad():  # the teacher is a target: no activations kept for backward
+                teacher = llm.teacher_logits(rows["text_ids"], rows["text_mask"], rows["input_ids"])
+        logits = llm.answer_logits(soft[name], rows["lead_ids"], rows["input_ids"])
+        sums.append(llm_term_sums(logits, rows["labels"], teacher, objectives))
+    return torch.stack(sums)
