@@ -41,6 +41,7 @@ from .known_llms import LLMSpec, llm_parameter_count, llm_spec
 from .llm import LLM_NAMES, fsdp_units
 from .memtrace import StepTrace, StepTracer, fake_llms
 from .model import WireConfig, WireEncoder
+from .objectives import Objectives
 
 PROG = "python -m latentwire.plan"
 
@@ -228,8 +229,9 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  {name}: {spec.source}, {plan.frozen_params[name]:,} parameters ({spec.origin})"
               for name, spec in plan.specs.items()]
     lines += [f"  trainable: byte encoder + pooler + adapters, {a.trainable_params:,} parameters (fp32)",
-              f"  per sample: {prompt} prompt bytes -> {cfg.num_latents} soft tokens per LLM; answers of "
-              f"{cfg.max_answer_tokens} tokens + EOS, after a BOS where the tokenizer has one "
+              f"  per sample: {prompt} prompt bytes -> {cfg.num_latents} soft tokens per LLM, after a BOS where the "
+              f"tokenizer has one; then the anchor and answers of {cfg.max_answer_tokens} tokens + EOS"
+              f"{', and the distillation teacher reading the prompt as tokens' if Objectives.of(cfg).teacher else ''} "
               "(the longest batch the collator emits)",
               "",
               "traced under FakeTensorMode + MemTracker, nothing allocated: 2 training steps at micro-batch "
