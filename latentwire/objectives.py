@@ -16,6 +16,7 @@ With every weight 0 only `answer_ce` is computed, the arithmetic of a loop that 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -54,6 +55,7 @@ class Objectives:
         """Whether batches need the prompt's tokens and the step a teacher pass."""
         return self.kd_weight > 0
 
+    @functools.cache  # made once per device: a host-to-device copy at every step would be one more
     def weights(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(list(self.weighted.values()), device=device)
 
