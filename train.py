@@ -370,10 +370,11 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
 def loss_record(terms: torch.Tensor, objectives: Objectives, names: list[str]) -> dict:
     """The logged losses of a step from its [LLMs, terms] values: `loss` (the objective, averaged
     over the LLMs), `loss_<llm>` (its weighted sum of terms) and each term per LLM."""
-    per_llm = (terms * objectives.weights(terms.device)).sum(-1).tolist()
-    values = terms.tolist()
+    weighted = torch.cat([terms, (terms * objectives.weights(terms.device)).sum(-1, keepdim=True)], dim=1)
+    rows = weighted.tolist()  # one read from the device
+    per_llm = [row[-1] for row in rows]
     return {"loss": sum(per_llm) / len(per_llm), **{f"loss_{n}": v for n, v in zip(names, per_llm)},
-            **{f"{term}_{n}": row[j] for n, row in zip(names, values) for j, term in enumerate(objectives.terms)}}
+            **{f"{term}_{n}": row[j] for n, row in zip(names, rows) for j, term in enumerate(objectives.terms)}}
 
 
 def check_out_dir(out_dir: Path, run) -> None:
