@@ -98,7 +98,11 @@ class FrozenLLM:
     def wire_embeds(self, soft: torch.Tensor, lead_ids: torch.Tensor, after_ids: torch.Tensor) -> torch.Tensor:
         """`[embed(lead) ; soft ; embed(after)]`: the wire where a text prompt's tokens would be."""
         table = self.model.get_input_embeddings()
-        return torch.cat([table(lead_ids), soft.to(table.weight.dtype), table(after_ids)], dim=1)
+        # One lookup for both sides: FSDP2 gathers the table once, and MemTracker (the memory plan)
+        # takes a second call of a top-level module for a second training step.
+        tokens = table(torch.cat([lead_ids, after_ids], dim=1))
+        lead = lead_ids.shape[1]
+        return torch.cat([tokens[:, :lead], soft.to(tokens.dtype), tokens[:, lead:]], dim=1)
 
     def answer_logits(self, soft: torch.Tensor, lead_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the last T+1 positions of [lead ; soft ; embed(input_ids)] (input_ids: the tail,

@@ -144,6 +144,16 @@ class FrozenAwareMemTracker(MemTracker):
         self._update_peak_stats()
         return out
 
+    def _pre_fw_hook(self, module, inputs) -> None:
+        # An LLM run twice in one step (as the distillation teacher, then reading the wire) is a
+        # top-level module called again in forward, which MemTracker takes for the next step and
+        # refuses. The plan keeps no per-module statistics: start that module's record afresh.
+        name = self._mod_tracker.get_known_fqn(module)
+        if (module in self.memory_tracking and not self._mod_tracker.is_bw
+                and set(self._mod_tracker.parents) - {name} == {"Global"}):
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
     def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
         sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
         if install_grad_hooks:
