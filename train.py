@@ -344,7 +344,6 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
     LLM's loss terms over `n_targets` (their counts in the whole global batch, [LLMs, terms]) and
     the pre-clip gradient norm; the update is the caller's, once it has read whether the norm is
     finite. The memory plan and find_batch trace and measure this same function."""
-    weights = objectives.weights(n_targets.device)
     step_terms = torch.zeros_like(n_targets)
     for i, batch in enumerate(micro_batches):
         # --- One gradient all-reduce per optimizer step: no_sync on all but the last ---------
@@ -358,7 +357,7 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
             # under no_grad: a target, not a path for gradients. DDP averages gradients over
             # ranks, hence the factor world_size (see the counts).
             terms = sums / n_targets
-            scaler.scale((terms * weights).sum(-1).mean() * world_size).backward()
+            scaler.scale(objectives.weighted_sum(terms).mean() * world_size).backward()
         step_terms += terms.detach()
 
     # --- Gradient clipping (the logged norm is the pre-clip norm) ----------------------------
@@ -370,7 +369,7 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
 def loss_record(terms: torch.Tensor, objectives: Objectives, names: list[str]) -> dict:
     """The logged losses of a step from its [LLMs, terms] values: `loss` (the objective, averaged
     over the LLMs), `loss_<llm>` (its weighted sum of terms) and each term per LLM."""
-    weighted = torch.cat([terms, (terms * objectives.weights(terms.device)).sum(-1, keepdim=True)], dim=1)
+    weighted = torch.cat([terms, objectives.weighted_sum(terms)[:, None]], dim=1)
     rows = weighted.tolist()  # one read from the device
     per_llm = [row[-1] for row in rows]
     return {"loss": sum(per_llm) / len(per_llm), **{f"loss_{n}": v for n, v in zip(names, per_llm)},

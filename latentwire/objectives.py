@@ -16,7 +16,6 @@ With every weight 0 only `answer_ce` is computed, the arithmetic of a loop that 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -55,9 +54,9 @@ class Objectives:
         """Whether batches need the prompt's tokens and the step a teacher pass."""
         return self.kd_weight > 0
 
-    @functools.cache  # made once per device: a host-to-device copy at every step would be one more
-    def weights(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(list(self.weighted.values()), device=device)
+    def weighted_sum(self, terms: torch.Tensor) -> torch.Tensor:
+        """[LLMs] from [LLMs, terms]: Python floats as factors, so no weight tensor is made or copied."""
+        return sum(terms[:, j] * w for j, w in enumerate(self.weighted.values()))
 
 
 def first_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
