@@ -158,16 +158,21 @@ def shard_trace(trace: StepTrace, frozen_bytes: int, held_bytes: int, gathered_b
     return replace(trace, peak=peak)
 
 
+def planned_rows(anchor_text: str, specs: dict[str, LLMSpec]) -> dict[str, tuple[int, int, int]]:
+    """Each LLM's (lead tokens, tail tokens, vocabulary size) for memtrace.planning_batch. No
+    tokenizer here (a hub model is planned before it is downloaded): the anchor is counted at a
+    token per byte, an upper bound for byte-level BPE; a chat template's framing is not counted."""
+    return {name: (int(spec.has_bos), len(anchor_text.encode()), spec.config.vocab_size)
+            for name, spec in specs.items()}
+
+
 def make_plan(cfg, world_size: int = 1) -> Plan:
     """Trace the profile `cfg` at its micro-batch size and at the one the first trace predicts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
     specs = {name: llm_spec(name, getattr(cfg, name)) for name in LLM_NAMES}
-    # No tokenizer here (a hub model is planned before it is downloaded): the anchor is counted at a
-    # token per byte, an upper bound for byte-level BPE; a chat template's framing is not counted.
-    answers = {name: (int(spec.has_bos), len(cfg.anchor_text.encode()), spec.config.vocab_size)
-               for name, spec in specs.items()}
+    answers = planned_rows(cfg.anchor_text, specs)
     shapes = trainable_shapes(cfg, specs)
     budget = budget_for(cfg.device, cfg.memory_gb, cfg.target_util, world_size, sum(math.prod(s) for s in shapes))
     sharded = cfg.frozen_sharding == "fsdp" and world_size > 1

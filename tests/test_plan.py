@@ -17,7 +17,7 @@ from latentwire.find_batch import Probe
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count, llm_spec
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
 from latentwire.memtrace import FrozenAwareMemTracker, StepTracer, fake_llms, planning_batch
-from latentwire.plan import main as plan_main, make_plan
+from latentwire.plan import main as plan_main, make_plan, planned_rows
 from latentwire.precision import frozen_weight_dtype
 
 from conftest import assert_one_line_error, ok, run_module
@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 
 def specs_and_answers(cfg):
     specs = {name: llm_spec(name, getattr(cfg, name)) for name in ("llama", "qwen")}
-    return specs, {name: (int(s.has_bos), s.config.vocab_size) for name, s in specs.items()}
+    return specs, planned_rows(cfg.anchor_text, specs)
 
 
 def traced_peak(cfg, micro_batch: int) -> int:
@@ -203,6 +203,26 @@ def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
     per_sample = (large.peak["total"] - small.peak["total"]) / 2
     one_layer_of_bf16_scores = cfg.encoder_heads * 2048 ** 2 * 2
     assert 0 < per_sample < one_layer_of_bf16_scores
+
+
+def test_a_cuda_trace_with_distillation_runs_the_teacher_and_holds_more():
+    """The teacher's padded prompts take masked attention through the CUDA kernels, and the LLMs
+    run twice in one step (teacher, then the wire), which stock MemTracker would refuse."""
+    args = ["--profile", "cpu", "--device", "cuda", "--precision", "bf16", "--max-prompt-bytes", "256"]
+    peaks = {kd: traced_peak(load_config([*args, "--kd-weight", kd]), 2) for kd in ("0", "1")}
+    assert peaks["1"] > peaks["0"]
+
+
+def test_cuda_sdpa_repeats_grouped_heads_under_a_mask_as_cuda_does():
+    """Masked grouped-query attention (transformers versions that pass enable_gqa with a mask):
+    the CUDA kernels have no grouped form, so the K/V heads are repeated to the query's."""
+    from latentwire.memtrace import cuda_sdpa
+
+    with FakeTensorMode():
+        q, kv = torch.empty(2, 4, 8, 16), torch.empty(2, 2, 8, 16)  # the plan traces CUDA on CPU fake tensors
+        mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+        out = cuda_sdpa(q, kv, kv, attn_mask=mask, enable_gqa=True)
+    assert out.shape == q.shape
 
 
 # --- the plan, the calculator and the budget ------------------------------------------------
