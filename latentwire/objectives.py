@@ -54,6 +54,13 @@ class Objectives:
         """Whether batches need the prompt's tokens and the step a teacher pass."""
         return self.kd_weight > 0
 
+    def targets(self, labels: torch.Tensor, term: str) -> torch.Tensor:
+        """The positions `term` sums over, and counts: every target for the answer's cross-entropy,
+        the first for the first token's, the first k_tokens for the first-k cross-entropy and KD."""
+        if term == "answer_ce":
+            return labels != IGNORE_INDEX
+        return first_targets(labels, 1 if term == "first_token_ce" else self.k_tokens)
+
     def weighted_sum(self, terms: torch.Tensor) -> torch.Tensor:
         """[LLMs] from [LLMs, terms]: Python floats as factors, so no weight tensor is made or copied."""
         return sum(terms[:, j] * w for j, w in enumerate(self.weighted.values()))
@@ -72,13 +79,8 @@ def keep_only(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def target_counts(batch: dict, objectives: Objectives) -> torch.Tensor:
     """[LLMs, terms] int64: what each term of each LLM sums over in this micro-batch, its
     normaliser once summed over the global batch. On the batch's device: counting needs no sync."""
-    rows = []
-    for answers in batch["answers"].values():
-        labels = answers["labels"]
-        counts = {"answer_ce": labels != IGNORE_INDEX, "first_token_ce": first_targets(labels, 1),
-                  "k_token_ce": first_targets(labels, objectives.k_tokens), "kd": first_targets(labels, objectives.k_tokens)}
-        rows.append(torch.stack([counts[term].sum() for term in objectives.terms]))
-    return torch.stack(rows)
+    return torch.stack([torch.stack([objectives.targets(answers["labels"], term).sum() for term in objectives.terms])
+                        for answers in batch["answers"].values()])
 
 
 def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -97,11 +99,13 @@ def kd_sum(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temp
 
 def llm_term_sums(logits: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None,
                   objectives: Objectives) -> torch.Tensor:
-    sums = {"answer_ce": lambda: ce_sum(logits, labels),
-            "first_token_ce": lambda: ce_sum(logits, keep_only(labels, first_targets(labels, 1))),
-            "k_token_ce": lambda: ce_sum(logits, keep_only(labels, first_targets(labels, objectives.k_tokens))),
-            "kd": lambda: kd_sum(logits, teacher, first_targets(labels, objectives.k_tokens), objectives.kd_temperature)}
-    return torch.stack([sums[term]() for term in objectives.terms])
+    def term_sum(term: str) -> torch.Tensor:
+        mask = objectives.targets(labels, term)
+        if term == "kd":
+            return kd_sum(logits, teacher, mask, objectives.kd_temperature)
+        return ce_sum(logits, keep_only(labels, mask))
+
+    return torch.stack([term_sum(term) for term in objectives.terms])
 
 
 def forward_loss_sums(wire_encoder: nn.Module, llms: dict, batch: dict, objectives: Objectives) -> torch.Tensor:
