@@ -54,7 +54,8 @@ def make_batch(llms: dict, rows: int, prompt_width: int, answer_widths: dict, se
         real[0] = width
         targets = torch.randint(0, vocab, (rows, width + 1), generator=g)
         labels = targets.masked_fill(torch.arange(width + 1) > real[:, None], IGNORE_INDEX)
-        answers[name] = {"input_ids": torch.randint(0, vocab, (rows, width), generator=g), "labels": labels}
+        answers[name] = {"lead_ids": torch.tensor([list(llm.contract.lead)] * rows, dtype=torch.long).view(rows, -1),
+                         "input_ids": torch.randint(0, vocab, (rows, width), generator=g), "labels": labels}
     return {"bytes": byte_ids, "byte_mask": byte_mask, "answers": answers}
 
 
@@ -62,7 +63,7 @@ def widths(n: int = 20) -> list[tuple[int, dict]]:
     """(prompt width, answer width per LLM) of n batches: prompt widths multiples of 32 (the cpu
     profile's pad_multiple), answer widths multiples of 8, as the collator pads them. The first
     three make sizes coincide as real batches now and then do: prompt width = micro-batch (32),
-    both answer widths equal (24), the LLMs' sequence (8 latents + 24) = micro-batch. Duck sizing
+    both answer widths equal (24), the Qwen's sequence (8 latents + 24, no BOS) = micro-batch. Duck sizing
     would give coinciding sizes one symbol, a guard that a later batch breaks (the step compiled
     as one graph compiles 3 times here)."""
     rng = random.Random(0)
@@ -91,7 +92,7 @@ def compiled_run():
     graphs_before, graphs_after = [], []
     for batch in batches:
         graphs_before.append(graphs())
-        step(model, llms, batch).sum().backward()
+        step(model, llms, batch, Objectives()).sum().backward()
         graphs_after.append(graphs())
     model.zero_grad(set_to_none=True)
     yield {"model": model, "llms": llms, "step": step, "batches": batches,
@@ -115,7 +116,7 @@ def test_compiled_step_equals_eager(compiled_run):
     batch = compiled_run["batches"][-1]
 
     def loss_and_grads(run):
-        loss = run(model, llms, batch)
+        loss = run(model, llms, batch, Objectives())
         loss.sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
