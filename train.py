@@ -158,7 +158,7 @@ def train(cfg, di) -> None:
 
     # --- Optimizer: AdamW over the trainable parameters only, fused on CUDA (see adamw) ------
     optimizer = adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                      device_type=device.type)
+                      device_type=device.type, eps=cfg.adam_eps)
 
     # --- Schedule: OneCycle, stepped once per optimizer step ---------------------------------
     # Warm up from lr/div_factor to lr over pct_start of the run, then anneal to the final lr.
@@ -327,14 +327,14 @@ def train(cfg, di) -> None:
 # --- Helpers the loop calls --------------------------------------------------------------------
 
 def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-          device_type: str) -> torch.optim.AdamW:
+          device_type: str, eps: float = 1e-8) -> torch.optim.AdamW:
     """Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter). On CUDA
     the fused kernel updates every tensor in one launch instead of several per tensor. Weight decay
     on matrices only, not on biases and norm gains."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device_type == "cuda")
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device_type == "cuda")
 
 
 def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch.Tensor, objectives: Objectives,

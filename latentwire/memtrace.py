@@ -45,7 +45,7 @@ CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _Mem
 def make_optimizer(cfg, model: torch.nn.Module, device_type: str) -> torch.optim.Optimizer:
     from train import adamw
     return adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                 device_type=device_type)
+                 device_type=device_type, eps=cfg.adam_eps)
 
 
 def optimizer_step(cfg, model, llms: dict, optimizer, batch: dict, attention_kernels=nullcontext) -> None:
