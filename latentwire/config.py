@@ -89,6 +89,8 @@ FIELDS: dict[str, Field] = {
     "encoder_dim": Field(int, "width of the byte encoder", positive=True),
     "encoder_layers": Field(int, "transformer layers of the byte encoder", positive=True),
     "encoder_heads": Field(int, "attention heads of the byte encoder", positive=True),
+    "patch_bytes": Field(int, "bytes per position of the byte encoder (its attention is patch_bytes^2 cheaper)",
+                         positive=True, default=4),
     "dropout": Field(float, "dropout in the encoder and adapters", non_negative=True),
     # --- prompt contract (latentwire.prompting) ---------------------------------------------
     "anchor_text": Field(str, "text after the wire and after a text prompt, before the answer (training, teacher "
@@ -255,6 +257,9 @@ def check_consistency(v: dict, where: str) -> None:
         if v[dim] % v["encoder_heads"]:
             raise UserError(f"{where}: field {dim!r} ({v[dim]}) must be divisible by encoder_heads "
                             f"({v['encoder_heads']})")
+    if v["encoder_dim"] // v["encoder_heads"] % 2:
+        raise UserError(f"{where}: the byte encoder's head width, encoder_dim / encoder_heads = "
+                        f"{v['encoder_dim'] // v['encoder_heads']}, must be even (rotary positions rotate pairs)")
 
 
 # --- the command line -------------------------------------------------------------------------

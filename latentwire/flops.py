@@ -50,11 +50,12 @@ class LLMShape:
 
 @dataclass(frozen=True)
 class FlopModel:
-    encoder_token_params: int  # applied to every prompt byte: encoder + the pooler's key/value maps
+    encoder_token_params: int  # applied to every byte patch: encoder + the pooler's key/value maps
     latent_params: int         # applied to every wire token: the rest of the pooler, the adapters
     encoder_layers: int
     encoder_heads: int
     encoder_dim: int
+    patch_bytes: int
     d_z: int
     num_latents: int
     pooler_rounds: int
@@ -67,7 +68,8 @@ class FlopModel:
         return cls(encoder_token_params=linear_params(wire_encoder.encoder) + kv,
                    latent_params=linear_params(wire_encoder.pooler) - kv + linear_params(wire_encoder.adapters),
                    encoder_layers=wire.encoder_layers, encoder_heads=wire.encoder_heads, encoder_dim=wire.encoder_dim,
-                   d_z=wire.d_z, num_latents=wire.num_latents, pooler_rounds=len(wire_encoder.pooler.cross),
+                   patch_bytes=wire.patch_bytes, d_z=wire.d_z, num_latents=wire.num_latents,
+                   pooler_rounds=len(wire_encoder.pooler.cross),
                    llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()))
 
     @functools.cache  # padding leaves few distinct shapes; the formulas cost ~2 ms per call
@@ -75,10 +77,10 @@ class FlopModel:
         """One forward + backward of a micro-batch: `batch` prompts of `prompt_len` bytes (padded);
         for the i-th LLM, `llm_lens[i]` = (lead tokens, tokens after the wire, teacher prompt tokens:
         0 without distillation), padded."""
-        m, h = self.num_latents, self.encoder_heads
-        flops = 6 * (self.encoder_token_params * batch * prompt_len + self.latent_params * batch * m)
-        flops += self.encoder_layers * attention_flops(batch, h, prompt_len, prompt_len, self.encoder_dim // h)
-        flops += self.pooler_rounds * (attention_flops(batch, h, m, prompt_len, self.d_z // h)  # latents read bytes
+        m, h, patches = self.num_latents, self.encoder_heads, prompt_len // self.patch_bytes
+        flops = 6 * (self.encoder_token_params * batch * patches + self.latent_params * batch * m)
+        flops += self.encoder_layers * attention_flops(batch, h, patches, patches, self.encoder_dim // h)
+        flops += self.pooler_rounds * (attention_flops(batch, h, m, patches, self.d_z // h)  # latents read patches
                                        + attention_flops(batch, h, m, m, self.d_z // h))  # and each other
         for (_, shape), (lead, after, text) in zip(self.llms, llm_lens):
             seq, kept = lead + m + after, after + 1

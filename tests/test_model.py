@@ -47,12 +47,13 @@ def pad_more(batch, extra_bytes, extra_tokens):
     return out
 
 
-def test_padding_never_changes_the_loss(cfg):
+@pytest.mark.parametrize("extra_bytes", [96, 5])  # whole byte patches, and a part of one
+def test_padding_never_changes_the_loss(cfg, extra_bytes):
     """Every term, the teacher's included: more padding, on the right of the rows and on the left
     of the teacher's prompts, changes neither a count nor a sum."""
     model, llms = build(cfg)
     batch = batch_of(cfg, llms, teacher=True)
-    longer = pad_more(batch, extra_bytes=96, extra_tokens=11)
+    longer = pad_more(batch, extra_bytes=extra_bytes, extra_tokens=11)
     assert torch.equal(target_counts(batch, ALL_TERMS), target_counts(longer, ALL_TERMS))
     short, long_ = forward_loss_sums(model, llms, batch, ALL_TERMS), forward_loss_sums(model, llms, longer, ALL_TERMS)
     torch.testing.assert_close(long_, short, rtol=1e-5, atol=1e-5)
@@ -141,3 +142,20 @@ def test_hot_path_compiles_without_graph_breaks(cfg):
     explanation = torch._dynamo.explain(forward_loss_sums)(model, llms, batch_of(cfg, llms), ANSWER_CE)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+def test_rotary_scores_depend_only_on_the_distance_between_positions():
+    """The byte encoder's positions: shifting a query and a key by the same number of patches
+    leaves their score as it was, and a rotation keeps each vector's length."""
+    from latentwire.model import rotary_tables, rotate
+    torch.manual_seed(0)
+    q, k = torch.randn(16), torch.randn(16)
+    tables = rotary_tables(40, 16, CPU)
+
+    def at(x, pos):  # x at every one of 40 positions ([batch, heads, positions, head_dim]), rotated, read at pos
+        return rotate(x.expand(1, 1, 40, 16), tables)[0, 0, pos]
+
+    near, far = at(q, 3) @ at(k, 10), at(q, 30) @ at(k, 37)
+    torch.testing.assert_close(near, far, rtol=1e-5, atol=1e-5)
+    assert not torch.isclose(near, at(q, 3) @ at(k, 4), atol=1e-2)
+    torch.testing.assert_close(at(q, 25).norm(), q.norm())

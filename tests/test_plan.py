@@ -193,7 +193,8 @@ def test_traced_peak_matches_the_measured_peak_with_a_real_sized_vocabulary(real
 
 def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
     """On a CUDA profile the trace takes train.py's flash / memory-efficient kernels. A CPU device
-    would take the math kernel (masked, with dropout), which keeps [heads, L, L] scores per layer."""
+    would take the math kernel (masked, with dropout), which keeps [heads, patches, patches] scores
+    per layer."""
     cfg = load_config(["--profile", "cpu", "--device", "cuda", "--precision", "bf16", "--dropout", "0.1",
                        "--max-prompt-bytes", "2048"])
     specs, answers = specs_and_answers(cfg)
@@ -201,7 +202,7 @@ def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
         tracer = StepTracer(cfg, fake_llms(cfg, specs), answers)
         small, large = tracer.trace(2, steps=2), tracer.trace(4, steps=1)
     per_sample = (large.peak["total"] - small.peak["total"]) / 2
-    one_layer_of_bf16_scores = cfg.encoder_heads * 2048 ** 2 * 2
+    one_layer_of_bf16_scores = cfg.encoder_heads * (2048 // cfg.patch_bytes) ** 2 * 2
     assert 0 < per_sample < one_layer_of_bf16_scores
 
 
