@@ -7,6 +7,10 @@ import sys
 import pytest
 
 from conftest import ok, read_metrics
+from latentwire.config import load_config
+
+CPU = load_config(["--profile", "cpu"])
+STEPS = CPU.max_steps
 
 REQUIRED = ("step", "time", "epoch", "loss", "loss_llama", "loss_qwen", "lr", "grad_norm", "skipped_steps",
             "samples_per_s", "tokens_per_s", "step_time_s", "tflops_per_gpu", "mfu", "data_wait_frac", "mem_gb",
@@ -21,7 +25,7 @@ def cpu_run(default_cpu_run):
 @pytest.mark.slow
 def test_loss_falls_clearly(cpu_run):
     losses = [m["loss"] for m in read_metrics(cpu_run)]
-    assert [m["step"] for m in read_metrics(cpu_run)] == [1, *range(10, 201, 10)]
+    assert [m["step"] for m in read_metrics(cpu_run)] == [1, *range(CPU.log_every, STEPS + 1, CPU.log_every)]
     assert losses[0] > math.log(384)  # a random wire: no better than a uniform guess
     assert sum(losses[-3:]) / 3 < losses[0] - 1.5
 
@@ -52,7 +56,7 @@ def test_tensorboard_has_the_same_scalars(cpu_run):
 
 @pytest.mark.slow
 def test_final_checkpoint_loads_with_safetensors_alone(cpu_run):
-    ckpt = cpu_run / "checkpoints" / "step_00000200"
+    ckpt = cpu_run / "checkpoints" / f"step_{STEPS:08d}"
     # A fresh interpreter that imports safetensors and numpy only: no torch, no latentwire.
     code = ("import sys, safetensors.numpy as s; t = s.load_file(sys.argv[1]); "
             "assert 'torch' not in sys.modules; print(len(t), sum(v.size for v in t.values()))")
@@ -61,7 +65,7 @@ def test_final_checkpoint_loads_with_safetensors_alone(cpu_run):
     n_tensors, n_params = map(int, proc.stdout.split())
     assert n_tensors > 10 and 100_000 < n_params < 10_000_000
     meta = json.loads((ckpt / "meta.json").read_text())
-    assert meta["profile"] == "cpu" and meta["step"] == 200 and meta["config"]["llama"] == "tiny"
+    assert meta["profile"] == "cpu" and meta["step"] == STEPS and meta["config"]["llama"] == "tiny"
     assert {"train_state.pt", "rng_rank0.pt", "rng_rank1.pt"} <= {p.name for p in ckpt.iterdir()}
     # meta.json's "wire" and the LLMs' sizes are all it takes to rebuild the model for the weights.
     from safetensors.torch import load_file
