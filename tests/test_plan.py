@@ -196,13 +196,13 @@ def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
     would take the math kernel (masked, with dropout), which keeps [heads, patches, patches] scores
     per layer."""
     cfg = load_config(["--profile", "cpu", "--device", "cuda", "--precision", "bf16", "--dropout", "0.1",
-                       "--max-prompt-bytes", "2048"])
+                       "--max-prompt-bytes", "8192"])
     specs, answers = specs_and_answers(cfg)
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         tracer = StepTracer(cfg, fake_llms(cfg, specs), answers)
         small, large = tracer.trace(2, steps=2), tracer.trace(4, steps=1)
     per_sample = (large.peak["total"] - small.peak["total"]) / 2
-    one_layer_of_bf16_scores = cfg.encoder_heads * (2048 // cfg.patch_bytes) ** 2 * 2
+    one_layer_of_bf16_scores = cfg.encoder_heads * (8192 // cfg.patch_bytes) ** 2 * 2
     assert 0 < per_sample < one_layer_of_bf16_scores
 
 
