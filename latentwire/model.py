@@ -98,8 +98,8 @@ class ByteEncoder(nn.Module):
     a strided convolution), so self-attention runs over length/patch positions, patch^2 times
     cheaper, and a position already holds a piece of a word. Rotary positions: an attention
     score depends on how far apart two patches are, not on where they sit, which is what finding
-    the rest of a word or sentence needs; learned absolute positions were slower to train (the
-    cpu profile's wire learnt no content in 600 steps) and capped the prompt length.
+    the rest of a word or sentence needs; a learned table trains one row per position, from the
+    prompts long enough to reach it, and caps the prompt length.
     """
 
     def __init__(self, dim: int, layers: int, heads: int, patch: int, dropout: float):
