@@ -82,7 +82,8 @@ def test_terms_at_weight_zero_leave_the_step_bitwise_as_the_answer_loss_alone(ll
         raise AssertionError("a teacher pass with distillation off")
 
     monkeypatch.setattr(FrozenLLM, "teacher_logits", no_teacher)
-    cfg = load_config(["--profile", "cpu", "--dropout", "0", "--k-tokens", "1", "--kd-temperature", "3"])
+    cfg = load_config(["--profile", "cpu", "--dropout", "0", "--first-token-weight", "0", "--k-token-weight", "0",
+                       "--kd-weight", "0", "--k-tokens", "1", "--kd-temperature", "3"])
     objectives = Objectives.of(cfg)
     assert objectives.terms == ("answer_ce",) and not objectives.teacher
     weights = []
