@@ -77,7 +77,8 @@ class FlopModel:
         """One forward + backward of a micro-batch: `batch` prompts of `prompt_len` bytes (padded);
         for the i-th LLM, `llm_lens[i]` = (lead tokens, tokens after the wire, teacher prompt tokens:
         0 without distillation), padded."""
-        m, h, patches = self.num_latents, self.encoder_heads, prompt_len // self.patch_bytes
+        m, h = self.num_latents, self.encoder_heads
+        patches = -(-prompt_len // self.patch_bytes)  # the encoder pads the last patch (model.ByteEncoder)
         flops = 6 * (self.encoder_token_params * batch * patches + self.latent_params * batch * m)
         flops += self.encoder_layers * attention_flops(batch, h, patches, patches, self.encoder_dim // h)
         flops += self.pooler_rounds * (attention_flops(batch, h, m, patches, self.d_z // h)  # latents read patches

@@ -53,10 +53,10 @@ def optimizer_step(cfg, model, llms: dict, optimizer, batch: dict, attention_ker
     loss scaling costs a few scalars)."""
     from train import train_step
     objectives = Objectives.of(cfg)
+    scaler = torch.amp.GradScaler(batch["bytes"].device.type, enabled=False)
     train_step(model, llms, [batch], n_targets=target_counts(batch, objectives).float(), objectives=objectives,
-               forward=forward_loss_sums, amp_dtype=AMP_DTYPES[cfg.precision],
-               attention_kernels=attention_kernels, scaler=torch.amp.GradScaler(batch["bytes"].device.type, enabled=False),
-               optimizer=optimizer, max_grad_norm=cfg.max_grad_norm, world_size=1, no_sync=nullcontext)
+               forward=forward_loss_sums, amp_dtype=AMP_DTYPES[cfg.precision], attention_kernels=attention_kernels,
+               scaler=scaler, optimizer=optimizer, max_grad_norm=cfg.max_grad_norm, world_size=1, no_sync=nullcontext)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -75,13 +75,14 @@ def planning_batch(cfg, answers: dict[str, tuple[int, int, int]], micro_batch: i
     byte_ids[:, :cfg.max_prompt_bytes] = torch.randint(0, 256, (micro_batch, cfg.max_prompt_bytes), device=device)
     batch = {"bytes": byte_ids, "byte_mask": byte_ids != PAD_BYTE, "answers": {}}
     targets = cfg.max_answer_tokens + 1  # the answer tokens and the EOS after them
+    teacher = Objectives.of(cfg).teacher
     for name, (lead, tail, vocab) in answers.items():
         width = round_up(tail + cfg.max_answer_tokens, ANSWER_PAD_MULTIPLE)
         labels = torch.full((micro_batch, width + 1), IGNORE_INDEX, dtype=torch.long, device=device)
         labels[:, tail:tail + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
         rows = {"lead_ids": torch.randint(0, vocab, (micro_batch, lead), device=device),
                 "input_ids": torch.randint(0, vocab, (micro_batch, width), device=device), "labels": labels}
-        if Objectives.of(cfg).teacher:
+        if teacher:
             text = round_up(lead + cfg.max_prompt_bytes, ANSWER_PAD_MULTIPLE)
             rows["text_ids"] = torch.randint(0, vocab, (micro_batch, text), device=device)
             rows["text_mask"] = torch.ones((micro_batch, text), dtype=torch.long, device=device)

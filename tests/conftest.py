@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from latentwire.objectives import Objectives
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Small and quick, but the real loop: every test that trains starts from these.
@@ -22,6 +24,11 @@ EXACT = ["--precision", "fp32", "--dropout", "0", "--compile", "false"]
 RUN = ["--profile", "cpu", *EXACT, *FAST, "--micro-batch-size", "4", "--grad-accum-steps", "2"]
 # 20 steps on one process, and the same global batch on two ranks under torchrun.
 TWENTY = {1: [*RUN, "--max-steps", "20"], 2: [*RUN, "--max-steps", "20", "--micro-batch-size", "2"]}
+
+# Every extra loss term on at once, as train.py's flags and as the Objectives they make; k_tokens 2
+# is fewer than most answers' targets.
+ALL_TERMS_FLAGS = ["--first-token-weight", "0.5", "--k-token-weight", "0.5", "--k-tokens", "2", "--kd-weight", "1"]
+ALL_TERMS = Objectives(first_token_weight=0.5, k_token_weight=0.5, kd_weight=1.0, k_tokens=2)
 
 # A Llama architecture small enough to draw in a test, for `random:`.
 SMALL_LLAMA = dict(model_type="llama", vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from conftest import ALL_TERMS
 from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
@@ -146,17 +147,16 @@ def test_distillation_compiles_its_teacher_once_and_equals_eager(compiled_run):
     graphs of their own, compiled by the first distillation batch and reused by the varied ones
     after it, and the same loss terms and gradients as eager."""
     model, llms, step = compiled_run["model"], compiled_run["llms"], compiled_run["step"]
-    every_term = Objectives(first_token_weight=0.5, k_token_weight=0.5, kd_weight=1.0, k_tokens=2)
     batches = [make_batch(llms, MICRO_BATCH, p, w, seed, text_width=8 * (seed % 5 + 3))
                for seed, (p, w) in enumerate(widths(6))]
     compiled = []
     for batch in batches:
         before = graphs()
-        step(model, llms, batch, every_term).sum().backward()
+        step(model, llms, batch, ALL_TERMS).sum().backward()
         compiled.append(graphs() - before)
     model.zero_grad(set_to_none=True)
     assert compiled[0] > 0 and sum(compiled[1:]) <= 2, compiled  # a recompile allowed, as for the student
-    assert_compiled_equals_eager(model, llms, step, batches[-1], every_term)
+    assert_compiled_equals_eager(model, llms, step, batches[-1], ALL_TERMS)
 
 
 @pytest.mark.slow

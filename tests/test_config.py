@@ -98,7 +98,8 @@ def test_flags_override_profile_fields():
     (["--max-grad-norm", "nan"], "'max_grad_norm' must be a finite number, got nan"),
     (["--precision", "fp64"], "'precision' must be one of"),
     (["--compile", "maybe"], "expected true or false"),
-    (["--encoder-dim", "12", "--encoder-heads", "4", "--d-z", "64"], "head width, encoder_dim / encoder_heads = 3, must be even"),
+    (["--encoder-dim", "12", "--encoder-heads", "4", "--d-z", "64"],
+     "head width, encoder_dim / encoder_heads = 3, must be even"),
     (["--stop-at-step", "0"], "--stop-at-step must be > 0"),
     (["--max-step", "3"], "unrecognized arguments: --max-step"),  # no prefix matching of --max-steps
     (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import ALL_TERMS
 from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
@@ -11,7 +12,6 @@ from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 CPU = torch.device("cpu")
 ANSWER_CE = Objectives()
 # Every term on; k_tokens 2 is fewer than most answers' targets, so k_token_ce is not answer_ce.
-ALL_TERMS = Objectives(first_token_weight=0.5, k_token_weight=0.5, kd_weight=1.0, k_tokens=2)
 
 
 @pytest.fixture(scope="module")

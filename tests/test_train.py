@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import EXACT, FAST, final_weights, max_rel_diff, ok, read_metrics, run_train
+from conftest import ALL_TERMS_FLAGS, EXACT, FAST, final_weights, max_rel_diff, ok, read_metrics, run_train
 
 
 def train(tmp_path, name, *args, nproc=1):
@@ -14,12 +14,8 @@ def train(tmp_path, name, *args, nproc=1):
     return out
 
 
-# Every extra loss term on, at once; k_tokens 2 is fewer than most answers' targets.
-ALL_TERMS = ["--first-token-weight", "0.5", "--k-token-weight", "0.5", "--k-tokens", "2", "--kd-weight", "1"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("terms", [["--first-token-weight", "0"], ALL_TERMS], ids=["answer_ce", "all_terms"])
+@pytest.mark.parametrize("terms", [["--first-token-weight", "0"], ALL_TERMS_FLAGS], ids=["answer_ce", "all_terms"])
 def test_gradient_accumulation_and_ddp_are_exact(tmp_path, terms):
     """mbs 8 x 1, mbs 2 x accum 4, and mbs 2 x accum 2 x 2 ranks end with the same weights, and log
     the same value of every loss term of every LLM: each is normalised by its global count."""
@@ -40,7 +36,8 @@ def test_gradient_accumulation_and_ddp_are_exact(tmp_path, terms):
     for other in (accum, ddp):
         for a, b in zip(read_metrics(big), read_metrics(other), strict=True):
             losses = [k for k in a if k.startswith(("loss", "answer_ce_", "first_token_ce_", "k_token_ce_", "kd_"))]
-            assert len(losses) == 3 + 2 * (4 if terms == ALL_TERMS else 1)  # loss, loss_<llm>, then each term of each LLM
+            # loss, loss_<llm>, then each term of each LLM
+            assert len(losses) == 3 + 2 * (4 if terms == ALL_TERMS_FLAGS else 1)
             for key in (*losses, "grad_norm"):
                 assert a[key] == pytest.approx(b[key], rel=1e-5), key
     # ... and training moved the weights: the comparison is not between untouched inits.
