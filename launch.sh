@@ -37,6 +37,14 @@
 #SBATCH --requeue
 set -euo pipefail
 
+# --help: the header above, as usage.
+for arg in "$@"; do
+    if [[ "$arg" == --help || "$arg" == -h ]]; then
+        sed -n '2,/^#SBATCH/p' "$0" | sed '$d; s/^# \{0,1\}//'
+        exit 0
+    fi
+done
+
 # The checkout this script lives in (under sbatch, the copy SLURM runs is elsewhere, so fall back
 # to the submission directory).
 if [[ -n "${SLURM_JOB_ID:-}" && -n "${SLURM_SUBMIT_DIR:-}" && ! -f "$(dirname "$0")/train.py" ]]; then

@@ -45,7 +45,9 @@ from latentwire.profiling import MemorySnapshots, ProfilerConfig, make_profiler
 
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
-    with process_group(cfg.device, cfg.dist_timeout_s) as dist_info:
+    # Out of memory outside the loop (loading the LLMs, DDP's buckets, the last save) is one line
+    # and exit 5 too; the loop's own report below also names the micro-batch and the snapshot.
+    with process_group(cfg.device, cfg.dist_timeout_s) as dist_info, out_of_memory_report(cfg.run.profile):
         train(cfg, dist_info)
 
 
@@ -226,7 +228,7 @@ def train(cfg, di) -> None:
     skipped, bad_in_a_row = 0, 0
     exit_after_save = None  # preempted or diverged: leave the loop, save, then exit with its code
     with make_profiler(ProfilerConfig.of(cfg), out_dir, rank, device) as profiler, \
-            out_of_memory_report(snapshots, cfg.micro_batch_size, cfg.run.profile):
+            out_of_memory_report(cfg.run.profile, cfg.micro_batch_size, snapshots):
         while state.step < cfg.max_steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(batches)
@@ -467,15 +469,20 @@ def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, 
 
 
 @contextmanager
-def out_of_memory_report(snapshots: MemorySnapshots, micro_batch_size: int, profile: str):
-    """Out-of-memory ends the run with a one-line pointer to the snapshot and to the planner."""
+def out_of_memory_report(profile: str, micro_batch_size: int | None = None, snapshots: MemorySnapshots | None = None):
+    """Out-of-memory ends the run with one line pointing to the planner: in the loop (a
+    `micro_batch_size` given) also to the memory snapshot; outside it with torch's own words."""
+    plan = f"python -m latentwire.plan --profile {profile}"
     try:
         yield
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as e:
+        if snapshots is None:
+            raise OutOfMemory(f"out of memory outside the training steps ({(str(e).strip().splitlines() or ['CUDA'])[0]}); {plan} "
+                              "says what a rank holds (--frozen-sharding fsdp holds 1/world of the frozen LLMs)") from None
         path = snapshots.dump()
         where = f"memory snapshot: {path}" if path else "no memory snapshot on this device"
         raise OutOfMemory(f"out of memory at micro-batch {micro_batch_size} ({where}); lower "
-                          f"--micro-batch-size or see python -m latentwire.plan --profile {profile}") from None
+                          f"--micro-batch-size or see {plan}") from None
 
 
 def nonfinite_hint(precision: str) -> str:

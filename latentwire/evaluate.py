@@ -1,6 +1,6 @@
 """What the wire carries: answers generated from it, SQuAD EM/F1, answer NLL, baselines, compression.
 
-    python -m latentwire.evaluate --ckpt RUN/checkpoints/step_00000200 [--dataset squad] [--n 500]
+    python -m latentwire.evaluate --ckpt RUN/checkpoints/step_00000200 [--dataset squad] [--eval-examples 500]
     torchrun --nproc_per_node=2 -m latentwire.evaluate --ckpt RUN --eval-examples 500   # the same numbers
 
 A run trained with --frozen-sharding fsdp is evaluated under torchrun with its LLMs sharded the same
@@ -295,10 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                 description="EM/F1 and answer NLL from a LatentWire checkpoint's wire, with text baselines.")
     p.add_argument("--ckpt", required=True, help="RUN/checkpoints/step_N, or RUN for its newest checkpoint")
     p.add_argument("--dataset", help="held-out data: synthetic, squad, hotpot_qa or a local file (default: the run's)")
-    # torchrun's own parser reads `--n` as an ambiguous abbreviation of its flags (--nnodes, ...)
-    # before the module sees it, so under torchrun the long name is needed.
-    p.add_argument("--n", "--eval-examples", dest="n", type=positive(int), default=500,
-                   help="number of held-out examples (under torchrun: --eval-examples)")
+    # Not `--n`: torchrun's own parser reads it as an ambiguous abbreviation of its flags
+    # (--nnodes, --nproc-per-node) before the module sees it. train.py's field has this name too.
+    p.add_argument("--eval-examples", type=positive(int), default=500, help="number of held-out examples")
     p.add_argument("--batch-size", type=positive(int), help="examples per forward (default: the run's micro-batch)")
     p.add_argument("--max-new-tokens", type=positive(int), help="generation limit (default: the run's)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: the run's")
@@ -327,7 +326,7 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     dataset = args.dataset or cfg.dataset
     out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
     check_can_create(out_dir, "output directory")
-    examples = load_examples(dataset, "validation", args.n, cfg.seed)
+    examples = load_examples(dataset, "validation", args.eval_examples, cfg.seed)
     llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
     # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
     sharded = cfg.frozen_sharding == "fsdp" and di.is_distributed

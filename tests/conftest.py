@@ -85,7 +85,6 @@ def run_module(module: str, args: list[str], timeout: int = 300) -> subprocess.C
 
 def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
     """`python -m latentwire.evaluate`, or under torchrun with `nproc` ranks."""
-    # --eval-examples, not --n: torchrun's parser would take --n for an abbreviation of its own flags.
     args = ["--ckpt", str(ckpt), "--eval-examples", str(n), "--batch-size", "8", "--max-new-tokens", "6",
             "--out-dir", str(out_dir)]
     if nproc == 1:

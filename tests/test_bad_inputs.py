@@ -162,7 +162,7 @@ def base_args(entry: str, run: Path) -> list[str]:
         return ["--profile", "cpu", "--out-dir", str(run), "--micro-batch-size", "1", "--max-micro-batch", "1",
                 "--steps", "1"]
     if entry == "evaluate":  # the report would go to RUN/eval
-        return ["--ckpt", str(run), "--n", "8", "--batch-size", "8", "--max-new-tokens", "4"]
+        return ["--ckpt", str(run), "--eval-examples", "8", "--batch-size", "8", "--max-new-tokens", "4"]
     raise ValueError(entry)
 
 
@@ -259,7 +259,7 @@ CASES = {
     "find_batch-cap-gb-inf": ("find_batch", lambda c: ["--cap-gb", "inf"]),
     "find_batch-steps-negative": ("find_batch", lambda c: ["--steps", "-1"]),
     "find_batch-frozen-sharding-fsdp": ("find_batch", lambda c: ["--frozen-sharding", "fsdp"]),
-    "evaluate-n-zero": ("evaluate", lambda c: ["--n", "0"]),
+    "evaluate-eval-examples-zero": ("evaluate", lambda c: ["--eval-examples", "0"]),
     "evaluate-device-unknown": ("evaluate", lambda c: ["--device", "tpu"]),
     "launch2-micro-batch-size-zero": ("launch2", lambda c: [OW, "--micro-batch-size", "0"]),
     "launch-nproc-per-node-not-a-number": ("launch1", lambda c: {"args": [OW], "env": {"NPROC_PER_NODE": "x"}}),

@@ -379,7 +379,7 @@ def test_train_logs_periodic_evaluation_equal_to_the_command(tmp_path):
     events.Reload()
     assert [s.step for s in events.Scalars("eval_nll_wire_qwen")] == [2, 4]
 
-    args = ["--ckpt", str(out), "--n", "24", "--batch-size", "4", "--max-new-tokens", "4", "--out-dir", str(tmp_path)]
+    args = ["--ckpt", str(out), "--eval-examples", "24", "--batch-size", "4", "--max-new-tokens", "4", "--out-dir", str(tmp_path)]
     ok(run_module("latentwire.evaluate", args))
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert {f"eval_{k}": v for k, v in report["metrics"].items() if f"eval_{k}" in logged[4]} == \

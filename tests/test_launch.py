@@ -71,6 +71,14 @@ def test_missing_or_unknown_profile_is_one_line(tmp_path):
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_help_prints_the_usage_and_exits_0(tmp_path):
+    for args in (["--help"], ["--profile", "cpu", "-h"]):
+        proc = launch(args, tmp_path)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout.startswith("Launch train.py with torchrun.") and "sbatch" in proc.stdout
+        assert "75 preempted" in proc.stdout and "#" not in proc.stdout.splitlines()[0]
+
+
 def test_gpu_profile_without_gpu_is_one_line(tmp_path):
     proc = launch(["--profile", "h100"], tmp_path, CUDA_VISIBLE_DEVICES="")
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
@@ -230,3 +238,65 @@ def test_several_nodes_need_their_rank_and_node_0_s_address(tmp_path):
         proc = launch(["--profile", "cpu"], tmp_path, **env)
         assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and fragment in proc.stderr, env
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# --- every command also works under torchrun ---------------------------------------------------
+
+def torchrun_passes_on(script: list[str], args: list[str]) -> list[str]:
+    """What torchrun hands the script of `torchrun --standalone --nproc_per_node=2 SCRIPT ARGS`. Its
+    parser matches abbreviations of its own flags even among the script's: `--n` is refused as
+    ambiguous (--nnodes, --nproc-per-node, ...) before the script sees it."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    parser.error = lambda message: pytest.fail(f"torchrun refuses {' '.join(args)!r}: {message}")
+    return parser.parse_args(["--standalone", "--nproc_per_node=2", *script, *args]).training_script_args
+
+
+def test_every_flag_of_every_command_passes_through_torchrun():
+    from latentwire import config, evaluate, find_batch, plan
+
+    for script, parser in ((["train.py"], config.build_parser()), (["-m", "latentwire.evaluate"], evaluate.build_parser()),
+                           (["-m", "latentwire.plan"], plan.build_parser()),
+                           (["-m", "latentwire.find_batch"], find_batch.build_parser())):
+        flags = [s for action in parser._actions for s in action.option_strings]
+        assert len(flags) > 3
+        for flag in flags:
+            assert torchrun_passes_on(script, [flag, "1"]) == [flag, "1"], (script, flag)
+
+
+def documented_commands() -> list[tuple[str, list[str], list[str]]]:
+    """(file, script, args) of each `train.py ...` or `-m latentwire.X ...` command line in the
+    README and docs/, in code blocks and inline code."""
+    import re
+    import shlex
+
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = path.read_text().replace("\\\n", " ")
+        for line in re.findall(r"```[a-z]*\n(.*?)```", text, re.S) + re.findall(r"`([^`\n]+)`", text):
+            for command in line.splitlines():
+                try:
+                    words = shlex.split(command, comments=True)
+                except ValueError:
+                    continue
+                for i, word in enumerate(words):
+                    if word.endswith("train.py"):
+                        script, rest = [word], words[i + 1:]
+                    elif word == "-m" and re.fullmatch(r"latentwire\.\w+", " ".join(words[i + 1:i + 2])):
+                        script, rest = words[i:i + 2], words[i + 2:]
+                    else:
+                        continue
+                    rest = rest[:next((j for j, w in enumerate(rest) if w in ("|", "&&", ";", ">")), len(rest))]
+                    if not rest or rest[0].startswith(("-", "$")):  # a command, not a sentence about one
+                        found.append((path.name, script, rest))
+                    break
+    return found
+
+
+def test_every_documented_command_passes_through_torchrun():
+    commands = documented_commands()
+    assert len(commands) > 20 and any(s == ["-m", "latentwire.evaluate"] and a for _, s, a in commands)
+    for where, script, args in commands:
+        assert torchrun_passes_on(script, args) == args, where

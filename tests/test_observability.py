@@ -101,6 +101,41 @@ main_guard(lambda: train.main(sys.argv[1:]))
 """
 
 
+OOM_IN = """
+import os, sys, torch
+sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
+import train
+from latentwire.errors import main_guard
+real = train.{name}
+def oom(*args, **kwargs):
+    if os.environ.get("RANK", "1") == "1":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.00 GiB")
+    return real(*args, **kwargs)
+train.{name} = oom
+main_guard(lambda: train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, nproc", [("load_weights", 1), ("DDP", 2)])
+def test_out_of_memory_before_the_loop_is_one_line_and_exit_5(tmp_path, name, nproc):
+    """While an LLM is read into place (one process), or while DDP starts on rank 1 of two."""
+    script = tmp_path / "oom.py"
+    script.write_text(OOM_IN.format(repo=str(REPO), train=str(REPO / "train.py"), name=name))
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    proc = subprocess.run([sys.executable, *launcher, str(script), *SHORT, "--dist-timeout-s", "30",
+                           "--out-dir", str(tmp_path / "run")], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
+    line = "error: out of memory outside the training steps (CUDA out of memory. Tried to allocate 15.00 GiB); " \
+           "python -m latentwire.plan --profile cpu says what a rank holds"
+    if nproc == 1:
+        assert_one_line_error(proc, line.removeprefix("error: "))
+        assert proc.returncode == 5
+    else:  # plain torchrun: its own exit code and report, with the rank's line and code in them
+        assert line in proc.stderr and "exitcode  : 5" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.slow
 def test_out_of_memory_is_one_line_with_the_snapshot_and_the_planner(tmp_path):
     script = tmp_path / "oom.py"
