@@ -18,16 +18,18 @@
 # Preemption: SIGTERM or SIGUSR1 to this script reaches the training processes as SIGTERM; they
 # finish the step, save it and exit with code 75. Under SLURM that comes 120 s before the time
 # limit (or on scancel --signal=USR1 / preemption); the script then requeues the job, and the
-# requeued job adds --resume by itself.
+# requeued job adds --resume by itself. On every node the signal goes from latentwire.launch
+# straight to its ranks, which take as long as the save needs: torchrun itself is never told, so
+# its shutdown timeout (fixed at 30 s before torch 2.13) does not apply.
 #
 # Environment it reads: NPROC_PER_NODE (processes per node), MASTER_PORT (rendezvous port, 29500),
 # NNODES, NODE_RANK, MASTER_ADDR (several nodes without SLURM: how many, which one this is, and
 # node 0's address, which every node must reach), LOCAL_ADDR (the address this node is reached at,
 # where its hostname does not resolve to it; with several interfaces also set GLOO_SOCKET_IFNAME /
 # NCCL_SOCKET_IFNAME to the one the nodes share), RDZV_ID (the run's name at the rendezvous),
-# PYTHON (the interpreter; default: the checkout's .venv, else python3),
-# TORCH_ELASTIC_SHUTDOWN_TIMEOUT (seconds torchrun, when it is signalled itself, waits for the
-# ranks to save before it kills them; default here 120, torch >= 2.13 reads it).
+# PYTHON (the interpreter; default: the checkout's .venv, else python3).
+#
+# train.py's own flags: python train.py --help (with --profile KEY: that profile's values).
 #
 #SBATCH --job-name=latentwire
 #SBATCH --ntasks-per-node=1
@@ -114,8 +116,6 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / nproc > 0 ? cores / nproc
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"  # DataLoader workers fork after tokenizers load
-# A signalled rank finishes its step and saves before exiting: give it time before SIGKILL.
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 
 # Wait for a background process; a trapped signal interrupts `wait`, so wait again until it has
 # exited, and return its exit code.
@@ -140,7 +140,7 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
         "$ROOT/train.py" "$@" ${resume[@]+"${resume[@]}"} &  # an empty array is "unbound" to bash < 4.4
     step_pid=$!
     preempted=0
-    # srun passes SIGTERM on to each node's torchrun, which passes it to its ranks.
+    # srun passes SIGTERM on to each node's latentwire.launch, which passes it to its ranks.
     trap 'preempted=1; kill -TERM "$step_pid" 2>/dev/null || true' USR1 TERM
     status=0
     wait_for "$step_pid" || status=$?
@@ -181,14 +181,7 @@ else
 fi
 "$PYTHON" -m latentwire.launch "${rendezvous[@]}" --nproc_per_node="$nproc" "$ROOT/train.py" "$@" &
 launcher_pid=$!
-# A signal goes straight to the ranks (torchrun's children), not through torchrun: torchrun would
-# pass it on too, but then kill the ranks after its shutdown timeout, which torch < 2.13 fixes at 30 s.
-stop_ranks() {
-    local ranks
-    ranks="$(cat /proc/"$launcher_pid"/task/*/children 2>/dev/null || true)"
-    kill -TERM ${ranks:-$launcher_pid} 2>/dev/null || true  # before the ranks exist: torchrun
-}
-trap stop_ranks USR1 TERM
+trap 'kill -TERM "$launcher_pid" 2>/dev/null || true' USR1 TERM  # latentwire.launch passes it to the ranks
 status=0
 wait_for "$launcher_pid" || status=$?
 exit "$status"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +51,34 @@ def silence_torchrun() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def ranks() -> list[int]:
+    """The pids of this launcher's children: the ranks torchrun started (Linux's /proc)."""
+    return [int(pid) for path in Path("/proc/self/task").glob("*/children") for pid in path.read_text().split()]
+
+
+def pass_stop_signals_to_ranks(args) -> None:
+    """SIGTERM and SIGUSR1 (a scheduler's preemption, launch.sh, srun on each node) go straight to
+    the ranks as SIGTERM, and torchrun goes on waiting for them to save and exit 75. Left to
+    torchrun, it would pass the signal on too, but then kill ranks still saving after its shutdown
+    timeout, which torch < 2.13 fixes at 30 s. Before the ranks exist, torchrun stops as usual."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stop(signum, frame):
+        pids = ranks()
+        if not pids:
+            raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:  # a rank that has just exited
+                pass
+
+    handled = [name.strip() for name in args.signals_to_handle.split(",")]
+    args.signals_to_handle = ",".join(name for name in handled if name not in ("SIGTERM", "SIGUSR1"))
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -57,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     silence_torchrun()
+    pass_stop_signals_to_ranks(args)
     with tempfile.TemporaryDirectory(prefix="latentwire-outcome-") as directory:
         os.environ[OUTCOME_DIR] = directory
         failed = None

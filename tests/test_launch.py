@@ -84,16 +84,35 @@ def test_gpu_profile_without_gpu_is_one_line(tmp_path):
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
 
 
+# Each rank's checkpoint save takes 3 s longer (a large checkpoint on a slow filesystem).
+SLOW_SAVE = """
+import os
+if "RANK" in os.environ:
+    import time
+    from latentwire.checkpoint import Checkpointer
+    real = Checkpointer.save
+    def slow_save(self, state):
+        time.sleep(3)
+        return real(self, state)
+    Checkpointer.save = slow_save
+"""
+
+
 @pytest.mark.slow
 def test_slurm_preemption_saves_requeues_and_the_requeued_job_resumes(tmp_path):
+    """srun passes the signal to each node's launcher, which must pass it to the ranks itself: a
+    signalled torchrun kills ranks still saving after its shutdown timeout (30 s, fixed before torch
+    2.13; here 1 s, shorter than the slowed save)."""
     bin_dir = fake_slurm_bin(tmp_path)
     (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\nif [[ "$1" == requeue ]]; then echo "$@" > '
                                       '"$(dirname "$0")/requeued"; else echo 127.0.0.1; fi\n')
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_SAVE)
     out = tmp_path / "run"
     args = ["--profile", "cpu", *FAST, "--max-steps", "40", "--micro-batch-size", "2", "--out-dir", str(out)]
     env = dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_NNODES="1",
                SLURM_JOB_NODELIST="node1", MASTER_PORT="29732")
-    job = popen_launch(args, tmp_path, **env)
+    job = popen_launch(args, tmp_path, PYTHONPATH=str(tmp_path / "slow"), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1", **env)
     wait_for_step(out, 3, job)
     job.send_signal(signal.SIGUSR1)  # SLURM's warning before the time limit (--signal=B:USR1@120)
     stdout, stderr = job.communicate(timeout=120)
