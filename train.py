@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from latentwire.checkpoint import Checkpointer, TrainState, list_checkpoints
+from latentwire.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
 from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import check_can_create, load_config
 from latentwire.data import Collator, PromptDataset, ShardSampler, load_examples, to_device
@@ -55,8 +55,8 @@ def train(cfg, di) -> None:
     device, rank, world = di.device, di.rank, di.world_size
     out_dir = Path(cfg.out_dir)
     # --- Preemption: SIGTERM / SIGUSR1 only set a flag; ranks agree at the end of a step -----
-    # Set first: a signal while the LLMs load (minutes for two 8B models) still ends in a
-    # saved first step and exit 75, not a killed rank with nothing to resume.
+    # Set first: a signal while the LLMs load (minutes for two 8B models) is heard before the
+    # first step, which saves where the run stands and exits 75, not a killed rank.
     stop = StopFlag()
     # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads. Nothing on
     # disk changes until every input (models, batch sizes, a checkpoint to resume) has passed.
@@ -219,17 +219,23 @@ def train(cfg, di) -> None:
     meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, wire).step_flops,
                       peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps)
-    eval_plan = EvalPlan.of(cfg, text_baselines=False, lockstep=shard_frozen)
+    eval_plan = EvalPlan.of(cfg, text_baselines=False, lockstep=shard_frozen, stop=lambda: stop.on_any_rank(device))
     if di.is_main:
         print(run_summary(cfg.run.profile, device, cfg.precision, state.layout, model, llms), flush=True)
+
+    # --- A signal before the first step: save and leave -------------------------------------
+    # One collective after loading: a signal during it would otherwise wait for the first step,
+    # whose compile takes minutes. A resumed run has its step on disk already.
+    on_disk = state.step if cfg.run.resume else None
+    exit_after_save = preempted(stop, state.step, di.is_main) if stop.on_any_rank(device) else None
 
     # --- The loop ----------------------------------------------------------------------------
     model.train()
     skipped, bad_in_a_row = 0, 0
-    exit_after_save = None  # preempted or diverged: leave the loop, save, then exit with its code
     with make_profiler(ProfilerConfig.of(cfg), out_dir, rank, device) as profiler, \
             out_of_memory_report(cfg.run.profile, cfg.micro_batch_size, snapshots):
-        while state.step < cfg.max_steps:
+        # Preempted or diverged: leave the loop, save, then exit with exit_after_save's code.
+        while exit_after_save is None and state.step < cfg.max_steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(batches)
             data_wait = time.perf_counter() - t_wait
@@ -285,11 +291,10 @@ def train(cfg, di) -> None:
             # hold the same numbers, equal to `python -m latentwire.evaluate` on this step's
             # weights. It joins the step's log record after the window's rates are taken, and the
             # next window starts after it, so evaluation never counts as training time. A step
-            # that is preempted skips it (the grace before SIGKILL is for saving) unless the run
-            # ends here anyway, since a resume would not come back to it.
+            # that is preempted skips it: the grace before SIGKILL is for saving.
             run_ends = state.step == cfg.max_steps or state.step == cfg.run.stop_at_step
             eval_due = (cfg.eval_every > 0 and (state.step % cfg.eval_every == 0 or state.step == cfg.max_steps)
-                        and (run_ends or not stop_requested))
+                        and not stop_requested)
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
             if state.step == 1 or state.step % cfg.log_every == 0 or state.step == cfg.max_steps or eval_due:
@@ -299,7 +304,11 @@ def train(cfg, di) -> None:
                 if eval_due:
                     # Evaluation's eval-mode, padded, KV-cached calls would recompile every region.
                     with torch.compiler.set_stance("force_eager"):
-                        record |= evaluate_wire(model, llms, eval_examples, eval_plan, device, rank, world)
+                        scores = evaluate_wire(model, llms, eval_examples, eval_plan, device, rank, world)
+                    # A signal during it (minutes with 8B readers) is heard between its chunks
+                    # (eval_plan.stop): the unfinished evaluation is dropped and the step saved.
+                    stop_requested = scores is None
+                    record |= scores or {}
                 logger.log(record)
                 meter.next_window(after_pause=eval_due)
 
@@ -307,16 +316,13 @@ def train(cfg, di) -> None:
                 break
             # --- Preemption: the step is done; save it and leave ------------------------
             if stop_requested:
-                if di.is_main:
-                    print(f"preempted ({stop.signal_name or 'signal on another rank'}): saving step {state.step}; "
-                          f"exiting with code {PREEMPTED_EXIT_CODE}, continue with --resume", flush=True)
-                exit_after_save = SystemExit(PREEMPTED_EXIT_CODE)
+                exit_after_save = preempted(stop, state.step, di.is_main)
                 break
             if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
                 checkpointer.save(state)
 
     # Every way out of the loop (done, --stop-at-step, preempted, diverged) saves the same way.
-    path = checkpointer.save(state)
+    path = checkpointer.save(state) if state.step != on_disk else checkpoint_dir(out_dir, state.step)
     snapshots.finish()
     logger.close()
     if exit_after_save is not None:
@@ -483,6 +489,14 @@ def out_of_memory_report(profile: str, micro_batch_size: int | None = None, snap
         where = f"memory snapshot: {path}" if path else "no memory snapshot on this device"
         raise OutOfMemory(f"out of memory at micro-batch {micro_batch_size} ({where}); lower "
                           f"--micro-batch-size or see {plan}") from None
+
+
+def preempted(stop: StopFlag, step: int, is_main: bool) -> SystemExit:
+    """What a preempted run exits with, once it has saved `step`."""
+    if is_main:
+        print(f"preempted ({stop.signal_name or 'signal on another rank'}): saving step {step}; "
+              f"exiting with code {PREEMPTED_EXIT_CODE}, continue with --resume", flush=True)
+    return SystemExit(PREEMPTED_EXIT_CODE)
 
 
 def nonfinite_hint(precision: str) -> str:

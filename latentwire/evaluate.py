@@ -116,6 +116,9 @@ class Plan:
     max_answer_tokens: int
     pad_multiple: int
     progress: Callable[[int, int], object] | None = None  # (examples done, of) on this rank, after each chunk
+    # Asked before each chunk, on every rank at every chunk position (a collective when distributed):
+    # True drops the unfinished evaluation (a preemption signal, heard within one chunk).
+    stop: Callable[[], bool] | None = None
     # The LLMs are sharded over the ranks (FSDP): each of their forwards needs every rank, so every
     # rank runs as many chunks (the short ones repeat one, its records dropped) and decodes until
     # all are done.
@@ -123,13 +126,13 @@ class Plan:
 
     @classmethod
     def of(cls, config, *, text_baselines: bool, batch_size: int | None = None, max_new_tokens: int | None = None,
-           progress=None, lockstep: bool = False) -> Plan:
+           progress=None, lockstep: bool = False, stop=None) -> Plan:
         """From a run's configuration; batch size and generation limit default to the run's."""
         return cls(batch_size=batch_size or config.micro_batch_size,
                    max_new_tokens=max_new_tokens or config.max_new_tokens, text_baselines=text_baselines,
                    precision=config.precision, seed=config.seed, num_latents=config.num_latents,
                    max_prompt_bytes=config.max_prompt_bytes, max_answer_tokens=config.max_answer_tokens,
-                   pad_multiple=config.pad_multiple, progress=progress, lockstep=lockstep)
+                   pad_multiple=config.pad_multiple, progress=progress, lockstep=lockstep, stop=stop)
 
 
 def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices: range, partners: list[int],
@@ -201,8 +204,9 @@ def gather_records(local: list[dict], world: int) -> list[dict]:
 
 
 def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], plan: Plan, device: torch.device,
-                      rank: int, world: int) -> list[dict]:
-    """Per-example records of all `examples`, on every rank. A collective when distributed."""
+                      rank: int, world: int) -> list[dict] | None:
+    """Per-example records of all `examples`, on every rank, or None when `plan.stop` stopped it. A
+    collective when distributed."""
     collate = Collator.for_llms(llms, plan.max_prompt_bytes, plan.max_answer_tokens, plan.pad_multiple)
     partners = cyclic_derangement(len(examples), plan.seed)
     amp_dtype = AMP_DTYPES[plan.precision]
@@ -212,7 +216,11 @@ def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], plan
         with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             chunks, local = rank_chunks(len(examples), plan.batch_size, rank, world), []
             most = rank_chunks(len(examples), plan.batch_size, 0, world)  # rank 0 is dealt the most
-            for i in range(len(most) if plan.lockstep else len(chunks)):
+            for i in range(len(most)):
+                if plan.stop and plan.stop():
+                    return None
+                if i >= len(chunks) and not plan.lockstep:
+                    continue  # this rank's share is done; it still answers stop() with the others
                 chunk = chunks[i] if i < len(chunks) else most[0]  # lockstep: a chunk run again, dropped
                 records = evaluate_chunk(model, llms, examples, chunk, partners, collate, plan, device)
                 local += records if i < len(chunks) else []
@@ -224,12 +232,13 @@ def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], plan
 
 
 def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], plan: Plan, device: torch.device,
-                  rank: int, world: int) -> dict[str, float]:
+                  rank: int, world: int) -> dict[str, float] | None:
     """The periodic evaluation of train.py: the wire's answers (EM/F1 per LLM and joint) and answer
-    NLL, with the controls of `wire_controls`; flat `eval_*` scalars, equal on every
-    rank. A collective: every rank calls it. Pass the bare model, not its DDP wrapper."""
+    NLL, with the controls of `wire_controls`; flat `eval_*` scalars, equal on every rank, or None
+    when `plan.stop` stopped it. A collective: every rank calls it. Pass the bare model, not its
+    DDP wrapper."""
     records = evaluate_examples(model, llms, examples, plan, device, rank, world)
-    return {f"eval_{k}": v for k, v in summarize(records).items()}
+    return None if records is None else {f"eval_{k}": v for k, v in summarize(records).items()}
 
 
 # --- loading a checkpoint ---------------------------------------------------------------------

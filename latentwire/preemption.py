@@ -1,11 +1,16 @@
 """Preemption: SIGTERM (spot instances, `scancel`, torchrun shutting down) and SIGUSR1 (SLURM's
-`--signal`) only set a flag. The loop ORs the flag over all ranks at the next step boundary, so
-every rank saves the same step and exits together with errors.PREEMPTED_EXIT_CODE. DataLoader workers
-are kept out of the way of both (`shield_worker_from_stop_signals`): the trainer decides when to stop."""
+`--signal`) only set a flag. The ranks OR the flag at the next step boundary, between evaluation
+chunks and once before the first step, so every rank saves the same step and exits together with
+errors.PREEMPTED_EXIT_CODE. DataLoader workers are kept out of the way of both
+(`shield_worker_from_stop_signals`): the trainer decides when to stop."""
 from __future__ import annotations
 
 import os
 import signal
+
+import torch
+
+from .distributed import all_reduce_max
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -22,6 +27,11 @@ class StopFlag:
     @property
     def raised(self) -> bool:
         return self.signal_name is not None
+
+    def on_any_rank(self, device: torch.device) -> bool:
+        """Collective: whether any rank has been signalled. For the phases between steps (loading,
+        evaluation); within a step the flag rides along the step's own all-reduce instead."""
+        return bool(all_reduce_max(torch.tensor([int(self.raised)], device=device)).item())
 
 
 def shield_worker_from_stop_signals(worker_id: int) -> None:

@@ -81,6 +81,62 @@ def test_sigusr1_single_process_exits_75_and_skips_the_step_s_evaluation(tmp_pat
     assert all("eval_nll_wire_llama" in r for r in records[:-1]) and "eval_nll_wire_llama" not in records[-1]
 
 
+# Rank 1 signals itself when it starts its `nth` call of `module.name`; each later call says so.
+SIGNAL_AT_CALL = """
+import os, signal, sys
+sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
+import {module} as target
+import train
+from latentwire.errors import main_guard
+real, calls = target.{name}, [0]
+def signalled(*args, **kwargs):
+    calls[0] += 1
+    if os.environ["RANK"] == "1" and calls[0] == {nth}:
+        os.kill(os.getpid(), signal.SIGTERM)
+    if calls[0] > {nth}:
+        print("a call after the signal", file=sys.stderr, flush=True)
+    return real(*args, **kwargs)
+target.{name} = signalled
+main_guard(lambda: train.main(sys.argv[1:]))
+"""
+
+
+def popen_signalled(tmp_path, args, module, name, nth):
+    script = tmp_path / "signalled_train.py"
+    script.write_text(SIGNAL_AT_CALL.format(repo=str(REPO), train=str(REPO / "train.py"), module=module, name=name,
+                                            nth=nth))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), *args], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_signal_during_evaluation_drops_it_and_saves_the_step(tmp_path):
+    """Rank 1 is signalled as it starts the first of its 8 chunks of step 2's evaluation: no rank
+    starts another chunk, the step is saved without its evaluation, and the run exits 75."""
+    out = tmp_path / "run"
+    args = [*TWENTY[2], "--eval-every", "2", "--eval-examples", "64", "--micro-batch-size", "4",
+            "--out-dir", str(out)]
+    proc = popen_signalled(tmp_path, args, "latentwire.evaluate", "evaluate_chunk", nth=1)
+    assert "exiting with code 75" in proc.stdout and "exitcode  : 75" in proc.stderr, proc.stdout + proc.stderr
+    assert "a call after the signal" not in proc.stderr
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000002"]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2] and "eval_nll_wire_llama" not in records[-1]
+
+
+@pytest.mark.slow
+def test_a_signal_while_loading_saves_the_start_and_resumes_exactly(tmp_path, straight):
+    """Rank 1 is signalled while it reads its second LLM: the ranks agree before the first step,
+    save step 0 (what --resume needs) without training, and the resumed run is the unbroken one."""
+    out = tmp_path / "run"
+    proc = popen_signalled(tmp_path, [*TWENTY[2], "--out-dir", str(out)], "train", "load_weights", nth=2)
+    assert "saving step 0" in proc.stdout and "exitcode  : 75" in proc.stderr, proc.stdout + proc.stderr
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000000"]
+    assert not (out / "metrics.jsonl").exists() or not read_metrics(out)
+    ok(run_train([*TWENTY[2], "--out-dir", str(out), "--resume"], nproc=2))
+    assert_same_run(straight(2), out, 0)
+
+
 @pytest.mark.slow
 def test_kill_9_never_leaves_a_partial_checkpoint_to_resume_from(tmp_path):
     """SIGKILL at random moments of a run that checkpoints every step (so many kills land inside a
