@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from latentwire.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
 from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import check_can_create, load_config
-from latentwire.data import Collator, PromptDataset, ShardSampler, load_examples, to_device
+from latentwire.data import Collator, DataSources, PromptDataset, ShardSampler, TrainingSet, to_device
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
@@ -61,8 +61,16 @@ def train(cfg, di) -> None:
     # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads. Nothing on
     # disk changes until every input (models, batch sizes, a checkpoint to resume) has passed.
     check_out_dir(out_dir, cfg.run)
-    examples = load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed)
-    eval_examples = load_examples(cfg.dataset, "validation", cfg.eval_examples, cfg.seed) if cfg.eval_every else []
+    # What the data is, said up front: the answers the prompt's cut hides from the encoder (they
+    # teach the wire to guess), and where the held-out examples come from (a local file holds
+    # out a seeded part that training never sees).
+    sources = DataSources.of(cfg)
+    training = TrainingSet.load(sources, cfg.num_examples, cfg.max_prompt_bytes, cfg.drop_cut_answers)
+    held_out = sources.held_out_source()
+    eval_examples = sources.held_out_examples(cfg.eval_examples, held_out) if cfg.eval_every else []
+    if di.is_main:
+        print(f"data: {training.summary(cfg.max_prompt_bytes)}; held out: {sources.describe_held_out(held_out)}",
+              flush=True)
 
     # --- Elastic batch: the micro-batch from the memory plan ---------------------------------
     # The plan traces this very configuration on the CPU (FakeTensorMode: real shapes, no memory)
@@ -146,7 +154,7 @@ def train(cfg, di) -> None:
     # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank,
     # so the global batch of a step is the same set of examples for any world size; it can start
     # an epoch part-way, which is how a resumed run continues the same sample order.
-    dataset = PromptDataset(examples)
+    dataset = PromptDataset(training.examples)
     sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed)
     objectives = Objectives.of(cfg)
     collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple,
@@ -174,13 +182,15 @@ def train(cfg, di) -> None:
     # The Checkpointer owns the format: it saves these objects and loads them back into the same
     # ones. Resume takes the newest checkpoint that every rank loads (a partial or corrupt newer
     # one is skipped with a warning). Same layout (world size, micro-batch, accumulation):
-    # bitwise the run that never stopped.
-    state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, cfg.micro_batch_size, cfg.grad_accum_steps))
+    # bitwise the run that never stopped. A data position means something only in the same
+    # training set, so a resume on other data is refused unless --new-data starts a fresh epoch.
+    state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, cfg.micro_batch_size, cfg.grad_accum_steps),
+                       data=training.identity(cfg.dataset))
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.keep_checkpoints,
                                 meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(wire)},
                                 model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     if cfg.run.resume:
-        state = resume(checkpointer, state.layout, cfg.run.stop_at_step, cfg.max_steps, di.is_main)
+        state = resume(checkpointer, state, cfg.run, cfg.max_steps, di.is_main)
         if state is None:
             return
     batches = global_batches(loader, sampler, cfg.grad_accum_steps, state.epoch, state.examples_done, global_batch)
@@ -218,7 +228,8 @@ def train(cfg, di) -> None:
     # MFU against the peak of the arithmetic the matmuls really run in.
     meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, wire).step_flops,
                       peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
-    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps)
+    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps,
+                           first_record=training.facts())
     eval_plan = EvalPlan.of(cfg, text_baselines=False, lockstep=shard_frozen, stop=lambda: stop.on_any_rank(device))
     if di.is_main:
         print(run_summary(cfg.run.profile, device, cfg.precision, state.layout, model, llms), flush=True)
@@ -443,23 +454,38 @@ def make_loader(dataset, sampler, collate, *, micro_batch_size: int, num_workers
                       generator=torch.Generator().manual_seed(seed))
 
 
-def resume(checkpointer: Checkpointer, layout: tuple[int, int, int], stop_at_step: int | None, max_steps: int,
-           is_main: bool) -> TrainState | None:
-    """The saved state, continued with this run's layout; None when the run has already finished."""
+def resume(checkpointer: Checkpointer, fresh: TrainState, run, max_steps: int, is_main: bool) -> TrainState | None:
+    """The saved state, continued with this run's layout and data (`fresh`'s); None when the run
+    has already finished."""
     saved, path = checkpointer.resume(warn=lambda message: is_main and print(message, file=sys.stderr))
-    if stop_at_step is not None and stop_at_step <= saved.step:
-        raise UserError(f"--stop-at-step {stop_at_step} is not after the resumed step {saved.step}")
+    if run.stop_at_step is not None and run.stop_at_step <= saved.step:
+        raise UserError(f"--stop-at-step {run.stop_at_step} is not after the resumed step {saved.step}")
+    other_data = saved.data is not None and saved.data != fresh.data
+    if other_data and not run.new_data:
+        raise UserError(f"--resume on other training data: {path.name} trained on {describe_data(saved.data)}, this "
+                        f"run loads {describe_data(fresh.data)}; resume with the same data, or add --new-data to "
+                        "train on this data from a fresh epoch with the resumed weights and optimizer")
     if saved.step >= max_steps:
         if is_main:
             print(f"{path} is the run's last step ({max_steps}): nothing to do, nothing changed")
         return None
+    if run.new_data:
+        saved = replace(saved, epoch=saved.epoch + 1, examples_done=0)
     if is_main:
-        print(f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, {saved.examples_done} examples into it)")
-        if saved.layout != layout:
-            print(f"note: layout (world, micro-batch, accumulation) is {layout}, the checkpoint's was "
+        print(f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, {saved.examples_done} examples into it)"
+              + (f"; --new-data: a fresh epoch of {describe_data(fresh.data)}" if run.new_data else ""))
+        if saved.data is None:
+            print(f"note: {path.name} does not record its training data (written before it did), so it is not "
+                  "compared with this run's", file=sys.stderr)
+        if saved.layout != fresh.layout:
+            print(f"note: layout (world, micro-batch, accumulation) is {fresh.layout}, the checkpoint's was "
                   f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an "
                   "unbroken one only for the same layout", file=sys.stderr)
-    return replace(saved, layout=layout)
+    return replace(saved, layout=fresh.layout, data=fresh.data)
+
+
+def describe_data(identity: dict) -> str:
+    return f"{identity['dataset']} ({identity['examples']} examples, fingerprint {identity['fingerprint']})"
 
 
 def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, global_batch: int):

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import train  # noqa: E402
 from latentwire.config import load_config  # noqa: E402
-from latentwire.data import Collator, PromptDataset, ShardSampler, load_examples  # noqa: E402
+from latentwire.data import Collator, DataSources, PromptDataset, ShardSampler  # noqa: E402
 from latentwire.llm import load_frozen_llms  # noqa: E402
 from latentwire.model import WireConfig, WireEncoder  # noqa: E402
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts  # noqa: E402
@@ -86,7 +86,7 @@ def build_model(cfg) -> tuple[dict, WireEncoder]:
 def make_loader(cfg, llms: dict) -> DataLoader:
     """train.py's DataLoader for a world of one: the same examples, sampler (so the same batch
     order), collate, workers and prefetch; no pinned memory, as on CPU there is no copy to overlap."""
-    dataset = PromptDataset(load_examples(cfg.dataset, "train", cfg.num_examples, cfg.seed))
+    dataset = PromptDataset(DataSources.of(cfg).train_examples(cfg.num_examples))
     collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple,
                                teacher=Objectives.of(cfg).teacher)
     return train.make_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.seed), collate,

@@ -249,11 +249,13 @@ def check_weights(state: dict, expected: dict, path: Path, model: str) -> None:
 class TrainState:
     """Where a run is, besides its weights and optimizer: the last finished optimizer step, and
     the data position after it (the epoch and how many of its examples the steps used) under a
-    layout (world size, micro-batch, accumulation) that gives that position its meaning."""
+    layout (world size, micro-batch, accumulation) that gives that position its meaning, in the
+    training set `data` names (data.TrainingSet.identity; None in checkpoints from before it)."""
     step: int
     epoch: int
     examples_done: int
     layout: tuple[int, int, int]
+    data: dict | None = None
 
 
 class Checkpointer:
@@ -271,7 +273,7 @@ class Checkpointer:
         train_state = {"step": state.step, "optimizer": self.optimizer.state_dict(),
                        "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                        "data": {"epoch": state.epoch, "examples_done": state.examples_done,
-                                "layout": list(state.layout)}}
+                                "layout": list(state.layout), "identity": state.data}}
         path = save_checkpoint(self.out_dir, state.step, self.model.state_dict(), train_state, self.meta, self.rank)
         if self.rank == 0:
             prune_checkpoints(self.out_dir, self.keep)
@@ -290,4 +292,5 @@ class Checkpointer:
         self.scaler.load_state_dict(state["scaler"])
         restore_rng(ckpt["rng"])
         data = state["data"]
-        return TrainState(state["step"], data["epoch"], data["examples_done"], tuple(data["layout"])), ckpt["path"]
+        return (TrainState(state["step"], data["epoch"], data["examples_done"], tuple(data["layout"]),
+                           data.get("identity")), ckpt["path"])

@@ -108,6 +108,13 @@ FIELDS: dict[str, Field] = {
     "kd_temperature": Field(float, "softmax temperature of distillation", positive=True, default=2.0),
     # --- data -----------------------------------------------------------------------------
     "dataset": Field(str, "'synthetic', 'squad', 'hotpot_qa' or a local .json/.jsonl/.parquet"),
+    "eval_dataset": Field(str, "held-out examples: 'synthetic', 'squad', 'hotpot_qa' or a local file (null: the "
+                               "dataset's own validation split; of a local file, a seeded held_out_fraction of it)",
+                          nullable=True, default=None),
+    "held_out_fraction": Field(float, "part of a local dataset file held out from training when no eval_dataset is "
+                                      "named", positive=True, default=0.1),
+    "drop_cut_answers": Field(bool, "drop training examples whose answer lies past max_prompt_bytes (the encoder "
+                                    "never sees it)", default=False),
     "num_examples": Field(int, "size of the synthetic training set", positive=True),
     "max_prompt_bytes": Field(int, "prompts are cut to this many UTF-8 bytes", positive=True),
     "max_answer_tokens": Field(int, "answers are cut to this many tokens", positive=True),
@@ -152,6 +159,7 @@ class RunFlags:
     resume: bool = False
     overwrite: bool = False
     stop_at_step: int | None = None
+    new_data: bool = False  # with resume: a fresh epoch of this run's data, not the checkpoint's position
 
 
 @dataclass(frozen=True)
@@ -248,6 +256,8 @@ def check_consistency(v: dict, where: str) -> None:
         raise UserError(f"{where}: field 'pct_start' must be between 0 and 1, got {v['pct_start']}")
     if v["target_util"] > 1:
         raise UserError(f"{where}: field 'target_util' must be at most 1, got {v['target_util']}")
+    if v["held_out_fraction"] >= 1:
+        raise UserError(f"{where}: field 'held_out_fraction' must be below 1, got {v['held_out_fraction']}")
     if v["dropout"] >= 1:
         raise UserError(f"{where}: field 'dropout' must be below 1, got {v['dropout']}")
     for beta in ("adam_beta1", "adam_beta2"):
@@ -325,7 +335,7 @@ def build_parser(prog: str = "train.py", argv: list[str] | None = None) -> argpa
     profiles, shown = _profiles_for_help(Path(known.hw_profiles), known.profile)
     listing = "\n".join(textwrap.fill(description, 100, initial_indent=f"  {key:<10} ", subsequent_indent=" " * 13)
                          for key, description in profiles.items())
-    p = Parser(prog=prog, usage=f"{prog} --profile KEY [--resume | --overwrite] [--FIELD VALUE ...]",
+    p = Parser(prog=prog, usage=f"{prog} --profile KEY [--resume [--new-data] | --overwrite] [--FIELD VALUE ...]",
                description="Train LatentWire from a hardware profile. Every field of the profile is also a flag, "
                "which overrides it.", formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog=f"profiles in {known.hw_profiles}:\n{listing}" if profiles else None)
@@ -335,6 +345,9 @@ def build_parser(prog: str = "train.py", argv: list[str] | None = None) -> argpa
     p.add_argument("--overwrite", action="store_true", help="start afresh in an out_dir that holds a run")
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="save and exit 0 after this optimizer step (the schedule is unchanged)")
+    p.add_argument("--new-data", action="store_true",
+                   help="with --resume: continue the weights, optimizer and schedule on this run's training data, "
+                        "which may differ from the checkpoint's, from the start of a fresh epoch")
     for name, spec in FIELDS.items():
         value = f" ({known.profile}: {_as_flag(shown[name])})" if name in shown else ""
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=_flag_type(spec), default=None,
@@ -385,7 +398,9 @@ def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config
         raise UserError("--resume and --overwrite exclude each other")
     if args.stop_at_step is not None and args.stop_at_step <= 0:
         raise UserError(f"--stop-at-step must be > 0, got {args.stop_at_step}")
+    if args.new_data and not args.resume:
+        raise UserError("--new-data continues a run on other data: it needs --resume")
     run = RunFlags(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
-                   stop_at_step=args.stop_at_step)
+                   stop_at_step=args.stop_at_step, new_data=args.new_data)
     return Config(values, run)
 

@@ -10,6 +10,7 @@ of its own tokenizer. `Collator` builds both, padded to few distinct shapes.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import random
@@ -97,18 +98,19 @@ def synthetic_corpus_text(n: int = 2000, seed: int = 12345) -> list[str]:
 
 # --- loading and checking examples --------------------------------------------------------
 
-def load_examples(dataset: str, split: str, num_examples: int, seed: int) -> list[dict]:
+def load_examples(dataset: str, split: str, num_examples: int, seed: int, held_out_fraction: float = 0.0) -> list[dict]:
     """Examples of `dataset` ('synthetic', 'squad', 'hotpot_qa' or a local file path).
 
     `num_examples` is the size of the synthetic set and an upper bound for the others (a seeded
-    subset is taken when the dataset is larger). For local files `split` selects nothing: the
-    file is the split.
+    subset is taken when the dataset is larger). A local file has no splits of its own: with
+    `held_out_fraction` > 0 a seeded part of it is the 'validation' split and the rest 'train';
+    with 0 the file is either split.
     """
     if dataset == "synthetic":
         return synthetic_examples(num_examples, seed if split == "train" else seed + HELD_OUT_SEED_OFFSET)
     if dataset in HUB_DATASETS:
         records, source = _load_hub(dataset, split)
-    elif dataset.endswith(LOCAL_SUFFIXES):
+    elif is_local(dataset):
         records, source = _load_local(Path(dataset)), dataset
     elif Path(dataset).exists():
         raise UserError(f"dataset file {dataset} must end in {', '.join(LOCAL_SUFFIXES)}")
@@ -118,7 +120,113 @@ def load_examples(dataset: str, split: str, num_examples: int, seed: int) -> lis
     if not records:
         raise UserError(f"dataset {source} has no examples")
     examples = [check_example(r, i, source) for i, r in enumerate(records)]
+    if is_local(dataset) and held_out_fraction > 0:
+        examples = _file_split(examples, split, held_out_fraction, seed, source)
     return _subset(examples, num_examples, seed)
+
+
+def is_local(dataset: str) -> bool:
+    return dataset.endswith(LOCAL_SUFFIXES)
+
+
+def held_out_count(n: int, fraction: float) -> int:
+    """How many of a local file's `n` examples are held out: the fraction, rounded, at least one
+    and never all of them."""
+    return min(max(round(n * fraction), 1), n - 1)
+
+
+def _file_split(examples: list[dict], split: str, fraction: float, seed: int, source: str) -> list[dict]:
+    """The held-out part of a local file ('validation': a seeded sample, the same for every
+    `num_examples`) or the rest ('train'), each in file order."""
+    held = set(random.Random(seed + HELD_OUT_SEED_OFFSET).sample(range(len(examples)),
+                                                                 held_out_count(len(examples), fraction)))
+    if split != "train" and not held:
+        raise UserError(f"dataset {source} has {len(examples)} example(s), too few to hold any out; name a "
+                        "held-out file with --eval-dataset")
+    return [ex for i, ex in enumerate(examples) if (i in held) == (split != "train")]
+
+
+def same_dataset(a: str, b: str) -> bool:
+    """Whether two dataset names mean the same examples: a local file by the file it names."""
+    return Path(a).resolve() == Path(b).resolve() if is_local(a) and is_local(b) else a == b
+
+
+@dataclass(frozen=True)
+class DataSources:
+    """Where a run's training and held-out examples come from. The synthetic set and the hub
+    datasets have a held-out split of their own. A local file has none: unless `eval_dataset`
+    names the held-out examples, a seeded `held_out_fraction` of the file is held out, and
+    training never sees it."""
+    dataset: str
+    eval_dataset: str | None
+    held_out_fraction: float
+    seed: int
+
+    def __post_init__(self):
+        if self.eval_dataset is not None and is_local(self.dataset) and same_dataset(self.eval_dataset, self.dataset):
+            raise UserError(f"eval_dataset {self.eval_dataset} is the training file itself: leave it unset, and a "
+                            "seeded held_out_fraction of the file is held out from training")
+
+    @classmethod
+    def of(cls, config) -> DataSources:
+        return cls(config.dataset, config.eval_dataset, config.held_out_fraction, config.seed)
+
+    def _fraction(self, source: str) -> float:
+        """The part of `source` held out; 0 where all of it is one split."""
+        return self.held_out_fraction if self.eval_dataset is None and same_dataset(source, self.dataset) else 0.0
+
+    def train_examples(self, n: int) -> list[dict]:
+        return load_examples(self.dataset, "train", n, self.seed, self._fraction(self.dataset))
+
+    def held_out_source(self, override: str | None = None) -> str:
+        return override or self.eval_dataset or self.dataset
+
+    def held_out_examples(self, n: int, source: str) -> list[dict]:
+        return load_examples(source, "validation", n, self.seed, self._fraction(source))
+
+    def describe_held_out(self, source: str) -> str:
+        if source == "synthetic":
+            return "synthetic examples of another seed"
+        if source in HUB_DATASETS:
+            return f"{source}'s validation split"
+        if self._fraction(source):
+            return f"a seeded {self.held_out_fraction:.0%} of {source} that training never sees"
+        return f"{source}, which the run trained on" if same_dataset(source, self.dataset) else source
+
+
+@dataclass(frozen=True)
+class TrainingSet:
+    """The training examples as the sampler indexes them, and what loading them found: how many of
+    the loaded ones have their answer past the prompt's cut, and how many of those were dropped."""
+    examples: list[dict]
+    loaded: int
+    past_cut: int
+    dropped: int
+
+    @classmethod
+    def load(cls, sources: DataSources, num_examples: int, max_prompt_bytes: int, drop_cut_answers: bool
+             ) -> TrainingSet:
+        examples = sources.train_examples(num_examples)
+        past = answers_past_cut(examples, max_prompt_bytes)
+        check_answers_reachable(past, sources.dataset, max_prompt_bytes)
+        kept = [ex for ex, cut in zip(examples, past) if not (drop_cut_answers and cut)]
+        return cls(kept, len(examples), past.count(True), len(examples) - len(kept))
+
+    def summary(self, max_prompt_bytes: int) -> str:
+        k, n = self.past_cut, self.loaded
+        line = f"{k} of {n} training examples ({100 * k / n:.1f}%) have their answer past max_prompt_bytes={max_prompt_bytes}"
+        return line + (f"; dropped, {len(self.examples)} left" if self.dropped else
+                       "; --drop-cut-answers true drops them" if k else "")
+
+    def facts(self) -> dict:
+        """For the run's first metrics record."""
+        return {"train_examples": len(self.examples), "train_answers_past_cut": self.past_cut,
+                "train_examples_dropped": self.dropped}
+
+    def identity(self, dataset: str) -> dict:
+        """What a checkpoint records of its training data, and a resume compares."""
+        return {"dataset": str(Path(dataset).resolve()) if is_local(dataset) else dataset,
+                "examples": len(self.examples), "fingerprint": fingerprint(self.examples)}
 
 
 def _subset(examples: list[dict], n: int, seed: int) -> list[dict]:
@@ -205,7 +313,8 @@ def _flatten_nested_squad(doc: dict, path: Path) -> list[dict]:
     """One record per question of an original SQuAD v1.1 file (`{"data": [...]}`)."""
     try:
         return [{"context": paragraph.get("context"), "question": qa.get("question"),
-                 "answers": {"text": [a.get("text") for a in qa.get("answers", [])]}}
+                 "answers": {"text": [a.get("text") for a in qa.get("answers", [])],
+                             "answer_start": [a.get("answer_start") for a in qa.get("answers", [])]}}
                 for article in doc["data"] for paragraph in article["paragraphs"] for qa in paragraph["qas"]]
     except (KeyError, TypeError, AttributeError):
         raise UserError(f"{path}: nested SQuAD JSON must be data[].paragraphs[].qas[] "
@@ -239,7 +348,52 @@ def check_example(record: dict, index: int, source: str) -> dict:
         raise UserError(f"{where}: field 'answers.text' must be a non-empty list of answers")
     if not isinstance(texts[0], str) or not texts[0].strip():
         raise UserError(f"{where}: the first answer in 'answers.text' is blank")
-    return {"context": record["context"], "question": record["question"], "answers": {"text": list(texts)}}
+    kept = {"text": list(texts)}
+    starts = answers.get("answer_start")
+    # Where each answer starts in the context, in characters (SQuAD's layout): it says whether the
+    # prompt limit cuts an answer off. Optional; a malformed one is ignored, the text is searched.
+    if isinstance(starts, list) and len(starts) == len(texts) and all(type(s) is int for s in starts):
+        kept["answer_start"] = list(starts)
+    return {"context": record["context"], "question": record["question"], "answers": kept}
+
+
+def fingerprint(examples: list[dict]) -> str:
+    """A short hash of the examples as loaded (content and order): what identifies a training set."""
+    digest = hashlib.sha256()
+    for ex in examples:
+        digest.update(json.dumps(ex, sort_keys=True).encode("utf-8") + b"\n")
+    return digest.hexdigest()[:16]
+
+
+# --- answers the prompt limit cuts off ----------------------------------------------------------
+
+def answer_end_byte(example: dict) -> int | None:
+    """Where the first answer (the training target) ends in the encoder's prompt, in UTF-8 bytes:
+    from its `answer_start` where the record has one, else where it first occurs in the context;
+    None where it does not occur."""
+    context, answer = example["context"], example["answers"]["text"][0]
+    starts = example["answers"].get("answer_start")
+    start = starts[0] if starts else context.find(answer)
+    if start < 0:
+        return None
+    prompt = prompt_text(example)
+    context_at = len(prompt) - len(context)  # the context ends the prompt
+    return len(prompt[:context_at + start + len(answer)].encode("utf-8"))
+
+
+def answers_past_cut(examples: list[dict], max_prompt_bytes: int) -> list[bool | None]:
+    """Per example: whether its answer lies past the prompt's cut at `max_prompt_bytes` (the wire
+    cannot carry it), None where the answer's place is unknown."""
+    ends = (answer_end_byte(ex) for ex in examples)
+    return [None if end is None else end > max_prompt_bytes for end in ends]
+
+
+def check_answers_reachable(past: list[bool | None], source: str, max_prompt_bytes: int) -> None:
+    """Refuse a training set in which no located answer is within the prompt's cut."""
+    if past.count(True) and not past.count(False):
+        raise UserError(f"every answer of {source} that can be located lies past max_prompt_bytes="
+                        f"{max_prompt_bytes} ({past.count(True)} of {len(past)}): the encoder would never see one; "
+                        "raise --max-prompt-bytes")
 
 
 # --- prompts and batches ------------------------------------------------------------------

@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
 from .config import FIELDS, Config, Parser, RunFlags, check_can_create, check_value, field_defaults, positive
-from .data import Collator, PromptDataset, load_examples, to_device
+from .data import Collator, DataSources, PromptDataset, to_device
 from .distributed import process_group
 from .errors import UserError, main_guard
 from .generation import (answer_ids, continuation_nll, decode_answer, greedy_generate, joint_pick, text_prompts,
@@ -276,8 +276,9 @@ def read_meta(ckpt: Path) -> tuple[Config, int | None]:
     missing = [name for name in READ_FIELDS if name not in config]
     if missing:
         raise UserError(f"{where}: config has no field {missing[0]!r}")
-    # Fields added after the checkpoint was written take their defaults, as an older profile's do.
-    values = field_defaults()
+    # Fields added after the checkpoint was written take their defaults, as an older profile's do,
+    # but for one: a run from before held_out_fraction trained on all of a local file.
+    values = field_defaults() | {"held_out_fraction": 0.0}
     values |= {name: check_value(name, value, where=str(where)) for name, value in config.items() if name in FIELDS}
     return Config(values, RunFlags(profile=str(meta.get("profile")))), meta.get("step")
 
@@ -332,10 +333,11 @@ def report_progress(world: int):
 
 
 def run(args, ckpt: Path, cfg, step, di) -> None:
-    dataset = args.dataset or cfg.dataset
+    sources = DataSources.of(cfg)
+    dataset = sources.held_out_source(args.dataset)  # --dataset, else the run's eval_dataset or its own split
     out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
     check_can_create(out_dir, "output directory")
-    examples = load_examples(dataset, "validation", args.eval_examples, cfg.seed)
+    examples = sources.held_out_examples(args.eval_examples, dataset)
     llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
     # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
     sharded = cfg.frozen_sharding == "fsdp" and di.is_distributed
@@ -353,7 +355,8 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     records = evaluate_examples(model, llms, examples, plan, di.device, di.rank, di.world_size)
     if not di.is_main:
         return
-    report = build_report(ckpt, step, cfg, dataset, examples, records, llms, plan, di.world_size)
+    report = build_report(ckpt, step, cfg, dataset, sources.describe_held_out(dataset), examples, records, llms, plan,
+                          di.world_size)
     paths = write_report(report, out_dir, f"{ckpt.name}_{Path(dataset).stem}_n{len(examples)}")
     print(markdown(report), flush=True)
     print("wrote " + " and ".join(map(str, paths)), flush=True)

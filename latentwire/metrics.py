@@ -160,11 +160,14 @@ class MetricsLogger:
     """One JSON line per logged step, the same scalars in TensorBoard, and the console: a progress
     bar (step, loss, tokens/s, ETA) when stdout is a terminal, plain log lines otherwise."""
 
-    def __init__(self, out_dir: Path, enabled: bool, first_step: int = 1, total_steps: int | None = None):
+    def __init__(self, out_dir: Path, enabled: bool, first_step: int = 1, total_steps: int | None = None,
+                 first_record: dict | None = None):
         """`first_step` > 1 continues a resumed run: whatever the stopped run logged from that
-        step on (after its last checkpoint) is dropped, so every step appears once."""
+        step on (after its last checkpoint) is dropped, so every step appears once. `first_record`
+        joins the first record this process logs (facts of the run, such as its data)."""
         self.enabled = enabled
         self.bar = None
+        self.pending = dict(first_record or {})
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -186,6 +189,7 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
+        record, self.pending = record | self.pending, {}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         for key, value in record.items():

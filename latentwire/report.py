@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .data import prompt_text
+from .data import answers_past_cut, prompt_text
 
 if TYPE_CHECKING:
     from .evaluate import Plan
@@ -65,14 +65,17 @@ def compression(llms: dict, examples: list[dict], num_latents: int) -> dict:
     return out
 
 
-def build_report(ckpt: Path, step, cfg, dataset: str, examples: list[dict], records: list[dict], llms: dict,
-                 plan: Plan, world: int) -> dict:
+def build_report(ckpt: Path, step, cfg, dataset: str, held_out: str, examples: list[dict], records: list[dict],
+                 llms: dict, plan: Plan, world: int) -> dict:
+    """`held_out` says where the examples come from (data.DataSources.describe_held_out)."""
     metrics = summarize(records)
     margins = {name: {control: control_margin(records, control, name) for control in ("zeroed", "shuffled")}
                for name in llms}
     return {
         "checkpoint": str(ckpt), "step": step, "profile": cfg.run.profile,
-        "dataset": dataset, "split": "validation", "examples": len(examples), "world_size": world,
+        "dataset": dataset, "split": "validation", "held_out": held_out, "examples": len(examples),
+        "answers_past_cut": answers_past_cut(examples, cfg.max_prompt_bytes).count(True),
+        "max_prompt_bytes": cfg.max_prompt_bytes, "world_size": world,
         "settings": {"num_latents": cfg.num_latents, "d_z": cfg.d_z, "batch_size": plan.batch_size,
                      "max_new_tokens": plan.max_new_tokens, "anchor_text": cfg.anchor_text,
                      "chat_template": cfg.chat_template},
@@ -99,8 +102,9 @@ def markdown(report: dict) -> str:
     lines = [
         f"# LatentWire evaluation: step {report['step']} ({report['profile']} profile)",
         "",
-        f"Checkpoint `{report['checkpoint']}`, {report['examples']} examples of {report['dataset']} "
-        f"({report['split']}), M = {M} wire tokens.",
+        f"Checkpoint `{report['checkpoint']}`, {report['examples']} examples: {report['held_out']}; M = {M} wire "
+        f"tokens. {report['answers_past_cut']} of them have their answer past max_prompt_bytes="
+        f"{report['max_prompt_bytes']}, where the encoder cannot read it.",
         "",
         "## Answers",
         "",

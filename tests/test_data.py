@@ -7,8 +7,8 @@ from transformers import PreTrainedTokenizerFast
 
 from latentwire.errors import UserError
 from latentwire.data import (
-    PAD_BYTE, Collator, PromptDataset, answer_text, hotpot_to_squad,
-    load_examples, prompt_text, synthetic_corpus_text, synthetic_examples,
+    PAD_BYTE, Collator, DataSources, PromptDataset, TrainingSet, answer_end_byte, answer_text, answers_past_cut,
+    fingerprint, hotpot_to_squad, load_examples, prompt_text, synthetic_corpus_text, synthetic_examples,
 )
 from latentwire.objectives import Objectives, target_counts
 from latentwire.prompting import PromptContract, PromptFormat
@@ -129,6 +129,84 @@ def test_num_examples_caps_a_local_dataset_with_a_seeded_subset(tmp_path):
     path = write_jsonl(tmp_path / "many.jsonl", records)
     subset = load_examples(path, "train", 5, seed=1)
     assert len(subset) == 5 and subset == load_examples(path, "train", 5, seed=1)
+
+
+# --- what the data is: answers past the cut, held-out examples, identity --------------------------
+
+def test_answer_end_is_where_the_encoder_reads_the_answer_s_last_byte():
+    """From answer_start where the record has one (the first of two occurrences here is not the
+    answer), else the first occurrence; counted in UTF-8 bytes of the prompt (é is two)."""
+    context = "Zoé met Ada. Later Ada lives in Paris."
+    for starts, at in ((None, context.index("Ada")), ([context.rindex("Ada")], context.rindex("Ada"))):
+        answers = {"text": ["Ada"], **({"answer_start": starts} if starts else {})}
+        ex = {"context": context, "question": "Who?", "answers": answers}
+        prompt = prompt_text(ex).encode()
+        end = answer_end_byte(ex)
+        assert prompt[end - 3:end] == b"Ada"
+        assert end == len("question: Who?\ncontext: ") + len(context[:at].encode()) + 3  # é: 2 bytes
+    assert answer_end_byte({"context": context, "question": "Who?", "answers": {"text": ["Bo"]}}) is None
+
+
+def long_records(n_reachable: int, n_cut: int) -> list[dict]:
+    """Records whose answer (with answer_start) is at the start of a long context, or after 900
+    bytes of filler."""
+    filler = "Nothing happened that day. " * 34  # 918 bytes
+    near = [{"context": f"Ada{i} lives in Oslo. " + filler, "question": f"Where does Ada{i} live?",
+             "answers": {"text": ["Oslo"], "answer_start": [len(f"Ada{i} lives in ")]}} for i in range(n_reachable)]
+    far = [{"context": filler + f"Bo{i} lives in Lima.", "question": f"Where does Bo{i} live?",
+            "answers": {"text": ["Lima"], "answer_start": [len(filler) + len(f"Bo{i} lives in ")]}} for i in range(n_cut)]
+    return near + far
+
+
+def test_answers_past_the_cut_are_counted_dropped_on_request_and_refused_when_all_are(tmp_path):
+    path = write_jsonl(tmp_path / "long.jsonl", long_records(6, 14))
+    assert answers_past_cut(load_examples(path, "train", 100, 0), 512).count(True) == 14
+    sources = DataSources(path, None, 0.1, seed=0)  # 2 of the 20 held out
+    kept = TrainingSet.load(sources, 100, 512, drop_cut_answers=False)
+    past = answers_past_cut(kept.examples, 512).count(True)
+    assert (kept.loaded, kept.past_cut, kept.dropped) == (18, past, 0) and past >= 12
+    assert kept.summary(512).startswith(f"{past} of 18 training examples ({100 * past / 18:.1f}%) have their answer "
+                                        "past max_prompt_bytes=512; --drop-cut-answers true drops them")
+    dropped = TrainingSet.load(sources, 100, 512, drop_cut_answers=True)
+    assert dropped.dropped == past and not any(answers_past_cut(dropped.examples, 512))
+    assert dropped.facts() == {"train_examples": 18 - past, "train_answers_past_cut": past,
+                               "train_examples_dropped": past}
+    assert TrainingSet.load(sources, 100, 4096, drop_cut_answers=True).past_cut == 0
+    all_cut = write_jsonl(tmp_path / "cut.jsonl", long_records(0, 20))
+    with pytest.raises(UserError, match=r"every answer of .*cut.jsonl .* lies past max_prompt_bytes=512 \(18 of 18\)"):
+        TrainingSet.load(DataSources(all_cut, None, 0.1, seed=0), 100, 512, drop_cut_answers=True)
+
+
+def test_a_local_file_holds_out_a_seeded_part_that_training_never_sees(tmp_path):
+    records = [dict(RECORDS[0], question=f"q{i}") for i in range(50)]
+    path = write_jsonl(tmp_path / "file.jsonl", records)
+    sources = DataSources(path, None, 0.1, seed=3)
+    train, held = sources.train_examples(100), sources.held_out_examples(100, sources.held_out_source())
+    assert len(held) == 5 and len(train) == 45
+    assert sorted(ex["question"] for ex in train + held) == sorted(r["question"] for r in records)
+    assert all(ex in held for ex in sources.held_out_examples(2, path))  # fewer asked for: some of the same
+    assert held == DataSources(path, None, 0.1, seed=3).held_out_examples(100, path)  # the same at evaluation
+    assert held != DataSources(path, None, 0.1, seed=4).held_out_examples(100, path)
+    assert sources.describe_held_out(path) == f"a seeded 10% of {path} that training never sees"
+    # Named held-out examples: all of the training file trains, all of the other file is held out.
+    other = write_jsonl(tmp_path / "other.jsonl", RECORDS)
+    named = DataSources(path, other, 0.1, seed=3)
+    assert len(named.train_examples(100)) == 50 and named.held_out_examples(100, named.held_out_source()) == RECORDS
+    assert named.describe_held_out(path) == f"{path}, which the run trained on"
+    assert DataSources("squad", None, 0.1, 0).describe_held_out("squad") == "squad's validation split"
+    with pytest.raises(UserError, match="is the training file itself"):
+        DataSources(path, str(tmp_path / "." / "file.jsonl"), 0.1, seed=3)
+    one = write_jsonl(tmp_path / "one.jsonl", RECORDS[:1])
+    with pytest.raises(UserError, match="too few to hold any out"):
+        DataSources(one, None, 0.1, 0).held_out_examples(10, one)
+
+
+def test_the_fingerprint_changes_with_any_example_and_their_order():
+    examples = synthetic_examples(20, seed=0)
+    assert fingerprint(examples) == fingerprint(synthetic_examples(20, seed=0))
+    changed = [*examples[:-1], dict(examples[-1], question=examples[-1]["question"] + " ")]
+    assert len({fingerprint(examples), fingerprint(changed), fingerprint(examples[::-1]),
+                fingerprint(examples[:-1])}) == 4
 
 
 def test_hotpot_conversion_joins_paragraph_sentences():

@@ -345,6 +345,8 @@ def test_two_processes_give_the_same_evaluation_as_one(default_run, one_process_
 def test_report_has_baselines_compression_and_payload(one_process_report):
     report, md = one_process_report
     assert report["examples"] == 32 and len(report["answers"]) == 32
+    assert report["held_out"] == "synthetic examples of another seed" and report["answers_past_cut"] == 0
+    assert "0 of them have their answer past max_prompt_bytes=512" in md
     for key in ("wire", "text", "text_cut"):
         for who in (*LLM_NAMES, "joint"):
             assert 0 <= report["metrics"][f"em_{key}_{who}"] <= report["metrics"][f"f1_{key}_{who}"] <= 100

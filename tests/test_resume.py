@@ -14,6 +14,7 @@ from conftest import (REPO, RUN, TWENTY, assert_one_line_error, assert_same_run,
                       read_metrics, run_train, wait_for_step)
 from latentwire.checkpoint import list_checkpoints, load_checkpoint
 from latentwire.config import load_config
+from latentwire.data import synthetic_examples
 
 
 def popen_train(args, nproc=1, **env):
@@ -416,6 +417,32 @@ def test_resume_that_cannot_continue_the_run_is_one_line(finished_run, flags, fr
     before = snapshot(finished_run)
     assert_one_line_error(run_train([*RUN, "--out-dir", str(finished_run), "--resume", *flags]), fragment)
     assert snapshot(finished_run) == before
+
+
+@pytest.mark.slow
+def test_a_resume_cannot_mix_datasets_unless_asked_for_a_fresh_epoch(tmp_path):
+    """Stopped at step 2 on file a; resumed on file b, or on a changed in place: refused in one line
+    naming both, nothing on disk changed. --new-data takes b from a fresh epoch, and says so."""
+    files = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(ex) + "\n" for ex in synthetic_examples(256, seed)))
+    out, args = tmp_path / "run", [*RUN, "--max-steps", "4", "--num-examples", "1000"]
+    first = ok(run_train([*args, "--dataset", str(files["a"]), "--out-dir", str(out), "--stop-at-step", "2"]))
+    assert f"held out: a seeded 10% of {files['a']} that training never sees" in first.stdout
+    assert read_metrics(out)[0]["train_examples"] == 256 - 26
+    before = snapshot(out)
+    refused = run_train([*args, "--dataset", str(files["b"]), "--out-dir", str(out), "--resume"])
+    line = assert_one_line_error(refused, "--resume on other training data", f"trained on {files['a']} (230 examples",
+                                 f"this run loads {files['b']} (230 examples", "--new-data")
+    assert refused.returncode == 2 and snapshot(out) == before
+    files["a"].write_text(files["a"].read_text().replace("Which city", "What city"))  # the same path, changed
+    again = assert_one_line_error(run_train([*args, "--dataset", str(files["a"]), "--out-dir", str(out), "--resume"]),
+                                  f"trained on {files['a']}", f"this run loads {files['a']}")
+    assert again != line and snapshot(out) == before
+    proc = ok(run_train([*args, "--dataset", str(files["b"]), "--out-dir", str(out), "--resume", "--new-data"]))
+    assert f"(step 2, epoch 1, 0 examples into it); --new-data: a fresh epoch of {files['b']}" in proc.stdout
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 
 def test_resuming_a_finished_run_changes_nothing(finished_run):
