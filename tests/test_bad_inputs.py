@@ -37,6 +37,7 @@ NO_QUESTION = {"context": GOOD["context"], "answers": GOOD["answers"]}
 NO_CONTEXT = {"question": GOOD["question"], "answers": GOOD["answers"]}
 NO_ANSWERS = {"context": GOOD["context"], "question": GOOD["question"]}
 EMPTY_ANSWERS = {**GOOD, "answers": {"text": []}}
+CUT_ANSWER = {**GOOD, "context": "Nothing happened. " * 40 + GOOD["context"]}  # the answer at byte ~760
 TIMEOUT_S = 300
 NOBODY = 65534
 
@@ -277,6 +278,12 @@ CASES = {
     "train-data-wrong-suffix": ("train", dataset("d.csv", "context,question\n")),
     "evaluate-data-missing-context": ("evaluate", lambda c: ["--dataset", c.jsonl("d.jsonl", [NO_CONTEXT] * 8)]),
     "launch2-data-smaller-than-global-batch-overwrite": ("launch2", dataset("d.jsonl", [GOOD] * 6)),
+    "train-data-every-answer-past-the-cut": ("train", lambda c: {"says": "lies past max_prompt_bytes=512 (36 of 36)",
+                                                                 "args": dataset("d.jsonl", [CUT_ANSWER] * 40)(c)}),
+    "train-eval-dataset-is-the-training-file": ("train", lambda c: {"says": "is the training file itself", "args": [
+        OW, "--dataset", c.jsonl("d.jsonl", [GOOD] * 40), "--eval-dataset", str(c.tmp / "." / "d.jsonl")]}),
+    "train-held-out-fraction-one": ("train", lambda c: [OW, "--held-out-fraction", "1"]),
+    "train-new-data-without-resume": ("train", lambda c: {"says": "needs --resume", "args": [OW, "--new-data"]}),
 
     # --- model directories (--llama / --qwen DIR) -------------------------------------------------
     "train-llama-config-not-json": ("train", llm("llama", "config_not_json")),
