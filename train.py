@@ -509,8 +509,9 @@ def out_of_memory_report(profile: str, micro_batch_size: int | None = None, snap
         yield
     except torch.OutOfMemoryError as e:
         if snapshots is None:
-            raise OutOfMemory(f"out of memory outside the training steps ({(str(e).strip().splitlines() or ['CUDA'])[0]}); {plan} "
-                              "says what a rank holds (--frozen-sharding fsdp holds 1/world of the frozen LLMs)") from None
+            torch_says = (str(e).strip().splitlines() or ["torch.OutOfMemoryError"])[0]
+            raise OutOfMemory(f"out of memory outside the training steps ({torch_says}); {plan} says what a rank "
+                              "holds (--frozen-sharding fsdp holds 1/world of the frozen LLMs)") from None
         path = snapshots.dump()
         where = f"memory snapshot: {path}" if path else "no memory snapshot on this device"
         raise OutOfMemory(f"out of memory at micro-batch {micro_batch_size} ({where}); lower "

@@ -214,7 +214,8 @@ class TrainingSet:
 
     def summary(self, max_prompt_bytes: int) -> str:
         k, n = self.past_cut, self.loaded
-        line = f"{k} of {n} training examples ({100 * k / n:.1f}%) have their answer past max_prompt_bytes={max_prompt_bytes}"
+        line = (f"{k} of {n} training examples ({100 * k / n:.1f}%) have their answer past "
+                f"max_prompt_bytes={max_prompt_bytes}")
         return line + (f"; dropped, {len(self.examples)} left" if self.dropped else
                        "; --drop-cut-answers true drops them" if k else "")
 

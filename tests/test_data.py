@@ -154,7 +154,8 @@ def long_records(n_reachable: int, n_cut: int) -> list[dict]:
     near = [{"context": f"Ada{i} lives in Oslo. " + filler, "question": f"Where does Ada{i} live?",
              "answers": {"text": ["Oslo"], "answer_start": [len(f"Ada{i} lives in ")]}} for i in range(n_reachable)]
     far = [{"context": filler + f"Bo{i} lives in Lima.", "question": f"Where does Bo{i} live?",
-            "answers": {"text": ["Lima"], "answer_start": [len(filler) + len(f"Bo{i} lives in ")]}} for i in range(n_cut)]
+            "answers": {"text": ["Lima"], "answer_start": [len(filler) + len(f"Bo{i} lives in ")]}}
+           for i in range(n_cut)]
     return near + far
 
 

@@ -276,7 +276,8 @@ def torchrun_passes_on(script: list[str], args: list[str]) -> list[str]:
 def test_every_flag_of_every_command_passes_through_torchrun():
     from latentwire import config, evaluate, find_batch, plan
 
-    for script, parser in ((["train.py"], config.build_parser()), (["-m", "latentwire.evaluate"], evaluate.build_parser()),
+    for script, parser in ((["train.py"], config.build_parser()),
+                           (["-m", "latentwire.evaluate"], evaluate.build_parser()),
                            (["-m", "latentwire.plan"], plan.build_parser()),
                            (["-m", "latentwire.find_batch"], find_batch.build_parser())):
         flags = [s for action in parser._actions for s in action.option_strings]
