@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import errors
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -34,8 +36,7 @@ class DistInfo:
 def select_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
         if not torch.cuda.is_available():
-            from .errors import UserError
-            raise UserError("this profile needs a CUDA GPU and none is visible; use --profile cpu")
+            raise errors.UserError("this profile needs a CUDA GPU and none is visible; use --profile cpu")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -57,6 +58,7 @@ def init_distributed(device_type: str, timeout_s: int) -> DistInfo:
     # An explicit timeout: a rank that dies or hangs makes the others fail instead of waiting forever.
     dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
+    errors.process_group_started = True  # the process will leave without finalizing (errors.leave)
     return DistInfo(rank, local_rank, world_size, device)
 
 

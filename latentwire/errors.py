@@ -11,6 +11,7 @@ code, and the exit code of a preempted run, which saved and exits quietly.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 # EX_TEMPFAIL from sysexits.h: "try again later". A checkpoint was saved; `--resume` continues.
@@ -38,6 +39,10 @@ class OutOfMemory(HarnessExit):
     exit_code = 5
 
 
+# Set by distributed.init_distributed once this process has started a process group (see leave).
+process_group_started = False
+
+
 def main_guard(main) -> None:
     """Run `main()`; a HarnessExit becomes `error: ...` on stderr and its exit code. Under
     launch.sh (`latentwire.launch`) every rank leaves its outcome for the launcher instead, which
@@ -48,8 +53,26 @@ def main_guard(main) -> None:
     except HarnessExit as e:
         if not record_outcome(e.exit_code, str(e)):
             print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+        leave(e.exit_code)
     except SystemExit as e:  # preempted: 75
-        record_outcome(e.code if isinstance(e.code, int) else int(e.code is not None), None)
-        raise
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        record_outcome(code, None)
+        leave(code)
     record_outcome(0, None)
+    leave(0)
+
+
+def leave(code: int) -> None:
+    """Exit with `code`. A process that started a process group leaves without the interpreter's
+    finalization, once its output is flushed: a gloo worker thread that frees a finished
+    collective's tensors takes the GIL, and a thread that asks for the GIL while the interpreter
+    finalizes aborts the whole process ("terminate called without an active exception",
+    pytorch/pytorch#190489; 3 of 60 sharded evaluations under load). Whatever a command writes
+    is closed by then."""
+    if process_group_started:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

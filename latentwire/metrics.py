@@ -195,6 +195,7 @@ class MetricsLogger:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.tb.add_scalar(key, value, record["step"])
+        self.tb.flush()  # on disk now, like the JSON line: a run that ends in an error may not close it
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             self.bar.write(format_line(record))

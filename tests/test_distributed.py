@@ -45,3 +45,43 @@ def test_without_torchrun_there_is_no_group():
     with process_group("cpu", 60) as info:
         assert (info.rank, info.world_size, info.device.type) == (0, 1, "cpu")
         assert not info.is_distributed and not dist.is_initialized()
+
+
+# A command through main_guard, with or without a process group (a world of one on gloo), that
+# may fail with a bad input; an exit handler marks whether the interpreter finalized.
+COMMAND = """
+import atexit, pathlib, sys
+sys.path.insert(0, {repo!r})
+from latentwire.distributed import process_group
+from latentwire.errors import UserError, main_guard
+atexit.register(lambda: pathlib.Path("finalized").touch())
+def main():
+    if {group}:
+        with process_group("cpu", 60) as info:
+            assert info.is_distributed
+    print("done")
+    if {bad}:
+        raise UserError("bad input")
+main_guard(main)
+"""
+
+
+@pytest.mark.parametrize("group, bad", [(True, False), (True, True), (False, False)])
+def test_a_process_that_started_a_group_leaves_without_finalizing(tmp_path, group, bad):
+    """gloo's worker threads may still be freeing a finished collective's tensors, which takes the
+    GIL, when the interpreter finalizes: the process then aborts (pytorch#190489, 3 of 60 sharded
+    evaluations under load). So such a process leaves with os._exit, its output flushed and its
+    exit code kept; one without a group exits as usual."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "command.py"
+    script.write_text(COMMAND.format(repo=str(REPO), group=group, bad=bad))
+    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == (2 if bad else 0), proc.stderr
+    assert proc.stdout == "done\n" and proc.stderr == ("error: bad input\n" if bad else "")
+    assert (tmp_path / "finalized").exists() == (not group)
