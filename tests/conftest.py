@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -59,6 +60,12 @@ def default_cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("cpu") / "run"
     ok(run_train(["--profile", "cpu", "--out-dir", str(out)], nproc=2))
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def child_env(**extra) -> dict:

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from conftest import REPO, child_env, ok
+from conftest import REPO, child_env, free_port, ok
 from latentwire.distributed import process_group
 
 # Rank 0 is still busy (as when it writes a report) when rank 1's work is done; each rank records
@@ -72,14 +72,9 @@ def test_a_process_that_started_a_group_leaves_without_finalizing(tmp_path, grou
     GIL, when the interpreter finalizes: the process then aborts (pytorch#190489, 3 of 60 sharded
     evaluations under load). So such a process leaves with os._exit, its output flushed and its
     exit code kept; one without a group exits as usual."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = str(s.getsockname()[1])
     script = tmp_path / "command.py"
     script.write_text(COMMAND.format(repo=str(REPO), group=group, bad=bad))
-    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == (2 if bad else 0), proc.stderr

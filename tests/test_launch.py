@@ -5,15 +5,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from contextlib import contextmanager
 
 import pytest
 
-from conftest import (FAST, REPO, TWENTY, assert_one_line_error, assert_same_run, child_env, ok, read_metrics,
-                      wait_for_step)
+from conftest import (FAST, REPO, TWENTY, assert_one_line_error, assert_same_run, child_env, free_port, ok,
+                      read_metrics, wait_for_step)
 from latentwire.checkpoint import list_checkpoints
 
 
@@ -161,12 +160,6 @@ def test_a_profile_from_another_file(tmp_path):
 
 
 # --- two nodes without SLURM -------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
 
 def run_two_nodes(args, tmp_path, node_env: list[dict], prefix: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """Node 0 and node 1 as two launch.sh processes (one rank each), started together; `prefix`
