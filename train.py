@@ -185,7 +185,7 @@ def train(cfg, di) -> None:
     # bitwise the run that never stopped. A data position means something only in the same
     # training set, so a resume on other data is refused unless --new-data starts a fresh epoch.
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, cfg.micro_batch_size, cfg.grad_accum_steps),
-                       data=training.identity(cfg.dataset))
+                       data=training.identity())
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.keep_checkpoints,
                                 meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(wire)},
                                 model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
@@ -324,6 +324,10 @@ def train(cfg, di) -> None:
                 meter.next_window(after_pause=eval_due)
 
             if run_ends:
+                if stop_requested and cfg.eval_every and di.is_main:
+                    print(f"note: a signal ({stop.signal_name or 'on another rank'}) dropped step {state.step}'s "
+                          f"evaluation; the run is done: python -m latentwire.evaluate --ckpt {out_dir}",
+                          file=sys.stderr, flush=True)
                 break
             # --- Preemption: the step is done; save it and leave ------------------------
             if stop_requested:
@@ -333,6 +337,7 @@ def train(cfg, di) -> None:
                 checkpointer.save(state)
 
     # Every way out of the loop (done, --stop-at-step, preempted, diverged) saves the same way.
+    batches.close()  # the loader's workers stop here: nothing more to load
     path = checkpointer.save(state) if state.step != on_disk else checkpoint_dir(out_dir, state.step)
     snapshots.finish()
     logger.close()
@@ -460,20 +465,26 @@ def resume(checkpointer: Checkpointer, fresh: TrainState, run, max_steps: int, i
     saved, path = checkpointer.resume(warn=lambda message: is_main and print(message, file=sys.stderr))
     if run.stop_at_step is not None and run.stop_at_step <= saved.step:
         raise UserError(f"--stop-at-step {run.stop_at_step} is not after the resumed step {saved.step}")
-    other_data = saved.data is not None and saved.data != fresh.data
-    if other_data and not run.new_data:
+    other_data = saved.data is None or not same_data(saved.data, fresh.data)
+    if other_data and saved.data is not None and not run.new_data:
         raise UserError(f"--resume on other training data: {path.name} trained on {describe_data(saved.data)}, this "
                         f"run loads {describe_data(fresh.data)}; resume with the same data, or add --new-data to "
                         "train on this data from a fresh epoch with the resumed weights and optimizer")
+    if saved.data is None and fresh.data["held_out_fraction"] and not run.new_data:
+        raise UserError(f"{path.name} was written before checkpoints recorded their data, when a run trained on all "
+                        f"of {fresh.data['dataset']}; this one holds out {fresh.data['held_out_fraction']:.0%} of it: "
+                        "add --new-data to go on with the rest from a fresh epoch, or name held-out examples with "
+                        "--eval-dataset to train on all of it as before")
     if saved.step >= max_steps:
         if is_main:
             print(f"{path} is the run's last step ({max_steps}): nothing to do, nothing changed")
         return None
-    if run.new_data:
+    fresh_epoch = run.new_data and other_data  # the same data again (a requeued job's flags): its position holds
+    if fresh_epoch:
         saved = replace(saved, epoch=saved.epoch + 1, examples_done=0)
     if is_main:
         print(f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, {saved.examples_done} examples into it)"
-              + (f"; --new-data: a fresh epoch of {describe_data(fresh.data)}" if run.new_data else ""))
+              + (f"; --new-data: a fresh epoch of {describe_data(fresh.data)}" if fresh_epoch else ""))
         if saved.data is None:
             print(f"note: {path.name} does not record its training data (written before it did), so it is not "
                   "compared with this run's", file=sys.stderr)
@@ -482,6 +493,11 @@ def resume(checkpointer: Checkpointer, fresh: TrainState, run, max_steps: int, i
                   f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an "
                   "unbroken one only for the same layout", file=sys.stderr)
     return replace(saved, layout=fresh.layout, data=fresh.data)
+
+
+def same_data(a: dict, b: dict) -> bool:
+    """Two training sets are the same examples in the same order, wherever the file now lies."""
+    return (a["examples"], a["fingerprint"]) == (b["examples"], b["fingerprint"])
 
 
 def describe_data(identity: dict) -> str:

@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,9 +141,9 @@ def _file_split(examples: list[dict], split: str, fraction: float, seed: int, so
     `num_examples`) or the rest ('train'), each in file order."""
     held = set(random.Random(seed + HELD_OUT_SEED_OFFSET).sample(range(len(examples)),
                                                                  held_out_count(len(examples), fraction)))
-    if split != "train" and not held:
-        raise UserError(f"dataset {source} has {len(examples)} example(s), too few to hold any out; name a "
-                        "held-out file with --eval-dataset")
+    if not held:
+        raise UserError(f"dataset {source} has {len(examples)} example, too few to hold any out: name held-out "
+                        "examples (train.py --eval-dataset, evaluate --dataset)")
     return [ex for i, ex in enumerate(examples) if (i in held) == (split != "train")]
 
 
@@ -175,6 +176,11 @@ class DataSources:
         """The part of `source` held out; 0 where all of it is one split."""
         return self.held_out_fraction if self.eval_dataset is None and same_dataset(source, self.dataset) else 0.0
 
+    def train_held_out_fraction(self) -> float:
+        """How much of the training dataset is held out from training (0 for the hub's and the
+        synthetic set, whose held-out examples are a split of their own)."""
+        return self._fraction(self.dataset) if is_local(self.dataset) else 0.0
+
     def train_examples(self, n: int) -> list[dict]:
         return load_examples(self.dataset, "train", n, self.seed, self._fraction(self.dataset))
 
@@ -190,15 +196,19 @@ class DataSources:
         if source in HUB_DATASETS:
             return f"{source}'s validation split"
         if self._fraction(source):
-            return f"a seeded {self.held_out_fraction:.0%} of {source} that training never sees"
+            return (f"a seeded {self.held_out_fraction:.0%} of {source} (at least one example) that training "
+                    "never sees")
         return f"{source}, which the run trained on" if same_dataset(source, self.dataset) else source
 
 
 @dataclass(frozen=True)
 class TrainingSet:
-    """The training examples as the sampler indexes them, and what loading them found: how many of
-    the loaded ones have their answer past the prompt's cut, and how many of those were dropped."""
+    """The training examples as the sampler indexes them, where they come from (`source`, of which
+    `held_out_fraction` is held out), and what loading them found: how many of the loaded ones
+    have their answer past the prompt's cut, and how many of those were dropped."""
     examples: list[dict]
+    source: str
+    held_out_fraction: float
     loaded: int
     past_cut: int
     dropped: int
@@ -210,7 +220,8 @@ class TrainingSet:
         past = answers_past_cut(examples, max_prompt_bytes)
         check_answers_reachable(past, sources.dataset, max_prompt_bytes)
         kept = [ex for ex, cut in zip(examples, past) if not (drop_cut_answers and cut)]
-        return cls(kept, len(examples), past.count(True), len(examples) - len(kept))
+        return cls(kept, sources.dataset, sources.train_held_out_fraction(), len(examples), past.count(True),
+                   len(examples) - len(kept))
 
     def summary(self, max_prompt_bytes: int) -> str:
         k, n = self.past_cut, self.loaded
@@ -224,10 +235,12 @@ class TrainingSet:
         return {"train_examples": len(self.examples), "train_answers_past_cut": self.past_cut,
                 "train_examples_dropped": self.dropped}
 
-    def identity(self, dataset: str) -> dict:
-        """What a checkpoint records of its training data, and a resume compares."""
-        return {"dataset": str(Path(dataset).resolve()) if is_local(dataset) else dataset,
-                "examples": len(self.examples), "fingerprint": fingerprint(self.examples)}
+    def identity(self) -> dict:
+        """What a checkpoint records of its training data; a resume compares the examples and the
+        fingerprint (a file may move), and names the dataset."""
+        return {"dataset": str(Path(self.source).resolve()) if is_local(self.source) else self.source,
+                "examples": len(self.examples), "fingerprint": fingerprint(self.examples),
+                "held_out_fraction": self.held_out_fraction}
 
 
 def _subset(examples: list[dict], n: int, seed: int) -> list[dict]:
@@ -370,13 +383,17 @@ def fingerprint(examples: list[dict]) -> str:
 
 def answer_end_byte(example: dict) -> int | None:
     """Where the first answer (the training target) ends in the encoder's prompt, in UTF-8 bytes:
-    from its `answer_start` where the record has one, else where it first occurs in the context;
-    None where it does not occur."""
+    from its `answer_start` where that points at the answer, else where it first occurs in the
+    context as a whole word ('yes' is not in 'yesterday'); None where it does not occur."""
     context, answer = example["context"], example["answers"]["text"][0]
     starts = example["answers"].get("answer_start")
-    start = starts[0] if starts else context.find(answer)
-    if start < 0:
-        return None
+    start = starts[0] if starts else -1
+    if start < 0 or context[start:start + len(answer)] != answer:
+        answer = answer.strip()
+        found = re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", context)
+        if found is None:
+            return None
+        start = found.start()
     prompt = prompt_text(example)
     context_at = len(prompt) - len(context)  # the context ends the prompt
     return len(prompt[:context_at + start + len(answer)].encode("utf-8"))

@@ -11,6 +11,7 @@ code, and the exit code of a preempted run, which saved and exits quietly.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -39,7 +40,8 @@ class OutOfMemory(HarnessExit):
     exit_code = 5
 
 
-# Set by distributed.init_distributed once this process has started a process group (see leave).
+# Set by distributed.init_distributed once this process has started a process group, for the rest
+# of the process: the group's threads outlive destroy_process_group (see leave).
 process_group_started = False
 
 
@@ -50,29 +52,32 @@ def main_guard(main) -> None:
     from .launch import record_outcome
     try:
         main()
+        code = 0
+        record_outcome(code, None)
     except HarnessExit as e:
-        if not record_outcome(e.exit_code, str(e)):
+        code = e.exit_code
+        if not record_outcome(code, str(e)):
             print(f"error: {e}", file=sys.stderr, flush=True)
-        leave(e.exit_code)
     except SystemExit as e:  # preempted: 75
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
         record_outcome(code, None)
-        leave(code)
-    record_outcome(0, None)
-    leave(0)
+    leave(code)  # after the except: the traceback, and the run's frames and loader with it, are gone
 
 
 def leave(code: int) -> None:
-    """Exit with `code`. A process that started a process group leaves without the interpreter's
-    finalization, once its output is flushed: a gloo worker thread that frees a finished
-    collective's tensors takes the GIL, and a thread that asks for the GIL while the interpreter
-    finalizes aborts the whole process ("terminate called without an active exception",
-    pytorch/pytorch#190489; 3 of 60 sharded evaluations under load). Whatever a command writes
-    is closed by then."""
+    """Exit with `code`, or return on 0 where no process group was started. A process that
+    started one leaves without the interpreter's finalization: a gloo worker thread that frees a
+    finished collective's tensors takes the GIL, and a thread that asks for the GIL while the
+    interpreter finalizes aborts the whole process ("terminate called without an active
+    exception", pytorch/pytorch#190489; 3 of 60 sharded evaluations under load). First, while the
+    interpreter is whole, what is left is collected (a DataLoader's workers stop when their
+    iterator goes) and the output flushed."""
     if process_group_started:
+        gc.collect()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    sys.exit(code)
+    if code:
+        sys.exit(code)

@@ -62,6 +62,37 @@ def default_cpu_run(tmp_path_factory):
     return out
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line mentions `text` (a run's out_dir: its ranks, their loader
+    workers); a zombie's command line is empty."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+def exit_and_leftovers(proc: subprocess.Popen, marker: str, timeout: int = 120) -> tuple[str, str, list[int]]:
+    """Wait for `proc` to exit while a thread reads each of its pipes, and list the processes that
+    still mention `marker` at that moment. (communicate() would wait for processes it left behind:
+    they hold its pipes open.)"""
+    import threading
+
+    output = {}
+    readers = [threading.Thread(target=lambda name, pipe: output.__setitem__(name, pipe.read()), args=item)
+               for item in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for reader in readers:
+        reader.start()
+    proc.wait(timeout=timeout)
+    left = processes_mentioning(marker)
+    for reader in readers:
+        reader.join(timeout=timeout)
+    return output["stdout"], output["stderr"], left
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))

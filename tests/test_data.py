@@ -145,6 +145,10 @@ def test_answer_end_is_where_the_encoder_reads_the_answer_s_last_byte():
         assert prompt[end - 3:end] == b"Ada"
         assert end == len("question: Who?\ncontext: ") + len(context[:at].encode()) + 3  # é: 2 bytes
     assert answer_end_byte({"context": context, "question": "Who?", "answers": {"text": ["Bo"]}}) is None
+    # An answer_start that does not point at the answer is searched for instead, as a whole word.
+    wrong = {"context": context, "question": "Who?", "answers": {"text": ["Ada"], "answer_start": [900]}}
+    assert answer_end_byte(wrong) == answer_end_byte({**wrong, "answers": {"text": ["Ada"]}})
+    assert answer_end_byte({"context": "It rained yesterday.", "question": "Dry?", "answers": {"text": ["yes"]}}) is None
 
 
 def long_records(n_reachable: int, n_cut: int) -> list[dict]:
@@ -188,7 +192,8 @@ def test_a_local_file_holds_out_a_seeded_part_that_training_never_sees(tmp_path)
     assert all(ex in held for ex in sources.held_out_examples(2, path))  # fewer asked for: some of the same
     assert held == DataSources(path, None, 0.1, seed=3).held_out_examples(100, path)  # the same at evaluation
     assert held != DataSources(path, None, 0.1, seed=4).held_out_examples(100, path)
-    assert sources.describe_held_out(path) == f"a seeded 10% of {path} that training never sees"
+    assert sources.describe_held_out(path) == (f"a seeded 10% of {path} (at least one example) that training "
+                                               "never sees")
     # Named held-out examples: all of the training file trains, all of the other file is held out.
     other = write_jsonl(tmp_path / "other.jsonl", RECORDS)
     named = DataSources(path, other, 0.1, seed=3)
@@ -198,8 +203,10 @@ def test_a_local_file_holds_out_a_seeded_part_that_training_never_sees(tmp_path)
     with pytest.raises(UserError, match="is the training file itself"):
         DataSources(path, str(tmp_path / "." / "file.jsonl"), 0.1, seed=3)
     one = write_jsonl(tmp_path / "one.jsonl", RECORDS[:1])
-    with pytest.raises(UserError, match="too few to hold any out"):
-        DataSources(one, None, 0.1, 0).held_out_examples(10, one)
+    small = DataSources(one, None, 0.1, 0)  # nothing can be held out: neither split loads
+    for load in (lambda: small.train_examples(10), lambda: small.held_out_examples(10, one)):
+        with pytest.raises(UserError, match="too few to hold any out"):
+            load()
 
 
 def test_the_fingerprint_changes_with_any_example_and_their_order():

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 
 from conftest import (FAST, REPO, TWENTY, assert_one_line_error, assert_same_run, child_env, free_port, ok,
-                      read_metrics, wait_for_step)
+                      exit_and_leftovers, read_metrics, wait_for_step)
 from latentwire.checkpoint import list_checkpoints
 
 
@@ -133,8 +133,9 @@ def test_sigterm_to_launch_sh_with_loader_workers_saves_the_step_and_resumes_exa
     job = popen_launch([*args, "--out-dir", str(out)], tmp_path)
     wait_for_step(out, 4, job)
     job.send_signal(signal.SIGTERM)
-    stdout, stderr = job.communicate(timeout=120)
+    stdout, stderr, left = exit_and_leftovers(job, str(out))
     assert job.returncode == 75 and "Traceback" not in stderr, stdout + stderr
+    assert left == []  # the loader workers stopped with their ranks
     logged = max(m["step"] for m in read_metrics(out))
     assert [p.name for p in list_checkpoints(out)] == [f"step_{logged:08d}"]
     ok(launch([*args, "--out-dir", str(out), "--resume"], tmp_path))

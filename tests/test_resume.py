@@ -2,6 +2,7 @@
 import json
 import math
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from conftest import (REPO, RUN, TWENTY, assert_one_line_error, assert_same_run, child_env, final_weights, ok,
-                      read_metrics, run_train, wait_for_step)
+                      exit_and_leftovers, read_metrics, run_train, wait_for_step)
 from latentwire.checkpoint import list_checkpoints, load_checkpoint
 from latentwire.config import load_config
 from latentwire.data import synthetic_examples
@@ -58,9 +59,10 @@ def test_sigterm_to_torchrun_saves_within_a_step_and_resumes_exactly(tmp_path, s
     proc = popen_train([*args, "--out-dir", str(cut)], nproc=2)
     wait_for_step(cut, 4, proc)
     proc.send_signal(signal.SIGTERM)  # what SLURM and spot reclaim send; torchrun forwards it
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr, left = exit_and_leftovers(proc, str(cut))
     assert proc.returncode != 0
     assert "exiting with code 75" in stdout, stdout + stderr
+    assert left == []  # the loader workers stopped with their ranks
     logged = max(m["step"] for m in read_metrics(cut))
     saved = [p.name for p in list_checkpoints(cut)]
     assert saved == [f"step_{logged:08d}"]  # the step that was running when the signal came
@@ -111,14 +113,19 @@ def popen_signalled(tmp_path, args, module, name, nth):
 
 
 @pytest.mark.slow
-def test_a_signal_during_evaluation_drops_it_and_saves_the_step(tmp_path):
+@pytest.mark.parametrize("last", [False, True], ids=["mid_run", "last_step"])
+def test_a_signal_during_evaluation_drops_it_and_saves_the_step(tmp_path, last):
     """Rank 1 is signalled as it starts the first of its 8 chunks of step 2's evaluation: no rank
-    starts another chunk, the step is saved without its evaluation, and the run exits 75."""
+    starts another chunk, the step is saved without its evaluation, and the run exits 75; at the
+    run's last step it is done, exits 0, and says the evaluation was dropped."""
     out = tmp_path / "run"
     args = [*TWENTY[2], "--eval-every", "2", "--eval-examples", "64", "--micro-batch-size", "4",
-            "--out-dir", str(out)]
+            "--out-dir", str(out), *(["--max-steps", "2"] if last else [])]
     proc = popen_signalled(tmp_path, args, "latentwire.evaluate", "evaluate_chunk", nth=1)
-    assert "exiting with code 75" in proc.stdout and "exitcode  : 75" in proc.stderr, proc.stdout + proc.stderr
+    if last:
+        assert proc.returncode == 0 and "dropped step 2's evaluation; the run is done" in proc.stderr, proc.stderr
+    else:
+        assert "exiting with code 75" in proc.stdout and "exitcode  : 75" in proc.stderr, proc.stdout + proc.stderr
     assert "a call after the signal" not in proc.stderr
     assert [p.name for p in list_checkpoints(out)] == ["step_00000002"]
     records = read_metrics(out)
@@ -429,8 +436,17 @@ def test_a_resume_cannot_mix_datasets_unless_asked_for_a_fresh_epoch(tmp_path):
         files[name].write_text("".join(json.dumps(ex) + "\n" for ex in synthetic_examples(256, seed)))
     out, args = tmp_path / "run", [*RUN, "--max-steps", "4", "--num-examples", "1000"]
     first = ok(run_train([*args, "--dataset", str(files["a"]), "--out-dir", str(out), "--stop-at-step", "2"]))
-    assert f"held out: a seeded 10% of {files['a']} that training never sees" in first.stdout
+    assert f"held out: a seeded 10% of {files['a']} (at least one example) that training never sees" in first.stdout
     assert read_metrics(out)[0]["train_examples"] == 256 - 26
+    # A checkpoint from before they recorded their data: its run trained on all of the file.
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    state_file = list_checkpoints(old)[-1] / "train_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    del state["data"]["identity"]
+    torch.save(state, state_file)
+    assert_one_line_error(run_train([*args, "--dataset", str(files["a"]), "--out-dir", str(old), "--resume"]),
+                          "written before checkpoints recorded their data", "holds out 10% of it", "--new-data")
     before = snapshot(out)
     refused = run_train([*args, "--dataset", str(files["b"]), "--out-dir", str(out), "--resume"])
     line = assert_one_line_error(refused, "--resume on other training data", f"trained on {files['a']} (230 examples",
@@ -440,8 +456,12 @@ def test_a_resume_cannot_mix_datasets_unless_asked_for_a_fresh_epoch(tmp_path):
     again = assert_one_line_error(run_train([*args, "--dataset", str(files["a"]), "--out-dir", str(out), "--resume"]),
                                   f"trained on {files['a']}", f"this run loads {files['a']}")
     assert again != line and snapshot(out) == before
-    proc = ok(run_train([*args, "--dataset", str(files["b"]), "--out-dir", str(out), "--resume", "--new-data"]))
+    new = [*args, "--dataset", str(files["b"]), "--out-dir", str(out), "--resume", "--new-data"]
+    proc = ok(run_train([*new, "--stop-at-step", "3"]))
     assert f"(step 2, epoch 1, 0 examples into it); --new-data: a fresh epoch of {files['b']}" in proc.stdout
+    # The same flags again (a requeued job's): the data is the checkpoint's now, so its position holds.
+    proc = ok(run_train(new))
+    assert "(step 3, epoch 1, 8 examples into it)" in proc.stdout and "a fresh epoch" not in proc.stdout
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 

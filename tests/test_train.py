@@ -146,14 +146,17 @@ def test_bf16_autocast_tracks_fp32_and_needs_no_scaler(tmp_path):
     of 6 (the encoder's 2 and the pooler's 4, each a projection, the scores, their weighting of
     the values, the output projection and the MLP's two), an adapter's 2, the Qwen's 3 layers of
     6 and its head. Each rounds its two inputs and its output; errors of independent sign add
-    like a random walk, so the loss moves by about u * sqrt(3 * 58) = 5% of itself at most.
-    Every CPU kernel (AMX, AVX512-BF16, AVX2 converting to fp32) rounds the same values to 8 bits
-    and accumulates in fp32; they differ only in where within that bound the bits fall (0.09% to
-    0.15% under oneDNN's SSE4.1, AVX2, AVX-512 and AVX512-BF16 paths). Later steps are not compared value by
-    value: Adam turns each near-zero gradient element's rounding into a full step of either sign
-    (see the accumulation test), so from step 2 the two runs train different weights (on an
-    AVX512-BF16 CPU the losses differ by 1.7% at step 2 and 3.7% at step 3). What must hold there
-    is that bf16 trains: its loss falls at every step, as fp32's does."""
+    like a random walk, so the loss moves by about u * sqrt(3 * 58) = 5% of itself (an estimate:
+    the worst case, every error of one sign, is 3 * 58 * u = 68% and would test nothing). Every
+    CPU kernel (AMX, AVX512-BF16, AVX2 converting to fp32) rounds the same values to 8 bits and
+    accumulates in fp32; they differ only in where the bits fall (0.09% to 0.15% under oneDNN's
+    SSE4.1, AVX2, AVX-512 and AVX512-BF16 paths).
+
+    Later steps are not compared value by value: Adam turns each near-zero gradient element's
+    rounding into a full step of either sign (see the accumulation test), so from step 2 the two
+    runs train different weights (on an AVX512-BF16 CPU the losses differ by 1.7% at step 2 and
+    3.7% at step 3). What must hold there is that bf16 trains: its loss falls at every step, as
+    fp32's does."""
     common = ["--profile", "cpu", *FAST, "--dropout", "0", "--max-steps", "3", "--micro-batch-size", "4"]
     runs = {p: train(tmp_path, p, *common, "--precision", p) for p in ("fp32", "bf16")}
     fp32, bf16 = read_metrics(runs["fp32"]), read_metrics(runs["bf16"])
