@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader
 from latentwire.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
 from latentwire.compiling import stable_shapes, step_regions
 from latentwire.config import check_can_create, load_config
-from latentwire.data import Collator, DataSources, PromptDataset, ShardSampler, TrainingSet, to_device
+from latentwire.data import (Collator, DataSources, PromptDataset, ShardSampler, TrainingSet, describe_data, same_data,
+                             to_device)
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
@@ -304,8 +305,8 @@ def train(cfg, di) -> None:
             # next window starts after it, so evaluation never counts as training time. A step
             # that is preempted skips it: the grace before SIGKILL is for saving.
             run_ends = state.step == cfg.max_steps or state.step == cfg.run.stop_at_step
-            eval_due = (cfg.eval_every > 0 and (state.step % cfg.eval_every == 0 or state.step == cfg.max_steps)
-                        and not stop_requested)
+            eval_scheduled = cfg.eval_every > 0 and (state.step % cfg.eval_every == 0 or state.step == cfg.max_steps)
+            eval_due = eval_scheduled and not stop_requested
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
             if state.step == 1 or state.step % cfg.log_every == 0 or state.step == cfg.max_steps or eval_due:
@@ -324,7 +325,7 @@ def train(cfg, di) -> None:
                 meter.next_window(after_pause=eval_due)
 
             if run_ends:
-                if stop_requested and cfg.eval_every and di.is_main:
+                if stop_requested and eval_scheduled and di.is_main:
                     print(f"note: a signal ({stop.signal_name or 'on another rank'}) dropped step {state.step}'s "
                           f"evaluation; the run is done: python -m latentwire.evaluate --ckpt {out_dir}",
                           file=sys.stderr, flush=True)
@@ -465,12 +466,13 @@ def resume(checkpointer: Checkpointer, fresh: TrainState, run, max_steps: int, i
     saved, path = checkpointer.resume(warn=lambda message: is_main and print(message, file=sys.stderr))
     if run.stop_at_step is not None and run.stop_at_step <= saved.step:
         raise UserError(f"--stop-at-step {run.stop_at_step} is not after the resumed step {saved.step}")
-    other_data = saved.data is None or not same_data(saved.data, fresh.data)
-    if other_data and saved.data is not None and not run.new_data:
+    unknown = saved.data is None  # a checkpoint from before they recorded their data
+    changed = not unknown and not same_data(saved.data, fresh.data)
+    if changed and not run.new_data:
         raise UserError(f"--resume on other training data: {path.name} trained on {describe_data(saved.data)}, this "
                         f"run loads {describe_data(fresh.data)}; resume with the same data, or add --new-data to "
                         "train on this data from a fresh epoch with the resumed weights and optimizer")
-    if saved.data is None and fresh.data["held_out_fraction"] and not run.new_data:
+    if unknown and fresh.data["held_out_fraction"] and not run.new_data:
         raise UserError(f"{path.name} was written before checkpoints recorded their data, when a run trained on all "
                         f"of {fresh.data['dataset']}; this one holds out {fresh.data['held_out_fraction']:.0%} of it: "
                         "add --new-data to go on with the rest from a fresh epoch, or name held-out examples with "
@@ -479,13 +481,13 @@ def resume(checkpointer: Checkpointer, fresh: TrainState, run, max_steps: int, i
         if is_main:
             print(f"{path} is the run's last step ({max_steps}): nothing to do, nothing changed")
         return None
-    fresh_epoch = run.new_data and other_data  # the same data again (a requeued job's flags): its position holds
+    fresh_epoch = run.new_data and (changed or unknown)  # the same data (a requeued job's flags): its position holds
     if fresh_epoch:
         saved = replace(saved, epoch=saved.epoch + 1, examples_done=0)
     if is_main:
         print(f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, {saved.examples_done} examples into it)"
               + (f"; --new-data: a fresh epoch of {describe_data(fresh.data)}" if fresh_epoch else ""))
-        if saved.data is None:
+        if unknown:
             print(f"note: {path.name} does not record its training data (written before it did), so it is not "
                   "compared with this run's", file=sys.stderr)
         if saved.layout != fresh.layout:
@@ -493,15 +495,6 @@ def resume(checkpointer: Checkpointer, fresh: TrainState, run, max_steps: int, i
                   f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an "
                   "unbroken one only for the same layout", file=sys.stderr)
     return replace(saved, layout=fresh.layout, data=fresh.data)
-
-
-def same_data(a: dict, b: dict) -> bool:
-    """Two training sets are the same examples in the same order, wherever the file now lies."""
-    return (a["examples"], a["fingerprint"]) == (b["examples"], b["fingerprint"])
-
-
-def describe_data(identity: dict) -> str:
-    return f"{identity['dataset']} ({identity['examples']} examples, fingerprint {identity['fingerprint']})"
 
 
 def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, global_batch: int):

@@ -172,30 +172,28 @@ class DataSources:
     def of(cls, config) -> DataSources:
         return cls(config.dataset, config.eval_dataset, config.held_out_fraction, config.seed)
 
-    def _fraction(self, source: str) -> float:
-        """The part of `source` held out; 0 where all of it is one split."""
-        return self.held_out_fraction if self.eval_dataset is None and same_dataset(source, self.dataset) else 0.0
-
-    def train_held_out_fraction(self) -> float:
-        """How much of the training dataset is held out from training (0 for the hub's and the
-        synthetic set, whose held-out examples are a split of their own)."""
-        return self._fraction(self.dataset) if is_local(self.dataset) else 0.0
+    def fraction_held_out(self, source: str) -> float:
+        """The part of `source` held out from training: the training file's held_out_fraction when
+        no eval_dataset is named; 0 where all of a source is one split (another file, and the hub's
+        and the synthetic set, whose held-out examples are a split of their own)."""
+        local_training_file = is_local(source) and same_dataset(source, self.dataset)
+        return self.held_out_fraction if self.eval_dataset is None and local_training_file else 0.0
 
     def train_examples(self, n: int) -> list[dict]:
-        return load_examples(self.dataset, "train", n, self.seed, self._fraction(self.dataset))
+        return load_examples(self.dataset, "train", n, self.seed, self.fraction_held_out(self.dataset))
 
     def held_out_source(self, override: str | None = None) -> str:
         return override or self.eval_dataset or self.dataset
 
     def held_out_examples(self, n: int, source: str) -> list[dict]:
-        return load_examples(source, "validation", n, self.seed, self._fraction(source))
+        return load_examples(source, "validation", n, self.seed, self.fraction_held_out(source))
 
     def describe_held_out(self, source: str) -> str:
         if source == "synthetic":
             return "synthetic examples of another seed"
         if source in HUB_DATASETS:
             return f"{source}'s validation split"
-        if self._fraction(source):
+        if self.fraction_held_out(source):
             return (f"a seeded {self.held_out_fraction:.0%} of {source} (at least one example) that training "
                     "never sees")
         return f"{source}, which the run trained on" if same_dataset(source, self.dataset) else source
@@ -220,7 +218,7 @@ class TrainingSet:
         past = answers_past_cut(examples, max_prompt_bytes)
         check_answers_reachable(past, sources.dataset, max_prompt_bytes)
         kept = [ex for ex, cut in zip(examples, past) if not (drop_cut_answers and cut)]
-        return cls(kept, sources.dataset, sources.train_held_out_fraction(), len(examples), past.count(True),
+        return cls(kept, sources.dataset, sources.fraction_held_out(sources.dataset), len(examples), past.count(True),
                    len(examples) - len(kept))
 
     def summary(self, max_prompt_bytes: int) -> str:
@@ -236,11 +234,21 @@ class TrainingSet:
                 "train_examples_dropped": self.dropped}
 
     def identity(self) -> dict:
-        """What a checkpoint records of its training data; a resume compares the examples and the
-        fingerprint (a file may move), and names the dataset."""
+        """What a checkpoint records of its training data (`same_data` compares two, and
+        `describe_data` names one)."""
         return {"dataset": str(Path(self.source).resolve()) if is_local(self.source) else self.source,
                 "examples": len(self.examples), "fingerprint": fingerprint(self.examples),
                 "held_out_fraction": self.held_out_fraction}
+
+
+def same_data(a: dict, b: dict) -> bool:
+    """Two training-set identities are the same examples in the same order, wherever the file now
+    lies."""
+    return (a["examples"], a["fingerprint"]) == (b["examples"], b["fingerprint"])
+
+
+def describe_data(identity: dict) -> str:
+    return f"{identity['dataset']} ({identity['examples']} examples, fingerprint {identity['fingerprint']})"
 
 
 def _subset(examples: list[dict], n: int, seed: int) -> list[dict]:
