@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import IGNORE_INDEX, prompt_text
-from .llm import FrozenLLM, padded_attention, positions
+from .llm import FrozenLLM, padded_attention, padded_causal_mask, positions
 
 
 # --- prompts as input embeddings --------------------------------------------------------------
@@ -22,6 +22,14 @@ class Prompts:
     and generated tokens append on the right. `mask` is 1 on real positions."""
     embeds: torch.Tensor  # [B, P, hidden]
     mask: torch.Tensor  # [B, P], long
+
+
+def whole_sequence_mask(mask: torch.Tensor) -> torch.Tensor:
+    """The 4-D mask of a call over a whole left-padded sequence. From the 2-D `mask`, transformers
+    would give each left-padding query a row with no key at all, which CUDA's fused kernels may
+    answer with NaN; `padded_causal_mask` lets it see itself. Real queries see the same keys either
+    way. A cached decoding step needs no such mask: its one query is a real token."""
+    return padded_causal_mask(mask.bool())
 
 
 def wire_prompts(llm: FrozenLLM, soft: torch.Tensor, lead_ids: torch.Tensor) -> Prompts:
@@ -73,8 +81,8 @@ def continuation_nll(llm: FrozenLLM, prompts: Prompts,
     mask = torch.cat([prompts.mask, cont_mask], dim=1)
     # The last prompt position predicts the first continuation token: keep the last length+1 logits.
     with padded_attention([llm.model]):
-        logits = llm.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions(mask),
-                           use_cache=False, logits_to_keep=length + 1).logits
+        logits = llm.model(inputs_embeds=embeds, attention_mask=whole_sequence_mask(mask),
+                           position_ids=positions(mask), use_cache=False, logits_to_keep=length + 1).logits
     ce = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
     first_hits = (logits[:, 0].argmax(-1) == labels[:, 0]).tolist()
     return ce.sum(1).tolist(), [len(c) + 1 for c in continuations], first_hits
@@ -125,8 +133,8 @@ def greedy_generate(llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_c
         for _ in range(max_new_tokens):
             pos = positions(mask)
             if cache is None:
-                out = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=use_cache,
-                            logits_to_keep=1)
+                out = model(inputs_embeds=embeds, attention_mask=whole_sequence_mask(mask), position_ids=pos,
+                            use_cache=use_cache, logits_to_keep=1)
             else:  # only the newest token; the cache holds the keys and values of all earlier ones
                 out = model(inputs_embeds=embeds[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
                             past_key_values=cache, use_cache=True, logits_to_keep=1)

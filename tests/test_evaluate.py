@@ -119,6 +119,29 @@ def test_left_padding_changes_neither_generation_nor_nll(llms):
             assert gen.continuation_nll(llm, alone, [answers[i]])[0][0] == pytest.approx(batch_nll[i], rel=1e-4)
 
 
+def test_no_attention_query_of_an_evaluation_sees_no_key(cfg, llms, monkeypatch):
+    """Left-padded text prompts: a padding query that may attend to no key is 0 on the CPU kernels
+    and may be NaN on CUDA's fused ones, and a NaN in padding K/V reaches every real query
+    (pytorch#110213). Every boolean mask SDPA gets must give each query row a key."""
+    import torch.nn.functional as F
+
+    rows_seen, keyless_rows, sdpa = [0], [0], F.scaled_dot_product_attention
+
+    def checking_sdpa(query, key, value, attn_mask=None, **kwargs):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+            rows_seen[0] += mask[..., 0].numel()
+            keyless_rows[0] += int((~mask.any(-1)).sum())
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", checking_sdpa)
+    examples = synthetic_examples(6, seed=12)
+    assert len({len(gen.text_prompt_ids(llms["llama"], ex, None)) for ex in examples}) > 1  # really left-padded
+    plan = ev.Plan.of(cfg, text_baselines=True, batch_size=6, max_new_tokens=3)
+    ev.evaluate_examples(wire_encoder(cfg, llms), llms, examples, plan, CPU, rank=0, world=1)
+    assert rows_seen[0] > 0 and keyless_rows[0] == 0
+
+
 @torch.no_grad()
 def test_first_token_accuracy_is_the_readers_argmax_right_after_the_prompt(llms):
     examples = synthetic_examples(8, seed=8)
