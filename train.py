@@ -183,7 +183,8 @@ def train(cfg, di) -> None:
     # The Checkpointer owns the format: it saves these objects and loads them back into the same
     # ones. Resume takes the newest checkpoint that every rank loads (a partial or corrupt newer
     # one is skipped with a warning). Same layout (world size, micro-batch, accumulation):
-    # bitwise the run that never stopped. A data position means something only in the same
+    # bitwise the run that never stopped on CPU; on CUDA equal to rounding, as any two CUDA runs
+    # are (attention's backward kernels add in a varying order). A data position means something only in the same
     # training set, so a resume on other data is refused unless --new-data starts a fresh epoch.
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, cfg.micro_batch_size, cfg.grad_accum_steps),
                        data=training.identity())
@@ -216,10 +217,12 @@ def train(cfg, di) -> None:
         forward = stable_shapes()(forward_loss_sums)
 
     # --- Fused attention kernels -------------------------------------------------------------
-    # All attention goes through SDPA. On an sm80+ card in bf16/fp16 only the flash, cuDNN and
-    # memory-efficient kernels are allowed, so a silent fallback to the O(L^2)-memory math kernel
-    # becomes an error instead. Older cards and fp32 have no fused kernel for the LLMs'
-    # grouped-query attention: there math is allowed last, and the run says so.
+    # All attention goes through SDPA. On an sm80+ card in bf16/fp16 only flash (the LLMs' causal
+    # attention) and memory-efficient (the encoder's padded attention) are allowed, so a silent
+    # fallback to the O(L^2)-memory math kernel becomes an error instead; cuDNN, which torch tries
+    # first on an H100, has returned NaN gradients for masked attention. Older cards and fp32 have
+    # no fused kernel for the LLMs' grouped-query attention: there math is allowed last, and the
+    # run says so.
     attention_kernels, why = sdpa_kernels(capability, frozen_weight_dtype(cfg.precision))
     if why and di.is_main:
         print(f"note: {why}", file=sys.stderr, flush=True)

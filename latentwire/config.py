@@ -13,6 +13,7 @@ import json
 import math
 import os
 import textwrap
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ class Field:
     nullable: bool = False
     positive: bool = False  # > 0 (numbers only)
     non_negative: bool = False  # >= 0 (numbers only)
+    refused: dict = dataclasses.field(default_factory=dict)  # value -> why it is not (yet) taken
     # Fields added after profiles were written have a default, so a user's own profile file from
     # before them still loads; the rest must be given.
     default: object = REQUIRED
@@ -55,8 +57,10 @@ FIELDS: dict[str, Field] = {
     "tf32": Field(bool, "TF32 tensor cores for fp32 matmuls on Ampere and newer (--precision fp32 --tf32 false: "
                         "the IEEE fp32 reference)"),
     "compile": Field(bool, "torch.compile the forward pass"),
-    "compile_mode": Field(str, "torch.compile mode",
-                          choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
+    "compile_mode": Field(str, "torch.compile mode", choices=("default", "max-autotune-no-cudagraphs"),
+                          refused=dict.fromkeys(("reduce-overhead", "max-autotune"),
+                                                "captures CUDA graphs, which no GPU run has yet tried with this "
+                                                "loop's dynamic shapes, per-layer compiled regions and FSDP hooks")),
     "activation_checkpointing": Field(bool, "recompute the frozen LLMs' decoder layers in backward"),
     "frozen_sharding": Field(str, "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded "
                                   "over the ranks by FSDP2, a decoder layer gathered only while it runs)",
@@ -239,6 +243,8 @@ def check_value(field: str, value, where: str):
         raise UserError(f"{where}: field {field!r} must be {spec.kind.__name__}, got {value!r}")
     if spec.kind is float and not math.isfinite(value):  # JSON's Infinity/NaN, or --lr inf
         raise UserError(f"{where}: field {field!r} must be a finite number, got {value!r}")
+    if value in spec.refused:
+        raise UserError(f"{where}: {field} {value!r} {spec.refused[value]}; use one of {', '.join(spec.choices)}")
     if spec.choices and value not in spec.choices:
         raise UserError(f"{where}: field {field!r} must be one of {', '.join(spec.choices)}, got {value!r}")
     if spec.positive and not value > 0:
@@ -270,6 +276,28 @@ def check_consistency(v: dict, where: str) -> None:
     if v["encoder_dim"] // v["encoder_heads"] % 2:
         raise UserError(f"{where}: the byte encoder's head width, encoder_dim / encoder_heads = "
                         f"{v['encoder_dim'] // v['encoder_heads']}, must be even (rotary positions rotate pairs)")
+    if fused_attention_only(v["device"], v["precision"], v["supports_bf16"]):
+        check_fused_head_widths(v["encoder_dim"], v["d_z"], v["encoder_heads"], where)
+
+
+def fused_attention_only(device: str, precision: str, sm80: bool) -> bool:
+    """Whether training's attention may run only in the fused SDPA kernels
+    (`latentwire.precision.sdpa_backends`): CUDA on a card with bf16 units (sm80+), in bf16/fp16."""
+    return device == "cuda" and precision != "fp32" and sm80
+
+
+def check_fused_head_widths(encoder_dim: int, d_z: int, heads: int, where: str) -> None:
+    """The encoder's and pooler's attention is masked, so it needs the memory-efficient kernel,
+    which takes head widths that are multiples of 8 only; flash takes no mask, and math is not
+    allowed there. Caught here, not as "No available kernel" at step 1."""
+    for name, dim in (("encoder_dim", encoder_dim), ("d_z", d_z)):
+        if dim // heads % 8:
+            fitting = [h for h in range(1, heads * 4 + 1) if encoder_dim % (8 * h) == 0 and d_z % (8 * h) == 0]
+            works = (f"encoder_heads {', '.join(map(str, fitting))} would work" if fitting
+                     else f"make encoder_dim and d_z multiples of 8 x encoder_heads ({8 * heads})")
+            raise UserError(f"{where}: head width {name} / encoder_heads = {dim // heads} is not a multiple of 8, "
+                            f"which the fused attention kernels of a cuda bf16/fp16 run need; {works}, "
+                            "or train this width on the cpu")
 
 
 # --- the command line -------------------------------------------------------------------------

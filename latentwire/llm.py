@@ -506,6 +506,9 @@ def shard_frozen_llm(llm: FrozenLLM, mesh) -> None:
     for unit in fsdp_units(llm):
         fully_shard(unit, mesh=mesh)
     fully_shard(llm.model, mesh=mesh)
+    # Backward never needs the table (frozen, looked up by token ids), but FSDP2's default prefetch
+    # would all-gather it at the end of every backward: layer 0 prefetches the unit run before it.
+    llm.model.get_input_embeddings().set_unshard_in_backward(False)
 
 
 def start_fsdp_root(llm: FrozenLLM) -> None:

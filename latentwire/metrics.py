@@ -40,8 +40,8 @@ class MemoryMeter:
     `peak_mem_gb` is the window's peak, so an evaluation or an autotuning spike shows in the window
     it happened in and not in every later one; `run_peak_mem_gb` is the run's. CUDA: the caching
     allocator's allocated and reserved bytes, and how often it had to free its cache and retry (a
-    sign of fragmentation just below out-of-memory). CPU: the process's resident set; the allocator
-    fields are null."""
+    sign of fragmentation just below out-of-memory; counted per window, as the peak, so it says when
+    it began). CPU: the process's resident set; the allocator fields are null."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -60,12 +60,16 @@ class MemoryMeter:
     def read(self) -> dict:
         raw = self._raw()
         self.run_peak = max(self.run_peak, raw["peak"])
+        if raw["alloc_retries"] is not None:  # the allocator counts from the process's start
+            raw["alloc_retries"] -= self.retries_before
         return {"mem_gb": raw.pop("mem") / GIB, "peak_mem_gb": raw.pop("peak") / GIB,
                 "run_peak_mem_gb": self.run_peak / GIB, **raw}
 
     def start_window(self) -> None:
         """The peak so far counts for the run; the next window's peak starts from what is in use now."""
-        self.run_peak = max(self.run_peak, self._raw()["peak"])
+        raw = self._raw()
+        self.run_peak = max(self.run_peak, raw["peak"])
+        self.retries_before = raw["alloc_retries"]
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:

@@ -47,16 +47,19 @@ def sdpa_backends(capability: tuple[int, int], dtype: torch.dtype) -> tuple[list
     """The SDPA kernels CUDA may pick for this card and compute dtype, and a warning where the math
     kernel has to be among them.
 
-    Flash and cuDNN need an sm80+ card and bf16/fp16. The memory-efficient kernel runs on any card
-    and dtype, and takes the encoder's padding masks, but in torch 2.13 not grouped-query K/V,
-    which is how the LLMs call SDPA (no mask, enable_gqa). Where flash cannot run, the LLMs'
-    attention needs the math kernel; it is allowed last, with a warning, instead of failing with
-    "no available kernel". Where flash can run, math stays out: a silent fallback to it is an error.
+    Flash needs an sm80+ card and bf16/fp16 and takes no mask: the LLMs' causal attention. The
+    memory-efficient kernel runs on any card and dtype, and takes the encoder's padding masks, but
+    in torch 2.13 not grouped-query K/V, which is how the LLMs call SDPA (no mask, enable_gqa).
+    Where flash cannot run, the LLMs' attention needs the math kernel; it is allowed last, with a
+    warning, instead of failing with "no available kernel". Where flash can run, math stays out: a
+    silent fallback to it is an error. cuDNN stays out everywhere: torch tries it first on sm90,
+    and it has returned NaN gradients for masked attention (pytorch#196678), which is what the
+    encoder's padded attention is.
     """
     from torch.nn.attention import SDPBackend
 
     if capability >= (8, 0) and dtype in (torch.bfloat16, torch.float16):
-        return [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], None
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], None
     dtype_name = str(dtype).removeprefix("torch.")
     why = (f"attention: flash and cuDNN kernels need an sm80+ card and bf16/fp16, this is sm{capability[0]}"
            f"{capability[1]} with {dtype_name}; the LLMs' grouped-query attention runs in the math kernel "

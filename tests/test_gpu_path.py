@@ -8,6 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import FAST, SMALL_LLAMA, assert_one_line_error, ok, read_metrics, run_train
+from latentwire.errors import UserError
 
 CPU = torch.device("cpu")
 MiB = 2 ** 20
@@ -46,15 +47,43 @@ def test_attention_kernels_follow_the_card_and_the_dtype():
 
     from latentwire.precision import sdpa_backends
 
-    fused = {SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION}
+    # No silent math fallback where flash runs, and no cuDNN: NaN gradients of masked attention
+    # (pytorch#196678), the encoder's kind, and torch tries it first on sm90.
+    fused = {SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION}
     backends, why = sdpa_backends((8, 0), torch.bfloat16)
-    assert set(backends) == fused and why is None  # no silent math fallback where flash runs
+    assert set(backends) == fused and why is None
     assert set(sdpa_backends((9, 0), torch.float16)[0]) == fused
+    assert set(sdpa_backends((9, 0), torch.bfloat16)[0]) == fused
     for capability, dtype in (((7, 0), torch.float16), ((9, 0), torch.float32)):
         backends, why = sdpa_backends(capability, dtype)
         assert backends[-1] == SDPBackend.MATH and SDPBackend.FLASH_ATTENTION not in backends
         assert SDPBackend.EFFICIENT_ATTENTION in backends  # the encoder's masked attention
         assert f"sm{capability[0]}{capability[1]}" in why and "math" in why
+
+
+@pytest.mark.parametrize("flags, width", [(["--encoder-dim", "96", "--encoder-heads", "8"], "encoder_dim / encoder_heads = 12"),
+                                          (["--d-z", "200"], "d_z / encoder_heads = 25")])
+def test_head_widths_no_fused_kernel_takes_are_refused_on_cuda_only(flags, width):
+    """The encoder's and pooler's masked attention has only the memory-efficient kernel on an sm80+
+    card in bf16 (flash takes no mask, math is not allowed), and it needs widths % 8 == 0: refused
+    when the configuration is read, by train.py, the plan and find_batch alike (load_config)."""
+    from latentwire.config import load_config
+
+    with pytest.raises(UserError, match=f"head width {width} is not a multiple of 8.*encoder_heads 1.* would work"):
+        load_config(["--profile", "h100", *flags])
+    with pytest.raises(UserError, match=width):
+        load_config(["--profile", "rtx6000ada", "--precision", "fp16", *flags])
+    load_config(["--profile", "cpu", *flags])  # CPU kernels take any width
+    load_config(["--profile", "h100", "--precision", "fp32", *flags])  # math is allowed in fp32
+    load_config(["--profile", "v100", *flags])  # sm70: math is allowed
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_compile_modes_are_refused_until_a_gpu_run_proves_them(mode):
+    from latentwire.config import load_config
+
+    with pytest.raises(UserError, match=f"compile_mode '{mode}' captures CUDA graphs.*max-autotune-no-cudagraphs"):
+        load_config(["--profile", "h100", "--compile-mode", mode])
 
 
 def test_the_pooler_passes_no_mask_where_nothing_is_padded(monkeypatch):
@@ -161,7 +190,11 @@ def test_cuda_window_resets_the_allocator_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
     meter = MemoryMeter(torch.device("cuda", 0))  # starts a window: load-time peaks count for the run only
     assert meter.read() == {"mem_gb": 1.0, "peak_mem_gb": 1.0, "run_peak_mem_gb": 5.0, "reserved_gb": 2.0,
-                            "peak_reserved_gb": 6.0, "alloc_retries": 1}
+                            "peak_reserved_gb": 6.0, "alloc_retries": 0}
+    stats["num_alloc_retries"] = 4  # the allocator's count is the process's: 3 in this window
+    assert meter.read()["alloc_retries"] == 3
+    meter.start_window()
+    assert meter.read()["alloc_retries"] == 0
 
 
 # --- host syncs per step ----------------------------------------------------------------------
