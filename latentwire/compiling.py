@@ -14,12 +14,17 @@ without duck sizing: duck sizing gives sizes that happen to be equal when a regi
 symbol, so "batch size equals sequence length" becomes a guard and a later batch recompiles (the
 whole step: 3 compiles for 6 shapes, each of them minutes for two 8B models under max-autotune, on
 one rank while the others wait in NCCL). Inductor may still add a size guard of its own (CPU
-reductions pick a kernel by `rows x width <= 4096`), hence at most one recompile per region.
+reductions pick a kernel by `rows x width <= 4096`; a GPU's, 32-bit indexing while a tensor has
+under 2^31 elements), hence at most one recompile per region.
 
-Both settings are dynamo configuration read while a region is traced, which is lazy: in the first
-step that reaches it, or a recompile. So they are patched around every call of the step
-(`stable_shapes`) rather than flipped for the whole process. train.py does the compiling itself:
-`region.compile(mode=..., dynamic=True)` for each of `step_regions`.
+Recompile limit. Dynamo keeps one cache of compiled variants per code object, and every decoder
+layer of both LLMs enters it through the same one, `CheckpointWrapper.forward`; a variant past
+`recompile_limit` entries runs eagerly, with only a log line. See `RECOMPILE_LIMIT`.
+
+These settings are dynamo configuration read while a region is traced, which is lazy: in the first
+step that reaches it, or a recompile (the limit at each cache miss). So they are patched around
+every call of the step (`stable_shapes`) rather than flipped for the whole process. train.py does
+the compiling itself: `region.compile(mode=..., dynamic=True)` for each of `step_regions`.
 
 Compiled regions serve training calls only. Evaluation (eval mode, no_grad, padded attention, a
 KV cache) would recompile every region, so it runs under torch.compiler.set_stance("force_eager").
@@ -30,6 +35,15 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+# Variants of CheckpointWrapper.forward the step compiles: 2 LLMs (layer classes and widths differ)
+# x 2 calls (training; with distillation on, the teacher, under no_grad and with a padding mask)
+# x 2 (the one recompile an inductor size guard may cost) = 8, exactly dynamo's default limit, so
+# any further variant would silently run every layer of an LLM eagerly. Twice that leaves room for
+# one nobody planned (TORCH_LOGS=recompiles names it) and still stops a guard that fails on every
+# batch. accumulated_recompile_limit (256 in torch 2.13, all entries of a code object) is far above.
+DECODER_LAYER_VARIANTS = 2 * 2 * 2
+RECOMPILE_LIMIT = 2 * DECODER_LAYER_VARIANTS
 
 
 @contextmanager
@@ -42,10 +56,13 @@ def stable_shapes():
       graph, not symbolic inputs that dynamo traces around and then specialises anyway. It traces
       2.4x the calls without it (294 vs 121 for the cpu profile's regions; the whole step compiled
       in 67 s instead of 19 s).
+    - a recompile limit of RECOMPILE_LIMIT, or the process's own if higher.
     """
     import torch.fx.experimental._config as fx_config
 
-    with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
+    limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+    with torch._dynamo.config.patch(specialize_float=True, recompile_limit=limit), \
+            fx_config.patch(use_duck_shape=False):
         yield
 
 

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from conftest import ALL_TERMS
-from latentwire.compiling import stable_shapes, step_regions
+from latentwire.compiling import DECODER_LAYER_VARIANTS, stable_shapes, step_regions
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
@@ -174,6 +174,37 @@ def test_evaluation_under_force_eager_compiles_nothing(compiled_run):
     assert graphs() == before
 
 
+@pytest.mark.slow
+def test_decoder_layer_variants_compile_within_the_recompile_limit(compiled_run):
+    """Every decoder layer of both LLMs enters dynamo through one code object,
+    CheckpointWrapper.forward, whose cache holds recompile_limit variants; past it a variant runs
+    eagerly with a log line, here an error (fail_on_recompile_limit_hit). The step makes 4, training
+    and the teacher per LLM; each may cost one recompile, which aot_eager (no inductor size guards)
+    shows with a 1-row batch (dynamo specialises a size of 1): the 8 planned, dynamo's default limit.
+    A loss-only pass under no_grad, one more per LLM, must still compile."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model, llms, step = compiled_run["model"], compiled_run["llms"], compiled_run["step"]
+    entries = lambda: len(_debug_get_cache_entry_list(CheckpointWrapper.forward.__code__))
+    varied = [make_batch(llms, MICRO_BATCH, p, w, seed, text_width=8 * (seed % 5 + 3))
+              for seed, (p, w) in enumerate(widths(4))]
+    one_row = make_batch(llms, 1, 64, {"llama": 16, "qwen": 8}, seed=7, text_width=24)
+    counts = []
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for batch in varied:
+            step(model, llms, batch, ALL_TERMS).sum().backward()
+        counts.append(entries())
+        step(model, llms, one_row, ALL_TERMS).sum().backward()
+        counts.append(entries())
+        with torch.no_grad():
+            step(model, llms, varied[0], Objectives())
+        counts.append(entries())
+    model.zero_grad(set_to_none=True)
+    assert counts == [4, DECODER_LAYER_VARIANTS, DECODER_LAYER_VARIANTS + 2]
+    with stable_shapes():
+        assert counts[-1] <= torch._dynamo.config.recompile_limit
+
+
 def test_regions_are_the_checkpointed_decoder_layers_and_the_encoder_blocks():
     cfg, model, llms = build()
     names = list(model.state_dict())
@@ -188,8 +219,11 @@ def test_regions_are_the_checkpointed_decoder_layers_and_the_encoder_blocks():
 
 def test_stable_shapes_is_scoped():
     import torch.fx.experimental._config as fx_config
-    outside = (torch._dynamo.config.specialize_float, fx_config.use_duck_shape)
+    settings = lambda: (torch._dynamo.config.specialize_float, fx_config.use_duck_shape,
+                        torch._dynamo.config.recompile_limit)
+    outside = settings()
     with stable_shapes():
-        assert (torch._dynamo.config.specialize_float, fx_config.use_duck_shape) == (True, False)
-    assert (torch._dynamo.config.specialize_float, fx_config.use_duck_shape) == outside
+        specialize_float, duck_shape, limit = settings()
+        assert (specialize_float, duck_shape) == (True, False) and limit > DECODER_LAYER_VARIANTS
+    assert settings() == outside
 
