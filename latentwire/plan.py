@@ -120,8 +120,9 @@ def trainable_shapes(cfg, specs: dict[str, LLMSpec]) -> list[tuple[int, ...]]:
 def next_micro_batch(first: StepTrace, budget: Budget, weight_bytes: int) -> int:
     """Where to trace the second time: at the micro-batch the first trace points to, so the line is
     fitted around the answer instead of extrapolated to it. The persistent bytes (parameters,
-    buffers, optimizer state) do not grow with the batch; the rest of the peak does."""
-    persistent = first.peak["parameters"] + first.peak["buffers"] + first.optimizer
+    buffers, optimizer state, FSDP's all-gathered units) do not grow with the batch; the rest of
+    the peak does."""
+    persistent = first.peak["parameters"] + first.peak["buffers"] + first.peak.get("gathered", 0) + first.optimizer
     per_sample = (first.peak["total"] - persistent) / first.micro_batch
     guess = max(math.floor((budget.allowed_peak(weight_bytes) - persistent) / per_sample), 1)
     return guess if guess != first.micro_batch else 2 * first.micro_batch

@@ -335,13 +335,13 @@ def test_h100_plan_counts_every_byte_of_the_real_configuration(tmp_path):
     for key in ("params_frozen_bytes", "params_trainable_bytes", "grads_bytes", "optimizer_bytes"):
         assert p[key] == pytest.approx(p["analytic"][key], rel=0.01)
     assert p["max_micro_batch"] >= 1 and "largest micro-batch" in proc.stdout
-    assert p["peak_bytes"][str(16)] > p["params_frozen_bytes"]
+    assert p["peak_bytes"][str(load_config(["--profile", "h100"]).micro_batch_size)] > p["params_frozen_bytes"]
 
 
 # --- elastic batch --------------------------------------------------------------------------
 
 def test_elastic_batch_keeps_the_global_batch_when_a_split_fills_the_card():
-    cfg = load_config(["--profile", "h100"])  # 16 x 4 = 64
+    cfg = load_config(["--profile", "h100"])  # 64 x 1 = 64
     for world, plan_max in ((1, 55), (1, 64), (1, 500), (2, 7), (4, 3), (1, 1)):
         micro, accum, lr, message = elastic_batch(cfg, world, plan_max)
         assert micro <= plan_max and micro * accum * world == 64 * world

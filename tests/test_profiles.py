@@ -1,0 +1,47 @@
+"""The shipped GPU profiles against their own memory plans: each profile's micro-batch fits its
+card at its num_gpus, and a single-card profile fills the card. A change to the model, the
+profiles or the planner that breaks either fails here, before anyone rents the card."""
+import json
+
+import pytest
+
+from latentwire.config import load_config
+from latentwire.plan import make_plan
+
+from conftest import REPO
+
+HW_PROFILES = REPO / "hw_profiles.json"
+
+
+def gpu_profiles() -> list[str]:
+    """Every key of the shipped hw_profiles.json whose resolved device is cuda."""
+    keys = json.loads(HW_PROFILES.read_text())
+    return [key for key in keys if load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)]).device == "cuda"]
+
+
+def test_the_shipped_gpu_profiles_are_the_ones_planned_below():
+    assert {"h100", "h100x4", "h100x8-70b", "h200", "a100-80gb", "a100-40gb", "a100-40gbx4", "rtx6000ada",
+            "v100"} <= set(gpu_profiles())
+
+
+@pytest.mark.slow  # one traced plan per profile, 6-21 s each: about 100 s for the nine on one core
+@pytest.mark.parametrize("key", gpu_profiles())
+def test_a_gpu_profile_fits_its_card_by_the_plan_and_a_single_card_one_fills_it(key):
+    """One plan per profile, at the profile's micro-batch and num_gpus (what `python -m
+    latentwire.plan --profile KEY` prints). Fits: the micro-batch is at most the plan's largest.
+    Fills (one card): a rank's share of the global batch (micro-batch x accumulation) that fits is
+    one micro-batch; one that does not is split into micro-batches of at least half the largest.
+    The answer is interpolated: the plan's second trace lands next to it (FSDP's all-gathered units
+    do not grow with the batch, and once counted as if they did, sent it to half the answer)."""
+    cfg = load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)])
+    plan = make_plan(cfg, cfg.num_gpus)
+    best = plan.max_micro_batch
+    assert max(t.micro_batch for t in plan.traces) >= 0.9 * best
+    micro, accum = cfg.micro_batch_size, cfg.grad_accum_steps
+    where = f"{key}: {micro} x {accum} on {cfg.num_gpus} GPU(s), the plan fits micro-batch <= {best}"
+    assert micro <= best, f"{where}: does not fit"
+    if cfg.num_gpus == 1:
+        if micro * accum <= best:
+            assert accum == 1, f"{where}: {micro * accum} per step fits as one micro-batch"
+        else:
+            assert 2 * micro >= best, f"{where}: micro-batch {micro} is under half of what fits"
