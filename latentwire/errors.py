@@ -12,8 +12,10 @@ code, and the exit code of a preempted run, which saved and exits quietly.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
+from pathlib import Path
 
 # EX_TEMPFAIL from sysexits.h: "try again later". A checkpoint was saved; `--resume` continues.
 PREEMPTED_EXIT_CODE = 75
@@ -45,11 +47,30 @@ class OutOfMemory(HarnessExit):
 process_group_started = False
 
 
+# Where launch.sh (`latentwire.launch`) waits for every rank's outcome: exit code and error line.
+OUTCOME_DIR = "LATENTWIRE_OUTCOME_DIR"
+
+
+def record_outcome(code: int, error: str | None) -> bool:
+    """Leave this rank's outcome for the launcher, if one is waiting for it; True if so (the
+    launcher then prints the error line, once for all ranks)."""
+    directory = os.environ.get(OUTCOME_DIR)
+    if not directory:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    path = Path(directory) / f"rank{rank}.json"
+    try:  # written whole or not at all: a rank killed mid-write leaves no half outcome
+        path.with_suffix(".tmp").write_text(json.dumps({"rank": rank, "code": code, "error": error}))
+        os.replace(path.with_suffix(".tmp"), path)
+    except OSError:
+        return False
+    return True
+
+
 def main_guard(main) -> None:
     """Run `main()`; a HarnessExit becomes `error: ...` on stderr and its exit code. Under
     launch.sh (`latentwire.launch`) every rank leaves its outcome for the launcher instead, which
     prints the error line once."""
-    from .launch import record_outcome
     try:
         main()
         code = 0

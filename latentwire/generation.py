@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .data import IGNORE_INDEX, prompt_text
-from .llm import FrozenLLM, padded_attention, padded_causal_mask, positions
+from .attention import padded_attention, padded_causal_mask, positions
+from .llm import FrozenLLM
 
 
 # --- prompts as input embeddings --------------------------------------------------------------

@@ -1,20 +1,10 @@
-"""The frozen LLMs' architectures, without their weights: what the memory planner builds.
-
-The planner needs each LLM's transformers configuration (shapes and parameter count) and whether
-its tokenizer puts a BOS before the answer (one more position per sample). It takes them from
-- `tiny`: the cpu profile's offline models (`latentwire.llm`),
-- `random:SOURCE`: SOURCE's configuration, read by its family's tiny tokenizer (`latentwire.llm`),
-- a local directory: its `config.json` and `tokenizer_config.json`,
-- a hub id in `KNOWN_LLMS`: exact configurations shipped here, so planning needs no download.
+"""The released LLMs' architectures, shipped as their config.json values: planning a card
+(`llm_sources.llm_spec`) and building `random:` models (`llm_sources.random_config`) need no download.
 
 `llm_parameter_count` counts parameters from a configuration by formula: the analytic side of the
 planner's cross-check, and a check of the table against the published counts.
 """
 from __future__ import annotations
-
-import json
-import os
-from dataclasses import dataclass
 
 from .errors import UserError
 
@@ -50,105 +40,6 @@ KNOWN_LLMS: dict[str, tuple[dict, bool]] = {
     "Qwen/Qwen2.5-72B": (QWEN_2_5_72B, False),
     "Qwen/Qwen2.5-72B-Instruct": (QWEN_2_5_72B, False),
 }
-
-
-@dataclass(frozen=True)
-class LLMSpec:
-    """What the planner needs of one frozen LLM."""
-    source: str          # as the profile names it
-    config: object       # a transformers PretrainedConfig
-    has_bos: bool        # a BOS leads every prompt (latentwire.prompting)
-    origin: str          # where the configuration came from, for the report
-
-
-def llm_spec(name: str, source: str) -> LLMSpec:
-    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'tiny-random', 'random:SOURCE', a local
-    directory or a known hub id."""
-    from .llm import RANDOM, TINY, TINY_RANDOM, tiny_reader, tiny_tokenizer
-
-    if source == TINY_RANDOM:
-        return _tiny_spec(name)
-    if source == TINY:
-        return _local_spec(tiny_reader(name))
-    if source.startswith(RANDOM):
-        has_bos = tiny_tokenizer(name).bos_token_id is not None  # the tokenizer llm.random_architecture reads it with
-        return LLMSpec(source, random_config(source), has_bos, "random weights, configuration of " + source[len(RANDOM):])
-    if os.path.isdir(os.path.expanduser(source)):
-        return _local_spec(source)
-    if source in KNOWN_LLMS:
-        values, has_bos = KNOWN_LLMS[source]
-        return LLMSpec(source, _config_from_values(values), has_bos, "configuration shipped in latentwire.known_llms")
-    raise UserError(f"no configuration for {source!r}: name a local model directory (with config.json) "
-                    f"or one of {', '.join(KNOWN_LLMS)}")
-
-
-def random_config(source: str):
-    """The configuration behind `random:SOURCE`: a hub id of `KNOWN_LLMS`, a model directory
-    (its config.json) or the path of a config.json."""
-    from .llm import RANDOM
-
-    target = source[len(RANDOM):]
-    if target in KNOWN_LLMS:
-        return _config_from_values(KNOWN_LLMS[target][0])
-    path = os.path.expanduser(target)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not path.endswith(".json"):
-        raise UserError(f"{source}: name a config.json, a model directory or one of {', '.join(KNOWN_LLMS)}")
-    try:
-        with open(path) as f:
-            values = json.load(f)
-    except OSError as e:
-        raise UserError(f"{source}: cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{source}: {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
-    if not isinstance(values, dict) or "model_type" not in values:
-        raise UserError(f"{source}: {path} has no field 'model_type'")
-    try:
-        return _config_from_values(values)
-    except (ValueError, TypeError) as e:
-        raise UserError(f"{source}: {path}: {str(e).splitlines()[0]}") from None
-
-
-def _config_from_values(values: dict):
-    from transformers import AutoConfig
-
-    values = dict(values)
-    return AutoConfig.for_model(values.pop("model_type"), **values)
-
-
-def _tiny_spec(name: str) -> LLMSpec:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .llm import tiny_model, tiny_tokenizer
-
-    tokenizer = tiny_tokenizer(name)
-    with FakeTensorMode():  # its configuration is built with it; the weights are never allocated
-        config = tiny_model(name, tokenizer).config
-    return LLMSpec("tiny-random", config, tokenizer.bos_token_id is not None, "configuration built offline by latentwire.llm")
-
-
-def _local_spec(directory: str) -> LLMSpec:
-    from transformers import AutoConfig
-
-    path = os.path.expanduser(directory)
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read the model configuration in {directory}: {str(e).splitlines()[0]}") from None
-    return LLMSpec(directory, config, _local_has_bos(path), f"configuration read from {directory}/config.json")
-
-
-def _local_has_bos(path: str) -> bool:
-    """From tokenizer_config.json; without one, assume a BOS: one more position is the worst case."""
-    tokenizer_config = os.path.join(path, "tokenizer_config.json")
-    try:
-        with open(tokenizer_config) as f:
-            return json.load(f).get("bos_token") is not None
-    except FileNotFoundError:
-        return True
-    except json.JSONDecodeError as e:
-        raise UserError(f"{tokenizer_config} is not valid JSON: {e.msg}") from None
 
 
 def llm_parameter_count(config) -> int:

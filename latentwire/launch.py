@@ -19,24 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-OUTCOME_DIR = "LATENTWIRE_OUTCOME_DIR"
-
-
-def record_outcome(code: int, error: str | None) -> bool:
-    """Leave this rank's outcome for the launcher, if one is waiting for it; True if so (the
-    launcher then prints the error line, once for all ranks)."""
-    directory = os.environ.get(OUTCOME_DIR)
-    if not directory:
-        return False
-    rank = int(os.environ.get("RANK", "0"))
-    path = Path(directory) / f"rank{rank}.json"
-    try:  # written whole or not at all: a rank killed mid-write leaves no half outcome
-        path.with_suffix(".tmp").write_text(json.dumps({"rank": rank, "code": code, "error": error}))
-        os.replace(path.with_suffix(".tmp"), path)
-    except OSError:
-        return False
-    return True
-
+from .errors import OUTCOME_DIR
 
 def run_outcome(directory: Path) -> dict | None:
     """The outcome of the lowest rank that ended with a non-zero code, or None if none did."""

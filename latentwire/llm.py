@@ -1,64 +1,22 @@
-"""The two frozen LLMs: building (hub id, local directory, the tiny readers shipped here, or a real
-architecture with random weights), loading their weights, and freezing.
-
-- `tiny` loads the tiny Llama and Qwen2 readers shipped in `latentwire/tiny_readers/`: small models
-  pretrained here (`python -m latentwire.readers`) to answer the synthetic reading-comprehension
-  questions from their text, with tokenizers trained on the same corpus, so the cpu profile needs
-  no download and its text baseline means something. `tiny-random` is the same architectures
-  randomly initialised: readers that cannot read, for tests that need none.
-- `random:SOURCE` builds the architecture of SOURCE (a hub id whose configuration ships in
-  `latentwire.known_llms`, a model directory, or a config.json) with random weights drawn on the
-  rank's device, and the tiny tokenizer of its family: the same FLOPs and memory as the real
-  model, to benchmark or plan a card before downloading 32 GB.
-- a hub id or a local directory reads the real weights from its .safetensors files.
-Each is built on the meta device first and filled by `load_weights`, so that FSDP2 can shard it
-in between and a rank reads only its shards. The random ones are drawn from fixed seeds, tensor by
-tensor: every rank, every run, every layout and the evaluation see the very same models.
+"""The two frozen LLMs: built on the meta device from their source (`latentwire.llm_sources`),
+frozen, and filled by `load_weights`, so that FSDP2 can shard them in between and a rank reads only
+its shards; activation checkpointing and FSDP2 units of their decoder layers.
 """
 from __future__ import annotations
 
-import glob
 import math
-import os
-import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from .attention import causal_attention, padded_causal_mask, positions
 from .errors import UserError
+from .llm_sources import LLM_NAMES, one_line_error, read_source
 from .prompting import PromptContract, PromptFormat
 
-TINY = "tiny"
-TINY_RANDOM = "tiny-random"
-TINY_READERS = Path(__file__).resolve().parent / "tiny_readers"
-RANDOM = "random:"
-# The two frozen LLMs, named as their configuration fields are.
-LLM_NAMES = ("llama", "qwen")
-TINY_SEED = 1234
-RANDOM_SEED = 4321
-# Training feeds [wire ; answer] rows that are never packed and padded only on the right, so the
-# LLMs attend causally with no mask at all. Under a name of its own (transformers' SDPA attention,
-# registered again), transformers builds no mask: under "sdpa" it would read the position ids on
-# every forward to look for packed rows (a host sync per LLM call) and, under torch.compile, build
-# an explicit causal mask, which rules out the flash kernel and repeats the grouped K/V heads.
-# Evaluation pads prompts on the left and switches to "sdpa" (`padded_attention`).
-CAUSAL_ATTENTION = "latentwire_causal_sdpa"
 # Rows of the embedding table squared in fp32 at a time: the table itself is up to 2 GiB in bf16.
 EMBED_RMS_CHUNK_ELEMENTS = 2 ** 20
-
-# Small but structurally faithful: grouped-query attention, RoPE, SwiGLU, RMSNorm, untied heads,
-# and different widths and vocabularies so the two adapters really differ.
-TINY_SPECS = {
-    "llama": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024),
-    "qwen": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=768),
-}
-
 
 @dataclass
 class FrozenLLM:
@@ -123,94 +81,12 @@ class FrozenLLM:
         return out.logits
 
 
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids counting real tokens only, so left padding does not shift the rotary positions."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def padded_causal_mask(real: torch.Tensor) -> torch.Tensor:
-    """[B, 1, L, L], True where a query may attend: causal, never to padding. A 4-D mask goes to
-    attention as it is, under the training attention too (transformers builds no mask of its own
-    for it). A padding query attends to itself: for a query with no key, CUDA's memory-efficient
-    kernel has returned NaN (pytorch#110213; the CPU kernels give 0), and a NaN value poisons even
-    the queries that give it zero weight."""
-    length = real.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=real.device).tril()
-    diagonal = torch.eye(length, dtype=torch.bool, device=real.device)
-    return ((causal & real[:, None, :]) | diagonal)[:, None]
-
-
-def causal_attention() -> str:
-    """The attention implementation the frozen LLMs are built with (see CAUSAL_ATTENTION)."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    AttentionInterface.register(CAUSAL_ATTENTION, sdpa_attention_forward)
-    return CAUSAL_ATTENTION
-
-
-@contextmanager
-def padded_attention(models: list[nn.Module]):
-    """Within it, the LLMs take attention masks (left-padded prompts, KV cache): transformers' "sdpa"."""
-    for model in models:
-        model.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        for model in models:
-            model.set_attn_implementation(causal_attention())
-
-
 def freeze(model: nn.Module) -> nn.Module:
     """Eval mode (no dropout) and no parameter gradients: no grad buffers and no optimizer state,
     yet autograd still flows through the layers to the soft tokens."""
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-# --- tiny, offline models ---------------------------------------------------------------------
-
-def tiny_reader(name: str) -> str:
-    """The directory of the shipped tiny reader of the `name` slot."""
-    return str(TINY_READERS / name)
-
-
-@lru_cache(maxsize=None)
-def tiny_tokenizer(family: str):
-    """A byte-level BPE trained on the synthetic corpus; Llama-style (BOS + EOS) or Qwen-style
-    (EOS only, as in Qwen2.5, where the pad token is the end-of-text token)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from .data import synthetic_corpus_text
-
-    if family == "llama":
-        specials = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}
-    else:
-        specials = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_SPECS[family]["vocab_size"],
-                                  special_tokens=list(dict.fromkeys(specials.values())),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(synthetic_corpus_text(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
-
-
-def tiny_model(family: str, tokenizer) -> nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    spec = dict(TINY_SPECS[family], vocab_size=len(tokenizer))
-    cls = LlamaConfig if family == "llama" else Qwen2Config
-    config = cls(**spec, max_position_embeddings=512, tie_word_embeddings=False,
-                 initializer_range=0.1,
-                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(TINY_SEED + (family == "qwen"))
-        return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=torch.float32)
 
 
 # --- loading: built on the meta device, then filled -------------------------------------------
@@ -220,75 +96,6 @@ def tiny_model(family: str, tokenizer) -> nn.Module:
 # a sharded parameter is then allocated and read only for the rows this rank holds, so no rank
 # ever holds a 70B model whole, in host or device memory.
 
-class CheckpointWeights:
-    """The tensors of a model's .safetensors files, read a row range at a time from the memory map."""
-
-    def __init__(self, files: list[str]):
-        from safetensors import safe_open
-
-        self.file_of = {}
-        self.shapes = {}
-        for path in files:
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    self.file_of[key] = path
-                    self.shapes[key] = tuple(f.get_slice(key).get_shape())
-
-    def read(self, key: str, rows: slice, like: torch.Tensor) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(self.file_of[key], framework="pt") as f:
-            return f.get_slice(key)[rows]
-
-
-class StateDictWeights:
-    """The tensors of a model built whole in host memory (the tiny ones, a few MB)."""
-
-    def __init__(self, state: dict[str, torch.Tensor]):
-        self.state = state
-        self.shapes = {key: tuple(t.shape) for key, t in state.items()}
-
-    def read(self, key: str, rows: slice, like: torch.Tensor) -> torch.Tensor:
-        return self.state[key][rows]
-
-
-class SeededWeights:
-    """`random:` weights drawn tensor by tensor, each from a generator seeded by its name, on the
-    rank's device: the same values whatever layout (whole or sharded, any world size) reads them.
-    Each rank draws a whole tensor and keeps its rows (one tensor at a time, 2.5 GB at most for a
-    72B's embedding table). The initialisation transformers' models use: N(0, initializer_range)
-    for linear and embedding weights, zero biases, unit norm weights."""
-
-    def __init__(self, model: nn.Module, seed: int, std: float, source: str):
-        self.seed, self.std = seed, std
-        self.shapes, self.kinds = {}, {}
-        for module_name, module in model.named_modules():
-            for name, p in module.named_parameters(recurse=False):
-                key = f"{module_name}.{name}" if module_name else name
-                self.shapes[key] = tuple(p.shape)
-                self.kinds[key] = self.kind(module, name)
-                if self.kinds[key] is None:
-                    raise UserError(f"{source}: no random initialisation for {key} of a {type(module).__name__}")
-
-    @staticmethod
-    def kind(module: nn.Module, name: str) -> str | None:
-        if name == "bias":
-            return "zeros"
-        if name == "weight" and isinstance(module, (nn.Linear, nn.Embedding)):
-            return "normal"
-        if name == "weight" and "Norm" in type(module).__name__:
-            return "ones"
-        return None
-
-    def read(self, key: str, rows: slice, like: torch.Tensor) -> torch.Tensor:
-        kind = self.kinds[key]
-        if kind != "normal":
-            return (torch.zeros if kind == "zeros" else torch.ones)(like.shape, dtype=like.dtype, device=like.device)
-        generator = torch.Generator(like.device).manual_seed(self.seed * 2 ** 32 + zlib.crc32(key.encode()))
-        full = torch.empty(self.shapes[key], dtype=like.dtype, device=like.device)
-        return full.normal_(0.0, self.std, generator=generator)[rows]
-
-
 def meta_model(config, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -297,88 +104,15 @@ def meta_model(config, dtype: torch.dtype) -> nn.Module:
 
 
 def build_frozen_llm(name: str, source: str, dtype: torch.dtype, prompt: PromptFormat = PromptFormat()) -> FrozenLLM:
-    """`name` is 'llama' or 'qwen'; `source` is 'tiny', 'tiny-random', 'random:SOURCE', a hub id or a
-    local directory; `prompt` makes its tokenizer's prompt contract. The model is on the meta
-    device, frozen, until `load_weights`."""
-    if source == TINY_RANDOM:
-        tokenizer = tiny_tokenizer(name)
-        whole = tiny_model(name, tokenizer)
-        config, weights = whole.config, StateDictWeights(whole.state_dict())
-    elif source.startswith(RANDOM):
-        config, tokenizer = random_architecture(name, source)
-    else:
-        config, tokenizer, weights = pretrained_config(tiny_reader(name) if source == TINY else source,
-                                                       plain_tokenizer=source == TINY)
+    """`name` is 'llama' or 'qwen'; `source` is what `llm_sources.read_source` reads; `prompt` makes
+    its tokenizer's prompt contract. The model is on the meta device, frozen, until `load_weights`."""
+    found = read_source(name, source)
     with one_line_error(f"cannot build model {source!r} from its configuration"):
-        model = meta_model(config, dtype)
-    if source.startswith(RANDOM):
-        weights = SeededWeights(model, RANDOM_SEED + LLM_NAMES.index(name), config.initializer_range, source)
+        model = meta_model(found.config, dtype)
+    weights = found.weights(model)
     check_buffers_computable(model, source)
-    contract = PromptContract.of(tokenizer, prompt, who=f"the {name} ({source})")
-    return FrozenLLM(name, freeze(model), tokenizer, contract, weights, source)
-
-
-def random_architecture(name: str, source: str):
-    """`random:SOURCE`: SOURCE's configuration, read through its family's tiny tokenizer."""
-    from .known_llms import random_config
-
-    config = random_config(source)
-    tokenizer = tiny_tokenizer(name)
-    if len(tokenizer) > config.vocab_size:
-        raise UserError(f"{source}: vocabulary of {config.vocab_size} is smaller than the {len(tokenizer)} ids "
-                        "of the tokenizer that reads it")
-    return config, tokenizer
-
-
-def pretrained_config(source: str, plain_tokenizer: bool = False):
-    """A hub id or a local directory: its configuration, tokenizer and weight files. Hub ids
-    download only because the user named one. The tiny readers' tokenizers are plain BPE files
-    (`plain_tokenizer`): AutoTokenizer would wrap the Qwen one in Qwen2's class, as its config says
-    qwen2, and that class's own pre-tokenizer splits numbers digit by digit."""
-    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
-
-    looks_local = source.startswith((".", "/", "~")) or os.path.isdir(os.path.expanduser(source))
-    if looks_local and not os.path.isdir(os.path.expanduser(source)):
-        raise UserError(f"model directory {source} does not exist")
-    # transformers says what it cannot build with OSError (files), ValueError (an unknown
-    # model_type, a tokenizer it cannot instantiate) or KeyError (a config missing a field).
-    with one_line_error(f"cannot read the configuration of model {source!r}"):
-        config = AutoConfig.from_pretrained(source)
-    with one_line_error(f"cannot load the tokenizer of model {source!r}"):
-        tokenizer = (PreTrainedTokenizerFast if plain_tokenizer else AutoTokenizer).from_pretrained(source)
-    with one_line_error(f"cannot load model {source!r}"):
-        weights = CheckpointWeights(weight_files(source))
-    if tokenizer.eos_token_id is None:
-        raise UserError(f"model {source!r}: its tokenizer has no EOS token")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # right padding never reaches the loss
-    return config, tokenizer, weights
-
-
-@contextmanager
-def one_line_error(what: str):
-    """transformers', safetensors' and the hub's failures to read a model become `what: <their
-    first line>`."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except (OSError, ValueError, KeyError, SafetensorError) as e:
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise UserError(f"{what}: {first.rstrip(':')}") from None
-
-
-def weight_files(source: str) -> list[str]:
-    """The .safetensors files of a local directory or of a hub repository (downloaded once)."""
-    directory = os.path.expanduser(source)
-    if not os.path.isdir(directory):
-        from huggingface_hub import snapshot_download
-
-        directory = snapshot_download(source, allow_patterns=["*.safetensors"])
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise UserError(f"model {source!r} has no .safetensors weights")
-    return files
+    contract = PromptContract.of(found.tokenizer, prompt, who=f"the {name} ({source})")
+    return FrozenLLM(name, freeze(model), found.tokenizer, contract, weights, source)
 
 
 def rotary_embedding(model: nn.Module) -> nn.Module | None:

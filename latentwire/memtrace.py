@@ -27,7 +27,8 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.utils._pytree import tree_leaves
 
 from .data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, round_up
-from .llm import FrozenLLM, apply_activation_checkpointing, causal_attention, freeze
+from .attention import causal_attention
+from .llm import FrozenLLM, apply_activation_checkpointing, freeze
 from .model import WireConfig, WireEncoder
 from .objectives import Objectives, forward_loss_sums, target_counts
 from .precision import AMP_DTYPES, frozen_weight_dtype

@@ -37,8 +37,9 @@ from .budget import GIB, Budget, Fit, budget_for, fit_line, largest_fitting
 from .config import Parser, load_config, positive
 from .data import round_up
 from .errors import UserError, main_guard
-from .known_llms import LLMSpec, llm_parameter_count, llm_spec
+from .known_llms import llm_parameter_count
 from .llm import LLM_NAMES, fsdp_units
+from .llm_sources import LLMSpec, llm_spec
 from .memtrace import StepTrace, StepTracer, fake_llms
 from .model import WireConfig, WireEncoder
 from .objectives import Objectives

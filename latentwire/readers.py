@@ -25,7 +25,8 @@ from .config import Parser, positive
 from .data import IGNORE_INDEX, answer_text, answer_token_ids, load_examples, synthetic_examples
 from .errors import main_guard
 from .generation import decode_answer, greedy_generate, text_prompt_ids, text_prompts
-from .llm import LLM_NAMES, TINY_READERS, FrozenLLM, tiny_model, tiny_tokenizer
+from .llm import LLM_NAMES, FrozenLLM
+from .llm_sources import TINY_READERS, tiny_model, tiny_tokenizer
 from .prompting import PromptContract
 from .squad_metrics import best_em_f1
 

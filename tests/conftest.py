@@ -44,7 +44,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def saved_reader(tmp_path_factory):
     """The tiny Qwen reader saved as a hub checkpoint is (safetensors, config, tokenizer)."""
-    from latentwire.llm import tiny_model, tiny_tokenizer
+    from latentwire.llm_sources import tiny_model, tiny_tokenizer
 
     path = tmp_path_factory.mktemp("reader")
     tokenizer = tiny_tokenizer("qwen")

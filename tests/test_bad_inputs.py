@@ -59,7 +59,7 @@ def hf_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     """Local model directories that cannot load, each in its own way."""
-    from latentwire.llm import TINY_SPECS, tiny_tokenizer
+    from latentwire.llm_sources import TINY_SPECS, tiny_tokenizer
 
     root = tmp_path_factory.mktemp("models")
     dirs = {name: root / name for name in ("empty", "unknown_type", "config_not_json", "no_weights", "garbage_weights")}

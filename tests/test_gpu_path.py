@@ -290,7 +290,7 @@ def test_a_checkpoint_missing_a_tensor_is_a_user_error(saved_reader, tmp_path):
 # --- random: LLMs -----------------------------------------------------------------------------
 
 def test_random_llm_is_the_configured_architecture_seeded_and_planned_alike(tmp_path):
-    from latentwire.known_llms import llm_spec
+    from latentwire.llm_sources import llm_spec
     from latentwire.llm import load_frozen_llm
 
     config = tmp_path / "config.json"

@@ -14,7 +14,8 @@ from latentwire.errors import UserError, main_guard
 from latentwire.data import Collator, IGNORE_INDEX, PromptDataset
 from latentwire.elastic import elastic_batch, scaled_lr
 from latentwire.find_batch import Probe
-from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count, llm_spec
+from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
+from latentwire.llm_sources import llm_spec
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
 from latentwire.memtrace import FrozenAwareMemTracker, StepTracer, fake_llms, planning_batch
 from latentwire.plan import main as plan_main, make_plan, planned_rows

@@ -6,7 +6,8 @@ from safetensors.torch import load_file
 
 from conftest import ok, run_module
 from latentwire.data import synthetic_corpus_text
-from latentwire.llm import LLM_NAMES, load_frozen_llm, tiny_tokenizer
+from latentwire.llm import LLM_NAMES, load_frozen_llm
+from latentwire.llm_sources import tiny_tokenizer
 from latentwire.readers import HELD_OUT_EXAMPLES, held_out_em
 
 CPU = torch.device("cpu")
