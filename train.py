@@ -31,7 +31,8 @@ from latentwire.data import (Collator, DataSources, PromptDataset, ShardSampler,
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
 from latentwire.elastic import apply_elastic_batch
-from latentwire.evaluate import Plan as EvalPlan, evaluate_wire
+from latentwire.eval.evaluation import evaluate_wire
+from latentwire.eval.settings import EvalSettings
 from latentwire.llm import (apply_activation_checkpointing, build_frozen_llms, held_per_rank, load_weights,
                             shard_frozen_llm)
 from latentwire.flops import FlopModel
@@ -234,7 +235,7 @@ def train(cfg, di) -> None:
                       peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps,
                            first_record=training.facts())
-    eval_plan = EvalPlan.of(cfg, text_baselines=False, lockstep=shard_frozen, stop=lambda: stop.on_any_rank(device))
+    eval_plan = EvalSettings.of(cfg, text_baselines=False, lockstep=shard_frozen, stop=lambda: stop.on_any_rank(device))
     if di.is_main:
         print(run_summary(cfg.run.profile, device, cfg.precision, state.layout, model, llms), flush=True)
 

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 -m latentwire.evaluate --ckpt RUN --eval-examples 500   # the same numbers
 
 A run trained with --frozen-sharding fsdp is evaluated under torchrun with its LLMs sharded the same
-way (in lockstep, see Plan), so a 70B pair that fits no single GPU is evaluated where it trained.
+way (in lockstep, see EvalSettings), so a 70B pair that fits no single GPU is evaluated where it trained.
 
 For each LLM and each input, on the held-out split:
 - `wire`: the M soft tokens of the trained wire, fed as in training: `[lead ; soft ; tail]` (the
@@ -24,221 +24,39 @@ anyway, so a bf16 payload is the wire itself and has no control of its own).
 The cpu profile's tiny readers were pretrained to read (84% EM from the text), and
 the report gives the wire's share of that text baseline (`report.share_of_text`).
 
-Examples are cut into chunks of `batch_size` consecutive examples and the chunks are dealt to the
-ranks round-robin. A chunk is padded and computed the same way whatever the number of ranks, and
-per-example results are gathered and reduced in example order, so N processes give exactly the
-numbers of one.
-
-This module holds the evaluation (the wire and its controls, chunks, sharding), checkpoint loading
-and the command; `generation.py` the prompts, scoring and greedy decoding; `report.py` the
-summary, the margins and the JSON / Markdown report.
+This module is the command: checkpoint loading and the run. `latentwire.eval` holds the rest:
+`evaluation.py` the wire and its controls, chunks and sharding; `generation.py` the prompts,
+scoring and greedy decoding; `report.py` the summary, the margins and the JSON / Markdown report.
 """
+from __future__ import annotations
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
 from .config import FIELDS, Config, Parser, RunFlags, check_can_create, check_value, field_defaults, positive
-from .data import Collator, DataSources, PromptDataset, to_device
+from .data import DataSources
 from .distributed import process_group
 from .errors import UserError, main_guard
-from .generation import (answer_ids, continuation_nll, decode_answer, greedy_generate, joint_pick, text_prompts,
-                         wire_prompts)
+from .eval.evaluation import evaluate_examples
+from .eval.report import build_report, markdown, write_report
+from .eval.settings import EvalSettings
 from .llm import build_frozen_llms, held_per_rank, load_weights, shard_frozen_llm
 from .model import WireConfig, WireEncoder
-from .precision import AMP_DTYPES, frozen_weight_dtype
-from .report import build_report, markdown, summarize, write_report
-from .squad_metrics import best_em_f1
+from .precision import frozen_weight_dtype
 
-PAYLOADS = ("bf16", "int8")
 # The fields of a checkpoint's meta.json this module reads. Only these are required, so a
 # checkpoint written before a field was added to config.FIELDS still evaluates.
 READ_FIELDS = ("device", "precision", "dist_timeout_s", "llama", "qwen", "num_latents", "d_z", "encoder_dim",
                "encoder_layers", "encoder_heads", "dropout", "dataset", "seed", "max_prompt_bytes",
                "max_answer_tokens", "pad_multiple", "micro_batch_size", "max_new_tokens")
 
-
-# --- the wire and its controls ----------------------------------------------------------------
-
-def cyclic_derangement(n: int, seed: int) -> list[int]:
-    """A seeded random permutation with no fixed point when n > 1 (Sattolo's algorithm draws one
-    n-cycle), so every shuffled example reads another example's wire."""
-    perm, rng = list(range(n)), random.Random(seed)
-    for i in range(n - 1, 0, -1):
-        j = rng.randrange(i)
-        perm[i], perm[j] = perm[j], perm[i]
-    return perm
-
-
-def int8_roundtrip(z: torch.Tensor) -> torch.Tensor:
-    """The wire as an int8 payload decodes it: symmetric, one fp32 scale per wire token."""
-    scale = z.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    return (z / scale).round().clamp(-127, 127) * scale
-
-
-def payload_roundtrip(z: torch.Tensor, payload: str) -> torch.Tensor:
-    """The wire as the receiver decodes it from a `payload` ('bf16' or 'int8') message."""
-    return z.to(torch.bfloat16).to(z.dtype) if payload == "bf16" else int8_roundtrip(z)
-
-
-def payload_controls(precision: str) -> tuple[str, ...]:
-    """The payload round trips that change what the adapters compute: not the autocast dtype's own,
-    which their first Linear applies to the wire anyway."""
-    return tuple(p for p in PAYLOADS if p != precision)
-
-
-def wire_controls(precision: str) -> tuple[str, ...]:
-    return ("zeroed", "shuffled", *payload_controls(precision))
-
-
-# --- one chunk of examples --------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Plan:
-    """What an evaluation reads of a run's configuration, and how this one runs."""
-    batch_size: int
-    max_new_tokens: int
-    text_baselines: bool
-    precision: str  # the autocast dtype, and which payload controls differ under it
-    seed: int  # the shuffled control's pairing
-    num_latents: int  # the text_cut baseline's token budget
-    max_prompt_bytes: int  # the collator's cuts and padding, as in training
-    max_answer_tokens: int
-    pad_multiple: int
-    progress: Callable[[int, int], object] | None = None  # (examples done, of) on this rank, after each chunk
-    # Asked before each chunk, on every rank at every chunk position (a collective when distributed):
-    # True drops the unfinished evaluation (a preemption signal, heard within one chunk).
-    stop: Callable[[], bool] | None = None
-    # The LLMs are sharded over the ranks (FSDP): each of their forwards needs every rank, so every
-    # rank runs as many chunks (the short ones repeat one, its records dropped) and decodes until
-    # all are done.
-    lockstep: bool = False
-
-    @classmethod
-    def of(cls, config, *, text_baselines: bool, batch_size: int | None = None, max_new_tokens: int | None = None,
-           progress=None, lockstep: bool = False, stop=None) -> Plan:
-        """From a run's configuration; batch size and generation limit default to the run's."""
-        return cls(batch_size=batch_size or config.micro_batch_size,
-                   max_new_tokens=max_new_tokens or config.max_new_tokens, text_baselines=text_baselines,
-                   precision=config.precision, seed=config.seed, num_latents=config.num_latents,
-                   max_prompt_bytes=config.max_prompt_bytes, max_answer_tokens=config.max_answer_tokens,
-                   pad_multiple=config.pad_multiple, progress=progress, lockstep=lockstep, stop=stop)
-
-
-def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices: range, partners: list[int],
-                   collate: Collator, plan: Plan, device: torch.device) -> list[dict]:
-    """Per-example records of one chunk: NLL sums and target counts, answers, EM and F1, keyed by
-    `{input}_{llm}`."""
-    dataset = PromptDataset(examples)
-    batch = to_device(collate([dataset[i] for i in indices]), device)
-    partner = to_device(collate([dataset[partners[i]] for i in indices]), device)
-    targets = {name: answer_ids(batch["answers"][name]) for name in llms}
-    golds = [examples[i]["answers"]["text"] for i in indices]
-    records = [{"index": i, "nll_sum": {}, "tokens": {}, "first_token": {}, "em": {}, "f1": {}, "answer": {}}
-               for i in indices]
-
-    z = model.wire(batch["bytes"], batch["byte_mask"])
-    wires = {"wire": z, "zeroed": torch.zeros_like(z), "shuffled": model.wire(partner["bytes"], partner["byte_mask"]),
-             **{p: payload_roundtrip(z, p) for p in payload_controls(plan.precision)}}
-    for key, wire in wires.items():
-        prompts = {name: wire_prompts(llm, model.adapters[name](wire), batch["answers"][name]["lead_ids"])
-                   for name, llm in llms.items()}
-        add_nll(records, key, llms, prompts, targets)
-        if key == "wire":
-            add_answers(records, key, llms, prompts, golds, plan)
-
-    if plan.text_baselines:
-        chunk = [examples[i] for i in indices]
-        for key, cut in (("text", None), ("text_cut", plan.num_latents)):
-            prompts = {name: text_prompts(llm, chunk, cut) for name, llm in llms.items()}
-            add_nll(records, key, llms, prompts, targets)
-            add_answers(records, key, llms, prompts, golds, plan)
-    return records
-
-
-def add_nll(records: list[dict], key: str, llms: dict, prompts: dict, targets: dict) -> None:
-    for name, llm in llms.items():
-        sums, counts, first_hits = continuation_nll(llm, prompts[name], targets[name])
-        for record, s, c, hit in zip(records, sums, counts, first_hits, strict=True):
-            record["nll_sum"][f"{key}_{name}"], record["tokens"][f"{key}_{name}"] = s, c
-            record["first_token"][f"{key}_{name}"] = float(hit)
-
-
-def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]], plan: Plan) -> None:
-    answers = {name: [decode_answer(llm.tokenizer, ids) for ids in
-                      greedy_generate(llm, prompts[name], plan.max_new_tokens, stop_together=plan.lockstep)]
-               for name, llm in llms.items()}
-    answers["joint"] = joint_pick(llms, prompts, answers)
-    for who, texts in answers.items():
-        for record, text, gold in zip(records, texts, golds, strict=True):
-            em, f1 = best_em_f1(text, gold)
-            record["answer"][f"{key}_{who}"] = text
-            record["em"][f"{key}_{who}"], record["f1"][f"{key}_{who}"] = em, f1
-
-
-# --- all examples, sharded over ranks ---------------------------------------------------------
-
-def rank_chunks(n: int, batch_size: int, rank: int, world: int) -> list[range]:
-    """Chunks of consecutive examples dealt round-robin: a chunk's padding and batch mates are the
-    same for any number of ranks, so each example's result is too."""
-    return [range(s, min(s + batch_size, n)) for s in range(0, n, batch_size)][rank::world]
-
-
-def gather_records(local: list[dict], world: int) -> list[dict]:
-    """Every rank's records on every rank, in example order (`world` ranks share the examples)."""
-    if world == 1:
-        return local
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    return sorted((r for part in parts for r in part), key=lambda r: r["index"])
-
-
-def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], plan: Plan, device: torch.device,
-                      rank: int, world: int) -> list[dict] | None:
-    """Per-example records of all `examples`, on every rank, or None when `plan.stop` stopped it. A
-    collective when distributed."""
-    collate = Collator.for_llms(llms, plan.max_prompt_bytes, plan.max_answer_tokens, plan.pad_multiple)
-    partners = cyclic_derangement(len(examples), plan.seed)
-    amp_dtype = AMP_DTYPES[plan.precision]
-    was_training = model.training
-    model.eval()  # no dropout: the wire is what the trained encoder writes, deterministically
-    try:
-        with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            chunks, local = rank_chunks(len(examples), plan.batch_size, rank, world), []
-            most = rank_chunks(len(examples), plan.batch_size, 0, world)  # rank 0 is dealt the most
-            for i in range(len(most)):
-                if plan.stop and plan.stop():
-                    return None
-                if i >= len(chunks) and not plan.lockstep:
-                    continue  # this rank's share is done; it still answers stop() with the others
-                chunk = chunks[i] if i < len(chunks) else most[0]  # lockstep: a chunk run again, dropped
-                records = evaluate_chunk(model, llms, examples, chunk, partners, collate, plan, device)
-                local += records if i < len(chunks) else []
-                if plan.progress:
-                    plan.progress(len(local), sum(map(len, chunks)))
-    finally:
-        model.train(was_training)
-    return gather_records(local, world)
-
-
-def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], plan: Plan, device: torch.device,
-                  rank: int, world: int) -> dict[str, float] | None:
-    """The periodic evaluation of train.py: the wire's answers (EM/F1 per LLM and joint) and answer
-    NLL, with the controls of `wire_controls`; flat `eval_*` scalars, equal on every rank, or None
-    when `plan.stop` stopped it. A collective: every rank calls it. Pass the bare model, not its
-    DDP wrapper."""
-    records = evaluate_examples(model, llms, examples, plan, device, rank, world)
-    return None if records is None else {f"eval_{k}": v for k, v in summarize(records).items()}
 
 
 # --- loading a checkpoint ---------------------------------------------------------------------
@@ -350,7 +168,7 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     if sharded and di.is_main:
         print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr, flush=True)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
-    plan = Plan.of(cfg, text_baselines=True, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+    plan = EvalSettings.of(cfg, text_baselines=True, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                    progress=report_progress(di.world_size) if di.is_main else None, lockstep=sharded)
     records = evaluate_examples(model, llms, examples, plan, di.device, di.rank, di.world_size)
     if not di.is_main:

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from .config import Parser, positive
 from .data import IGNORE_INDEX, answer_text, answer_token_ids, load_examples, synthetic_examples
 from .errors import main_guard
-from .generation import decode_answer, greedy_generate, text_prompt_ids, text_prompts
+from .eval.generation import decode_answer, greedy_generate, text_prompt_ids, text_prompts
 from .llm import LLM_NAMES, FrozenLLM
 from .llm_sources import TINY_READERS, tiny_model, tiny_tokenizer
 from .prompting import PromptContract
-from .squad_metrics import best_em_f1
+from .eval.squad_metrics import best_em_f1
 
 # Disjoint from the seeds the wire's runs draw their examples from (config seeds are small).
 PRETRAIN_SEED = 7_000_001

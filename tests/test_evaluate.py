@@ -7,16 +7,18 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, evaluate_cli, ok, read_metrics, run_module, run_train
-from latentwire import evaluate as ev
-from latentwire import generation as gen
-from latentwire import report as reporting
+from latentwire import evaluate as command
+from latentwire.eval import evaluation as ev
+from latentwire.eval import generation as gen
+from latentwire.eval import report as reporting
+from latentwire.eval.settings import EvalSettings
 from latentwire.config import load_config
 from latentwire.data import ATTRIBUTES, Collator, PromptDataset, answer_text, load_examples, synthetic_examples
 from latentwire.llm import LLM_NAMES, apply_activation_checkpointing, load_frozen_llm
 from latentwire.model import WireConfig, WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 from latentwire.precision import AMP_DTYPES
-from latentwire.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
+from latentwire.eval.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
 
 CPU = torch.device("cpu")
 
@@ -137,7 +139,7 @@ def test_no_attention_query_of_an_evaluation_sees_no_key(cfg, llms, monkeypatch)
     monkeypatch.setattr(F, "scaled_dot_product_attention", checking_sdpa)
     examples = synthetic_examples(6, seed=12)
     assert len({len(gen.text_prompt_ids(llms["llama"], ex, None)) for ex in examples}) > 1  # really left-padded
-    plan = ev.Plan.of(cfg, text_baselines=True, batch_size=6, max_new_tokens=3)
+    plan = EvalSettings.of(cfg, text_baselines=True, batch_size=6, max_new_tokens=3)
     ev.evaluate_examples(wire_encoder(cfg, llms), llms, examples, plan, CPU, rank=0, world=1)
     assert rows_seen[0] > 0 and keyless_rows[0] == 0
 
@@ -178,7 +180,7 @@ def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
     """Same BOS/EOS handling as training: summed answer NLL and target counts equal the loop's."""
     examples = synthetic_examples(12, seed=8)
     model = wire_encoder(cfg, llms)
-    plan = ev.Plan.of(cfg, text_baselines=False, batch_size=5, max_new_tokens=2)
+    plan = EvalSettings.of(cfg, text_baselines=False, batch_size=5, max_new_tokens=2)
     records = ev.evaluate_examples(model, llms, examples, plan, CPU, rank=0, world=1)
     batch = collate(cfg, llms, examples)
     with torch.no_grad():
@@ -194,7 +196,7 @@ def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
                        "--max-new-tokens", "3"])
     model = wire_encoder(cfg, llms).train()
     examples = synthetic_examples(6, seed=9)
-    plan = ev.Plan.of(cfg, text_baselines=False)
+    plan = EvalSettings.of(cfg, text_baselines=False)
     first = ev.evaluate_wire(model, llms, examples, plan, CPU, rank=0, world=1)
     assert model.training
     # With dropout 0.5 active, two passes would differ; in eval mode they are identical.
@@ -212,7 +214,7 @@ def test_activation_checkpointed_llms_evaluate_alike(cfg):
     for llm in wrapped.values():
         apply_activation_checkpointing(llm)
     examples = synthetic_examples(4, seed=10)
-    plan = ev.Plan.of(cfg, text_baselines=False)
+    plan = EvalSettings.of(cfg, text_baselines=False)
     expected = ev.evaluate_wire(wire_encoder(cfg, plain), plain, examples, plan, CPU, 0, 1)
     assert ev.evaluate_wire(wire_encoder(cfg, wrapped), wrapped, examples, plan, CPU, 0, 1) == pytest.approx(expected)
 
@@ -335,12 +337,12 @@ def test_the_trained_wire_carries_information_and_content(default_run):
     by more than noise (the paired difference over 256 held-out examples). And it carries more than
     the kind of answer the question wants: each reader's exact match from the wire beats the best a
     context-free wire could expect, by more than 3 standard errors of that guess."""
-    ckpt = ev.resolve_checkpoint(default_run)
-    cfg, _ = ev.read_meta(ckpt)
+    ckpt = command.resolve_checkpoint(default_run)
+    cfg, _ = command.read_meta(ckpt)
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
-    model = ev.load_wire_encoder(ckpt, cfg, llms, CPU)
+    model = command.load_wire_encoder(ckpt, cfg, llms, CPU)
     examples = load_examples(cfg.dataset, "validation", 256, cfg.seed)
-    plan = ev.Plan.of(cfg, text_baselines=False, batch_size=32)
+    plan = EvalSettings.of(cfg, text_baselines=False, batch_size=32)
     records = ev.evaluate_examples(model, llms, examples, plan, CPU, 0, 1)
     m = reporting.summarize(records)
     guess = context_free_em(examples)

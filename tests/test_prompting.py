@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, run_train
-from latentwire import generation as gen
+from latentwire.eval import generation as gen
 from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.llm import LLM_NAMES, load_frozen_llm
 from latentwire.prompting import PromptContract, PromptFormat

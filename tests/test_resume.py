@@ -121,7 +121,7 @@ def test_a_signal_during_evaluation_drops_it_and_saves_the_step(tmp_path, last):
     out = tmp_path / "run"
     args = [*TWENTY[2], "--eval-every", "2", "--eval-examples", "64", "--micro-batch-size", "4",
             "--out-dir", str(out), *(["--max-steps", "2"] if last else [])]
-    proc = popen_signalled(tmp_path, args, "latentwire.evaluate", "evaluate_chunk", nth=1)
+    proc = popen_signalled(tmp_path, args, "latentwire.eval.evaluation", "evaluate_chunk", nth=1)
     if last:
         assert proc.returncode == 0 and "dropped step 2's evaluation; the run is done" in proc.stderr, proc.stderr
     else:

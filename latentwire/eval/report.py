@@ -6,12 +6,10 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .data import answers_past_cut, prompt_text
+from ..data import answers_past_cut, prompt_text
 
-if TYPE_CHECKING:
-    from .evaluate import Plan
+from .settings import EvalSettings
 
 EXAMPLES_IN_MARKDOWN = 5
 # The wire "carries information" when its answer NLL is below each control's by more than this
@@ -66,7 +64,7 @@ def compression(llms: dict, examples: list[dict], num_latents: int) -> dict:
 
 
 def build_report(ckpt: Path, step, cfg, dataset: str, held_out: str, examples: list[dict], records: list[dict],
-                 llms: dict, plan: Plan, world: int) -> dict:
+                 llms: dict, plan: EvalSettings, world: int) -> dict:
     """`held_out` says where the examples come from (data.DataSources.describe_held_out)."""
     metrics = summarize(records)
     margins = {name: {control: control_margin(records, control, name) for control in ("zeroed", "shuffled")}
