@@ -30,7 +30,6 @@ from latentwire.data import (Collator, DataSources, PromptDataset, ShardSampler,
                              to_device)
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
-from latentwire.elastic import apply_elastic_batch
 from latentwire.eval.evaluation import evaluate_wire
 from latentwire.eval.settings import EvalSettings
 from latentwire.llm import (apply_activation_checkpointing, build_frozen_llms, held_per_rank, load_weights,
@@ -39,6 +38,8 @@ from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireConfig, WireEncoder, count_parameters
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
+from latentwire.planner.elastic import apply_elastic_batch
+from latentwire.planner.memtrace import TrainingStep
 from latentwire.preemption import StopFlag, shield_worker_from_stop_signals
 from latentwire.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic, sdpa_kernels,
                                   use_tf32)
@@ -80,7 +81,7 @@ def train(cfg, di) -> None:
     # global batch; only when no exact split fills the card well does the global batch change,
     # and the lr with it by the profile's lr_scaling rule.
     if cfg.elastic_batch:
-        cfg, why = apply_elastic_batch(cfg, world)
+        cfg, why = apply_elastic_batch(cfg, world, TrainingStep(adamw, train_step))
         if di.is_main:
             print(why, flush=True)
 

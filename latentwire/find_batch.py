@@ -20,7 +20,7 @@ The peak, per device:
   the same on every run (glibc's free lists and page reuse make RSS noisy), so tests can hold it
   to the plan. Kernels' own buffers go through the same allocator and are counted too: on a CPU
   whose oneDNN runs bf16 matmuls, its copy of each LLM head's weight per sample, which the plan's
-  trace does not see (`latentwire.memtrace`). Nothing enforces a cap while a CPU step runs (Linux
+  trace does not see (`latentwire.planner.memtrace`). Nothing enforces a cap while a CPU step runs (Linux
   would overcommit, then kill the process), so a trial over the cap raises `torch.OutOfMemoryError`
   once its steps are done; an allocation the CPU allocator refuses (a RuntimeError) becomes the
   same error.
@@ -43,14 +43,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .budget import GIB, Fit, fit_line
 from .config import Parser, check_can_create, load_config, positive
 from .errors import UserError, main_guard
 from .distributed import process_group
 from .llm import apply_activation_checkpointing, load_frozen_llms
-from .memtrace import make_optimizer, optimizer_step, planning_batch
 from .model import WireConfig, WireEncoder
-from .plan import write_json
+from .plan import TRAINING_STEP, write_json
+from .planner.budget import GIB, Fit, fit_line
+from .planner.memtrace import planning_batch
 from .precision import cuda_capability, frozen_weight_dtype, sdpa_kernels
 
 PROG = "python -m latentwire.find_batch"
@@ -154,10 +154,10 @@ class Probe:
         torch.manual_seed(self.cfg.seed)
         model = WireEncoder.for_llms(WireConfig.of(self.cfg), self.llms)
         model.to(self.device).train()
-        optimizer = make_optimizer(self.cfg, model, self.device.type)
+        optimizer = TRAINING_STEP.optimizer(self.cfg, model, self.device.type)
         batch = planning_batch(self.cfg, self.answers, micro_batch, self.device)
         for _ in range(self.steps):
-            optimizer_step(self.cfg, model, self.llms, optimizer, batch, self.attention_kernels)
+            TRAINING_STEP.run(self.cfg, model, self.llms, optimizer, batch, self.attention_kernels)
 
 
 def free_memory(device: torch.device) -> None:

@@ -7,18 +7,19 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from latentwire.analytic import optimizer_state_bytes, static_memory
-from latentwire.budget import GIB, Fit, budget_for, fit_line, largest_fitting
+from latentwire.planner.analytic import optimizer_state_bytes, static_memory
+from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
 from latentwire.config import load_config
 from latentwire.errors import UserError, main_guard
 from latentwire.data import Collator, IGNORE_INDEX, PromptDataset
-from latentwire.elastic import elastic_batch, scaled_lr
+from latentwire.planner.elastic import elastic_batch, scaled_lr
 from latentwire.find_batch import Probe
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
 from latentwire.llm_sources import llm_spec
 from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
-from latentwire.memtrace import FrozenAwareMemTracker, StepTracer, fake_llms, planning_batch
-from latentwire.plan import main as plan_main, make_plan, planned_rows
+from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, fake_llms, planning_batch
+from latentwire.plan import TRAINING_STEP, main as plan_main
+from latentwire.planner.memory_plan import make_plan, planned_rows
 from latentwire.precision import frozen_weight_dtype
 
 from conftest import assert_one_line_error, ok, run_module
@@ -38,12 +39,12 @@ def specs_and_answers(cfg):
 def traced_peak(cfg, micro_batch: int) -> int:
     specs, answers = specs_and_answers(cfg)
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
-        return StepTracer(cfg, fake_llms(cfg, specs), answers).trace(micro_batch, steps=2).peak["total"]
+        return StepTracer(cfg, fake_llms(cfg, specs), answers, TRAINING_STEP).trace(micro_batch, steps=2).peak["total"]
 
 
 @pytest.fixture(scope="module")
 def cpu_plan():
-    return make_plan(load_config(["--profile", "cpu"]))
+    return make_plan(load_config(["--profile", "cpu"]), 1, TRAINING_STEP)
 
 
 # --- exact configurations -------------------------------------------------------------------
@@ -65,7 +66,7 @@ def test_shipped_configurations_have_the_published_parameter_counts():
 def test_the_sharded_70b_pair_holds_an_eighth_per_gpu():
     """h100x8-70b: FSDP2 shards over its 8 GPUs; the largest unit gathered whole is Qwen2.5-72B's
     root (its head, 152064 x 8192, and the final norm's 8192, in bf16), two of them at once."""
-    from latentwire.plan import fsdp_frozen_memory
+    from latentwire.planner.memory_plan import fsdp_frozen_memory
 
     cfg = load_config(["--profile", "h100x8-70b"])
     specs, _ = specs_and_answers(cfg)
@@ -200,7 +201,7 @@ def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
                        "--max-prompt-bytes", "8192"])
     specs, answers = specs_and_answers(cfg)
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
-        tracer = StepTracer(cfg, fake_llms(cfg, specs), answers)
+        tracer = StepTracer(cfg, fake_llms(cfg, specs), answers, TRAINING_STEP)
         small, large = tracer.trace(2, steps=2), tracer.trace(4, steps=1)
     per_sample = (large.peak["total"] - small.peak["total"]) / 2
     one_layer_of_bf16_scores = cfg.encoder_heads * (8192 // cfg.patch_bytes) ** 2 * 2
@@ -218,7 +219,7 @@ def test_a_cuda_trace_with_distillation_runs_the_teacher_and_holds_more():
 def test_cuda_sdpa_repeats_grouped_heads_under_a_mask_as_cuda_does():
     """Masked grouped-query attention (transformers versions that pass enable_gqa with a mask):
     the CUDA kernels have no grouped form, so the K/V heads are repeated to the query's."""
-    from latentwire.memtrace import cuda_sdpa
+    from latentwire.planner.memtrace import cuda_sdpa
 
     with FakeTensorMode():
         q, kv = torch.empty(2, 4, 8, 16), torch.empty(2, 2, 8, 16)  # the plan traces CUDA on CPU fake tensors

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from latentwire.config import load_config
-from latentwire.plan import make_plan
+from latentwire.plan import TRAINING_STEP
+from latentwire.planner.memory_plan import make_plan
 
 from conftest import REPO
 
@@ -34,7 +35,7 @@ def test_a_gpu_profile_fits_its_card_by_the_plan_and_a_single_card_one_fills_it(
     The answer is interpolated: the plan's second trace lands next to it (FSDP's all-gathered units
     do not grow with the batch, and once counted as if they did, sent it to half the answer)."""
     cfg = load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)])
-    plan = make_plan(cfg, cfg.num_gpus)
+    plan = make_plan(cfg, cfg.num_gpus, TRAINING_STEP)
     best = plan.max_micro_batch
     assert max(t.micro_batch for t in plan.traces) >= 0.9 * best
     micro, accum = cfg.micro_batch_size, cfg.grad_accum_steps

@@ -9,7 +9,7 @@ Bytes per parameter, by role:
   fp32 gradients, 4 bytes, plus the optimizer's state (`OPTIMIZERS`).
 - under DDP every GPU holds all of the above (it is replicated, not sharded: more GPUs do not
   divide it), plus DDP's gradient buckets, 4 bytes per trainable parameter, which
-  `latentwire.budget` reserves with NCCL's buffers. train.py keeps the gradients inside those
+  `latentwire.planner.budget` reserves with NCCL's buffers. train.py keeps the gradients inside those
   buckets (gradient_as_bucket_view), so under DDP this static count holds them twice: it errs
   high by 4 bytes per trainable parameter (0.37 GiB for 100M).
 Activations are not here: they depend on the batch, and `latentwire.plan` traces them.
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from .budget import GIB, GRAD_BYTES
-from .precision import AMP_DTYPES
+from ..precision import AMP_DTYPES
 
 GB = 10 ** 9
 STEP_BYTES = 4  # torch keeps an optimizer step count per tensor as an fp32 scalar tensor

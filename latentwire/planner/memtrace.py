@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable
 from unittest import mock
 
 import torch
@@ -26,12 +27,12 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.utils._pytree import tree_leaves
 
-from .data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, round_up
-from .attention import causal_attention
-from .llm import FrozenLLM, apply_activation_checkpointing, freeze
-from .model import WireConfig, WireEncoder
-from .objectives import Objectives, forward_loss_sums, target_counts
-from .precision import AMP_DTYPES, frozen_weight_dtype
+from ..data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, round_up
+from ..attention import causal_attention
+from ..llm import FrozenLLM, apply_activation_checkpointing, freeze
+from ..model import WireConfig, WireEncoder
+from ..objectives import Objectives, forward_loss_sums, target_counts
+from ..precision import AMP_DTYPES, frozen_weight_dtype
 
 CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
             _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
@@ -40,26 +41,29 @@ CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _Mem
 
 # --- the step ---------------------------------------------------------------------------------
 
-# train.py's own optimizer and step, from the script beside this package: what is planned and
-# measured is what trains.
+@dataclass(frozen=True)
+class TrainingStep:
+    """train.py's `adamw` and `train_step`, handed in by whoever plans (train.py for --elastic-batch,
+    the commands import them from it): what is planned and measured is what trains, and the
+    planner never imports the script that uses it."""
+    adamw: Callable
+    train_step: Callable
 
-def make_optimizer(cfg, model: torch.nn.Module, device_type: str) -> torch.optim.Optimizer:
-    from train import adamw
-    return adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                 device_type=device_type, eps=cfg.adam_eps)
+    def optimizer(self, cfg, model: torch.nn.Module, device_type: str) -> torch.optim.Optimizer:
+        return self.adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                          device_type=device_type, eps=cfg.adam_eps)
 
-
-def optimizer_step(cfg, model, llms: dict, optimizer, batch: dict, attention_kernels=nullcontext) -> None:
-    """One micro-batch through train.py's `train_step`, then the update (no GradScaler: its fp16
-    loss scaling costs a few scalars)."""
-    from train import train_step
-    objectives = Objectives.of(cfg)
-    scaler = torch.amp.GradScaler(batch["bytes"].device.type, enabled=False)
-    train_step(model, llms, [batch], n_targets=target_counts(batch, objectives).float(), objectives=objectives,
-               forward=forward_loss_sums, amp_dtype=AMP_DTYPES[cfg.precision], attention_kernels=attention_kernels,
-               scaler=scaler, optimizer=optimizer, max_grad_norm=cfg.max_grad_norm, world_size=1, no_sync=nullcontext)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    def run(self, cfg, model, llms: dict, optimizer, batch: dict, attention_kernels=nullcontext) -> None:
+        """One micro-batch through `train_step`, then the update (no GradScaler: its fp16 loss
+        scaling costs a few scalars)."""
+        objectives = Objectives.of(cfg)
+        scaler = torch.amp.GradScaler(batch["bytes"].device.type, enabled=False)
+        self.train_step(model, llms, [batch], n_targets=target_counts(batch, objectives).float(), objectives=objectives,
+                        forward=forward_loss_sums, amp_dtype=AMP_DTYPES[cfg.precision],
+                        attention_kernels=attention_kernels, scaler=scaler, optimizer=optimizer,
+                        max_grad_norm=cfg.max_grad_norm, world_size=1, no_sync=nullcontext)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def planning_batch(cfg, answers: dict[str, tuple[int, int, int]], micro_batch: int,
@@ -215,11 +219,11 @@ class StepTracer:
     so one step is already the steady state.
     """
 
-    def __init__(self, cfg, llms: dict[str, FrozenLLM], answers: dict[str, tuple[int, int, int]]):
-        self.cfg, self.llms, self.answers = cfg, llms, answers
+    def __init__(self, cfg, llms: dict[str, FrozenLLM], answers: dict[str, tuple[int, int, int]], step: TrainingStep):
+        self.cfg, self.llms, self.answers, self.step = cfg, llms, answers, step
         # The adapters' output scale (the LLMs' embedding RMS) changes values, not memory.
         self.model = WireEncoder(WireConfig.of(cfg), {name: (llm.hidden_size, 1.0) for name, llm in llms.items()})
-        self.optimizer = make_optimizer(cfg, self.model, cfg.device)
+        self.optimizer = step.optimizer(cfg, self.model, cfg.device)
 
     def trace(self, micro_batch: int, steps: int) -> StepTrace:
         batch = planning_batch(self.cfg, self.answers, micro_batch)
@@ -235,7 +239,7 @@ class StepTracer:
         attention = cuda_attention() if self.cfg.device == "cuda" else nullcontext()
         with tracker, attention:
             for _ in range(steps):
-                optimizer_step(self.cfg, self.model, self.llms, self.optimizer, batch)
+                self.step.run(self.cfg, self.model, self.llms, self.optimizer, batch)
                 tracker.reset_mod_stats()
         for hook in hooks:
             hook.remove()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .errors import UserError
+from ..errors import UserError
+from .memory_plan import plan_max_micro_batch
+from .memtrace import TrainingStep
 
 # An exact split may take up to this many times the fewest micro-steps per optimizer step (its
 # micro-batches are then at least about half of what fits, which still keeps a large GPU busy);
@@ -51,10 +53,9 @@ def elastic_batch(cfg, world_size: int, plan_max_micro_batch: int) -> tuple[int,
         f"lr {cfg.lr:.3g} -> {lr:.3g} by the {cfg.lr_scaling} rule")
 
 
-def apply_elastic_batch(cfg, world_size: int):
-    """The configuration with micro-batch, accumulation and lr from the memory plan, and why."""
-    from .plan import plan_max_micro_batch
-
-    micro, accum, lr, message = elastic_batch(cfg, world_size, plan_max_micro_batch(cfg, world_size))
+def apply_elastic_batch(cfg, world_size: int, step: TrainingStep):
+    """The configuration with micro-batch, accumulation and lr from the memory plan of `step`
+    (train.py's), and why."""
+    micro, accum, lr, message = elastic_batch(cfg, world_size, plan_max_micro_batch(cfg, world_size, step))
     values = {**cfg.values, "micro_batch_size": micro, "grad_accum_steps": accum, "lr": lr}
     return dataclasses.replace(cfg, values=values), message

@@ -1,0 +1,176 @@
+"""The traced memory plan: the profile's exact configuration built and stepped under FakeTensorMode
++ MemTracker (`memtrace`), twice, a line fitted through the two peaks, and the largest micro-batch
+whose peak with the reserve of `budget` fits the card. What `python -m latentwire.plan` prints and
+what --elastic-batch takes its micro-batch from.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..known_llms import llm_parameter_count
+from ..llm import LLM_NAMES, fsdp_units
+from ..llm_sources import LLMSpec, llm_spec
+from ..model import WireConfig, WireEncoder
+from .analytic import StaticMemory, static_memory
+from .budget import Budget, Fit, budget_for, fit_line, largest_fitting
+from .memtrace import StepTrace, StepTracer, TrainingStep, fake_llms
+
+@dataclass(frozen=True)
+class Plan:
+    cfg: object
+    world_size: int
+    specs: dict[str, LLMSpec]
+    frozen_params: dict[str, int]       # per LLM, counted on the traced model
+    params_frozen_bytes: int            # what one rank holds: a shard of each LLM under fsdp
+    gathered_bytes: int                 # fsdp: the all-gathered units whole at once (0 unsharded)
+    params_trainable_bytes: int
+    traces: tuple[StepTrace, ...]
+    fit: Fit
+    budget: Budget
+    max_micro_batch: int
+    analytic: StaticMemory
+    seconds: float
+
+    @property
+    def sharding(self) -> str:
+        """How the plan holds the frozen LLMs: sharded only where there is more than one rank."""
+        return "fsdp" if self.gathered_bytes else "none"
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params_frozen_bytes + self.params_trainable_bytes
+
+    @property
+    def gradients(self) -> int:
+        return self.traces[-1].gradients
+
+    @property
+    def optimizer(self) -> int:
+        return self.traces[-1].optimizer
+
+    def to_json(self) -> dict:
+        cfg = self.cfg
+        return {
+            "profile": cfg.run.profile, "world_size": self.world_size, "device": cfg.device,
+            "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+            "frozen_sharding": self.sharding, "fsdp_gathered_bytes": self.gathered_bytes,
+            "llms": {name: {"source": spec.source, "config_from": spec.origin, "params": self.frozen_params[name]}
+                     for name, spec in self.specs.items()},
+            "params_frozen_bytes": self.params_frozen_bytes,
+            "params_trainable_bytes": self.params_trainable_bytes,
+            "grads_bytes": self.gradients,
+            "optimizer_bytes": self.optimizer,
+            "activation_bytes_per_sample": self.fit.per_sample,
+            "fixed_bytes": self.fit.fixed,
+            "fit_r2": self.fit.r2,
+            "peak_bytes": {str(t.micro_batch): t.peak["total"] for t in self.traces},
+            "peak_breakdown_bytes": {str(t.micro_batch): t.peak for t in self.traces},
+            "max_micro_batch": self.max_micro_batch,
+            "card_bytes": self.budget.card_bytes,
+            "target_util": self.budget.target_util,
+            "reserve": {"cuda_context_bytes": self.budget.cuda_context, "nccl_bytes": self.budget.nccl,
+                        "ddp_bucket_bytes": self.budget.ddp_buckets,
+                        "fragmentation_of_non_weight_memory": self.budget.fragmentation},
+            "allowed_peak_bytes": self.budget.allowed_peak(self.weight_bytes),
+            "analytic": self.analytic.to_json(),
+            "seconds": self.seconds,
+        }
+
+
+# --- the traced plan --------------------------------------------------------------------------
+
+def trainable_shapes(cfg, specs: dict[str, LLMSpec]) -> list[tuple[int, ...]]:
+    """The shapes of the encoder's and adapters' parameters (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = WireEncoder(WireConfig.of(cfg), {name: (spec.config.hidden_size, 1.0) for name, spec in specs.items()})
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def next_micro_batch(first: StepTrace, budget: Budget, weight_bytes: int) -> int:
+    """Where to trace the second time: at the micro-batch the first trace points to, so the line is
+    fitted around the answer instead of extrapolated to it. The persistent bytes (parameters,
+    buffers, optimizer state, FSDP's all-gathered units) do not grow with the batch; the rest of
+    the peak does."""
+    persistent = first.peak["parameters"] + first.peak["buffers"] + first.peak.get("gathered", 0) + first.optimizer
+    per_sample = (first.peak["total"] - persistent) / first.micro_batch
+    guess = max(math.floor((budget.allowed_peak(weight_bytes) - persistent) / per_sample), 1)
+    return guess if guess != first.micro_batch else 2 * first.micro_batch
+
+
+def fsdp_frozen_memory(llms: dict, world_size: int) -> tuple[int, int]:
+    """(frozen bytes one rank holds, bytes all-gathered at once) under train.py's fully_shard of
+    `llm.fsdp_units`, every parameter split on its first dimension, padded to a multiple of the
+    world size (anything left to the root counts as one more unit). A unit is whole from its
+    forward (or backward) to the end of it, and FSDP gathers the next one meanwhile: at most two of
+    the largest at once. Computed, not traced: the trace runs the unsharded step, and this replaces
+    its frozen weights."""
+    def held(p) -> int:
+        return math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0]) * p.element_size()
+
+    units = []
+    for llm in llms.values():
+        modules = [unit if isinstance(unit, list) else [unit] for unit in fsdp_units(llm)]
+        units += [[p for m in unit for p in m.parameters()] for unit in modules]
+        in_units = {id(p) for unit in units for p in unit}
+        units.append([p for p in llm.model.parameters() if id(p) not in in_units])
+    largest = max(sum(p.numel() * p.element_size() for p in unit) for unit in units)
+    return sum(held(p) for unit in units for p in unit), 2 * largest
+
+
+def shard_trace(trace: StepTrace, frozen_bytes: int, held_bytes: int, gathered_bytes: int) -> StepTrace:
+    """The traced step with its whole frozen weights replaced by one rank's shards and the
+    all-gathered units (at the peak at most; an upper bound)."""
+    if not gathered_bytes:
+        return trace
+    peak = dict(trace.peak, parameters=trace.peak["parameters"] - frozen_bytes + held_bytes,
+                gathered=gathered_bytes)
+    peak["total"] = trace.peak["total"] - frozen_bytes + held_bytes + gathered_bytes
+    return replace(trace, peak=peak)
+
+
+def planned_rows(anchor_text: str, specs: dict[str, LLMSpec]) -> dict[str, tuple[int, int, int]]:
+    """Each LLM's (lead tokens, tail tokens, vocabulary size) for memtrace.planning_batch. No
+    tokenizer here (a hub model is planned before it is downloaded): the anchor is counted at a
+    token per byte, an upper bound for byte-level BPE; a chat template's framing is not counted."""
+    return {name: (int(spec.has_bos), len(anchor_text.encode()), spec.config.vocab_size)
+            for name, spec in specs.items()}
+
+
+def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
+    """Trace the profile `cfg` at its micro-batch size and at the one the first trace predicts."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    start = time.perf_counter()
+    specs = {name: llm_spec(name, getattr(cfg, name)) for name in LLM_NAMES}
+    answers = planned_rows(cfg.anchor_text, specs)
+    shapes = trainable_shapes(cfg, specs)
+    budget = budget_for(cfg.device, cfg.memory_gb, cfg.target_util, world_size, sum(math.prod(s) for s in shapes))
+    sharded = cfg.frozen_sharding == "fsdp" and world_size > 1
+    # fork_rng: building and stepping fake models must not move the caller's random stream
+    # (train.py plans before it seeds and builds its real models).
+    with torch.random.fork_rng(devices=[]), FakeTensorMode():
+        llms = fake_llms(cfg, specs)
+        frozen_params = {name: sum(p.numel() for p in llm.model.parameters()) for name, llm in llms.items()}
+        frozen_bytes = sum(p.numel() * p.element_size() for llm in llms.values() for p in llm.model.parameters())
+        held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
+        tracer = StepTracer(cfg, llms, answers, step)
+        first = shard_trace(tracer.trace(cfg.micro_batch_size, steps=2), frozen_bytes, held, gathered)
+        trainable_bytes = first.peak["parameters"] - held
+        second = tracer.trace(next_micro_batch(first, budget, held + trainable_bytes), steps=1)
+        second = shard_trace(second, frozen_bytes, held, gathered)
+    traces = tuple(sorted((first, second), key=lambda t: t.micro_batch))
+    fit = fit_line({t.micro_batch: t.peak["total"] for t in traces})
+    total_params = sum(llm_parameter_count(spec.config) for spec in specs.values())
+    analytic = static_memory(math.ceil(total_params / world_size) if sharded else total_params, shapes,
+                             cfg.precision, "adamw")
+    return Plan(cfg, world_size, specs, frozen_params, held, gathered, trainable_bytes, traces, fit, budget,
+                largest_fitting(fit, budget, held + trainable_bytes), analytic, time.perf_counter() - start)
+
+
+def plan_max_micro_batch(cfg, world_size: int, step: TrainingStep) -> int:
+    """The largest micro-batch per rank that fits the profile's card: what elastic batch uses."""
+    return make_plan(cfg, world_size, step).max_micro_batch

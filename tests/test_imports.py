@@ -1,0 +1,86 @@
+"""The package's shape, read from its imports (every one: top-level, inside functions, under
+TYPE_CHECKING): no module reaches itself again through its imports, and the arrows run one way,
+from the entry points (train.py and the `python -m` commands) through the tools (the memory
+planner, the evaluation) to the library, never back."""
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+# What users run: each may import anything below it, and the commands import train.py's step.
+ENTRY_POINTS = {"train", "latentwire.evaluate", "latentwire.plan", "latentwire.find_batch", "latentwire.readers",
+                "latentwire.launch"}
+# Tools above the library: train.py and the commands use them; the library never does.
+TOOL_PACKAGES = ("latentwire.planner", "latentwire.eval")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in [REPO / "train.py", *sorted((REPO / "latentwire").rglob("*.py"))]}
+
+
+def imported(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` that `name` imports (`from .x import y` counts x, and x.y if y is one)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imported(name, path, set(found)) for name, path in found.items()}
+
+
+def is_tool(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in TOOL_PACKAGES)
+
+
+def test_the_graph_is_read_from_every_kind_of_import():
+    graph = import_graph()
+    assert "latentwire.config" in graph["train"] and "latentwire.errors" in graph["latentwire.config"]
+    assert {"latentwire.planner", "latentwire.eval", "latentwire.llm_sources"} <= graph.keys()
+
+
+def test_no_module_imports_itself_round_a_circle():
+    graph, circles = import_graph(), []
+
+    def visit(node, path):
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(node)
+
+    done = set()
+    for start in sorted(graph):
+        if start not in done:
+            visit(start, [start])
+    assert not circles, circles
+
+
+def test_the_library_imports_no_tool_and_no_tool_an_entry_point():
+    graph = import_graph()
+    wrong = []
+    for name, targets in graph.items():
+        if name in ENTRY_POINTS:
+            continue
+        for target in targets:
+            if target in ENTRY_POINTS or (is_tool(target) and not is_tool(name)):
+                wrong.append(f"{name} -> {target}")
+    assert not wrong, wrong
