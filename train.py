@@ -19,21 +19,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.attention import sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from latentwire.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
-from latentwire.compiling import stable_shapes, step_regions
+from latentwire.compiling import stable_shapes, wire_regions
 from latentwire.config import check_can_create, load_config
 from latentwire.data import (Collator, DataSources, PromptDataset, ShardSampler, TrainingSet, describe_data, same_data,
                              to_device)
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
-from latentwire.distributed import all_reduce_sum, ddp_buffer_options, process_group
+from latentwire.distributed import all_reduce_sum, ddp_buffer_options, group_options, leave_together, torchrun_rank
 from latentwire.eval.evaluation import evaluate_wire
 from latentwire.eval.settings import EvalSettings
-from latentwire.llm import (apply_activation_checkpointing, build_frozen_llms, held_per_rank, load_weights,
-                            shard_frozen_llm)
+from latentwire.llm import (build_frozen_llms, fsdp_units, held_per_rank, is_decoder_layer, read_weights,
+                            skip_unused_backward_gathers)
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireConfig, WireEncoder, count_parameters
@@ -41,17 +45,25 @@ from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 from latentwire.planner.elastic import apply_elastic_batch
 from latentwire.planner.memtrace import TrainingStep
 from latentwire.preemption import StopFlag, shield_worker_from_stop_signals
-from latentwire.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic, sdpa_kernels,
+from latentwire.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic, sdpa_backends,
                                   use_tf32)
-from latentwire.profiling import MemorySnapshots, ProfilerConfig, make_profiler
+from latentwire.profiling import HISTORY_ENTRIES, MemorySnapshots, NoProfiler, ProfilerConfig, profiler_options
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
+    # --- Process group: one rank per process torchrun starts ---------------------------------
+    # NCCL on CUDA, gloo on CPU, with an explicit timeout so a dead rank fails the job instead of
+    # hanging it (group_options). Plain `python train.py` is a world of one, without a group.
+    di = torchrun_rank(cfg.device)
+    if di.launched:
+        if di.device.type == "cuda":
+            torch.cuda.set_device(di.device)
+        dist.init_process_group(**group_options(di.device, cfg.dist_timeout_s))
     # Out of memory outside the loop (loading the LLMs, DDP's buckets, the last save) is one line
     # and exit 5 too; the loop's own report below also names the micro-batch and the snapshot.
-    with process_group(cfg.device, cfg.dist_timeout_s) as dist_info, out_of_memory_report(cfg.run.profile):
-        train(cfg, dist_info)
+    with leave_together(), out_of_memory_report(cfg.run.profile):
+        train(cfg, di)
 
 
 def train(cfg, di) -> None:
@@ -106,48 +118,66 @@ def train(cfg, di) -> None:
     if tf32:
         torch.set_float32_matmul_precision("high")
 
-    # --- Frozen LLMs, stored in the autocast dtype, built on the meta device ------------------
-    # No gradients and no optimizer state means no fp32 master copy is needed: bf16 weights take
-    # 16 GB instead of 32 GB for an 8B model. Built on the meta device (shapes, no memory), they
-    # are wrapped and sharded below and only then allocated and read, each rank its own shards.
-    llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
-
-    # --- Activation checkpointing of the frozen decoder layers -------------------------------
-    # Gradients flow through the frozen LLMs to the wire, so their activations are kept for
-    # backward even though their weights never change; recomputing them costs one more forward.
-    if cfg.activation_checkpointing:
-        for llm in llms.values():
-            apply_activation_checkpointing(llm)
-
-    # --- Frozen LLMs sharded with FSDP2 (--frozen-sharding fsdp) ------------------------------
-    # Replicated, every rank holds both LLMs whole: 31 GB for 8B + 7B in bf16, 287 GB for 70B + 72B.
-    # Sharded, a rank holds 1/world of every frozen weight and a decoder layer is whole only while
-    # it runs: all-gathered for its forward and again for its backward (the wire's gradient passes
-    # through it), freed after each. Frozen weights have no gradients, so there is no
-    # reduce-scatter; the all-gathers are the whole cost. The trainable part stays under DDP.
+    # --- Frozen LLMs: built on the meta device, wrapped, compiled, sharded, then read ---------
+    # Stored in the autocast dtype: no gradients and no optimizer state means no fp32 master copy
+    # (bf16 weights take 16 GB instead of 32 GB for an 8B model). On the meta device a model is
+    # shapes without memory, so each step below costs nothing until to_empty allocates what this
+    # rank holds; torchtitan's order:
+    # - activation checkpointing: gradients flow through the frozen layers to the wire, so their
+    #   activations would be kept for backward; each decoder layer is recomputed instead (one
+    #   more forward). Wrapped before compile, so the recompute is planned inside the layer's graph.
+    # - torch.compile, one decoder layer at a time (see the trainable model's compile below).
+    # - FSDP2 (--frozen-sharding fsdp): replicated, every rank holds both LLMs whole (31 GB for
+    #   8B + 7B in bf16, 287 GB for 70B + 72B); sharded, 1/world of every weight, a decoder layer
+    #   all-gathered only while it runs, for its forward and again for its backward. No gradients,
+    #   so no reduce-scatter. compile and fully_shard commute: module.compile() compiles the
+    #   module's call, whose hooks are looked up as it runs, and FSDP2's hooks run outside dynamo.
+    # - to_empty, then each tensor, or this rank's rows of it, read from the checkpoint's memory map.
     shard_frozen = cfg.frozen_sharding == "fsdp" and di.is_distributed
     if cfg.frozen_sharding == "fsdp" and not shard_frozen and di.is_main:
         print("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
               file=sys.stderr, flush=True)
-    if shard_frozen:
-        mesh = init_device_mesh(device.type, (world,))  # on the GPU: NCCL's all-gathers, not gloo's
-        for llm in llms.values():  # fully_shard each decoder layer, the embedding table, the norm with the head
-            shard_frozen_llm(llm, mesh)
-
-    # --- Frozen weights read into place --------------------------------------------------------
-    # to_empty allocates what this rank holds on the device (under FSDP2, 1/world of each
-    # tensor); each is then read from the checkpoint's memory map, a tensor or a shard at a time.
+    mesh = init_device_mesh(device.type, (world,)) if shard_frozen else None  # NCCL's all-gathers on a GPU
+    with torch.device("meta"):
+        llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
     for llm in llms.values():
-        load_weights(llm, device)
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                           check_fn=is_decoder_layer(llm))
+        if cfg.compile:
+            for layer in llm.model.get_decoder().layers:
+                layer.compile(mode=cfg.compile_mode, dynamic=True)
+        if shard_frozen:
+            for unit in fsdp_units(llm):  # each decoder layer, the embedding table, the norm with the head
+                fully_shard(unit, mesh=mesh)
+            fully_shard(llm.model, mesh=mesh)  # the root, which then holds nothing
+            skip_unused_backward_gathers(llm)
+        llm.model.to_empty(device=device)
+        read_weights(llm)
 
-    # --- Trainable model, wrapped in DDP -----------------------------------------------------
-    # Only the encoder and adapters are DDP's: the frozen LLMs are neither broadcast nor bucketed.
-    # Its only buffers are constants (the LLMs' embedding RMS), equal on every rank, so it need not
-    # re-broadcast them before every forward. The gradients live in DDP's all-reduce buckets
-    # (gradient_as_bucket_view) instead of being copied into them: one copy and one memcpy less.
+    # --- Trainable model: the byte encoder and one adapter per LLM ----------------------------
     wire = WireConfig.of(cfg)
     model = WireEncoder.for_llms(wire, llms).to(device)
     torch.manual_seed(cfg.seed + rank)
+
+    # --- torch.compile, one region at a time --------------------------------------------------
+    # Fuses each decoder layer's (above), encoder block's and the pooler's elementwise ops and norms
+    # into few kernels. Each is compiled on its own, as torchtitan compiles each TransformerBlock:
+    # the layers of one LLM share one graph, so compile time does not grow with depth. Every size is
+    # symbolic (dynamic=True), so varying prompt and answer widths do not recompile;
+    # stable_shapes() adds the dynamo settings that make this hold, patched around each call of
+    # the step because dynamo reads them whenever it traces (docs/performance.md).
+    forward = forward_loss_sums
+    if cfg.compile:
+        for region in wire_regions(model):
+            region.compile(mode=cfg.compile_mode, dynamic=True)
+        forward = stable_shapes()(forward_loss_sums)
+
+    # --- DDP over the trainable part only ------------------------------------------------------
+    # The frozen LLMs are neither broadcast nor bucketed. The model's only buffers are constants
+    # (the LLMs' embedding RMS), equal on every rank, so it need not re-broadcast them before every
+    # forward. The gradients live in DDP's all-reduce buckets (gradient_as_bucket_view) instead of
+    # being copied into them: one copy and one memcpy less.
     ddp_model = model
     if di.is_distributed:
         ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -203,21 +233,6 @@ def train(cfg, di) -> None:
     if di.is_main:
         prepare_out_dir(out_dir, cfg.run)
 
-    # --- torch.compile, one region at a time -------------------------------------------------
-    # Fuses each decoder layer's, encoder block's and the pooler's elementwise ops and norms into
-    # few kernels. Each is compiled on its own, after activation checkpointing wrapped it, as
-    # torchtitan compiles each TransformerBlock: the layers of one LLM share one graph, so compile
-    # time does not grow with depth. Every size is symbolic (dynamic=True), so varying prompt and
-    # answer widths do not recompile; stable_shapes() adds the two dynamo settings that make this
-    # hold (no duck sizing; Python floats as graph constants, which cut the cpu profile's compile
-    # from 67 s to 19 s), patched around each call of the step because dynamo reads them lazily,
-    # whenever it traces, and flipping them for the whole process would leak into the caller's code.
-    forward = forward_loss_sums
-    if cfg.compile:
-        for region in step_regions(model, llms):
-            region.compile(mode=cfg.compile_mode, dynamic=True)
-        forward = stable_shapes()(forward_loss_sums)
-
     # --- Fused attention kernels -------------------------------------------------------------
     # All attention goes through SDPA. On an sm80+ card in bf16/fp16 only flash (the LLMs' causal
     # attention) and memory-efficient (the encoder's padded attention) are allowed, so a silent
@@ -225,12 +240,17 @@ def train(cfg, di) -> None:
     # first on an H100, has returned NaN gradients for masked attention. Older cards and fp32 have
     # no fused kernel for the LLMs' grouped-query attention: there math is allowed last, and the
     # run says so.
-    attention_kernels, why = sdpa_kernels(capability, frozen_weight_dtype(cfg.precision))
+    # train_step enters torch.nn.attention.sdpa_kernel(attention_backends) around each forward.
+    attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.precision))
     if why and di.is_main:
         print(f"note: {why}", file=sys.stderr, flush=True)
 
     # --- Memory snapshot: allocation history on request, and always one on out-of-memory -----
+    # The caching allocator records the stack of every allocation; the snapshot, written at the
+    # end (and on out-of-memory, with or without history), opens at pytorch.org/memory_viz.
     snapshots = MemorySnapshots(cfg.memory_snapshot, device, out_dir, rank)
+    if snapshots.recording:
+        torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
     # MFU against the peak of the arithmetic the matmuls really run in.
     meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, wire).step_flops,
                       peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
@@ -246,10 +266,16 @@ def train(cfg, di) -> None:
     on_disk = state.step if cfg.run.resume else None
     exit_after_save = preempted(stop, state.step, di.is_main) if stop.on_any_rank(device) else None
 
+    # --- Profiler: torch.profiler on the profile's wait / warmup / active schedule ---------------
+    # One trace per rank under out_dir/traces (TensorBoard's profiler plugin and Perfetto read it);
+    # the loop calls profiler.step() after every optimizer step.
+    profiled = ProfilerConfig.of(cfg)
+    profiler = torch.profiler.profile(**profiler_options(profiled, out_dir, rank, device)) if profiled else NoProfiler()
+
     # --- The loop ----------------------------------------------------------------------------
     model.train()
     skipped, bad_in_a_row = 0, 0
-    with make_profiler(ProfilerConfig.of(cfg), out_dir, rank, device) as profiler, \
+    with profiler, \
             out_of_memory_report(cfg.run.profile, cfg.micro_batch_size, snapshots):
         # Preempted or diverged: leave the loop, save, then exit with exit_after_save's code.
         while exit_after_save is None and state.step < cfg.max_steps:
@@ -271,7 +297,7 @@ def train(cfg, di) -> None:
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
             step_terms, grad_norm = train_step(
                 ddp_model, llms, micro_batches, n_targets=n_targets, objectives=objectives, forward=forward,
-                amp_dtype=amp_dtype, attention_kernels=attention_kernels, scaler=scaler, optimizer=optimizer,
+                amp_dtype=amp_dtype, attention_backends=attention_backends, scaler=scaler, optimizer=optimizer,
                 max_grad_norm=cfg.max_grad_norm, world_size=world,
                 no_sync=ddp_model.no_sync if di.is_distributed else nullcontext)
 
@@ -368,7 +394,7 @@ def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tupl
 
 
 def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch.Tensor, objectives: Objectives,
-               forward, amp_dtype: torch.dtype | None, attention_kernels, scaler, optimizer, max_grad_norm: float,
+               forward, amp_dtype: torch.dtype | None, attention_backends: list, scaler, optimizer, max_grad_norm: float,
                world_size: int, no_sync) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over one optimizer step's micro-batches, then clipping. Returns each
     LLM's loss terms over `n_targets` (their counts in the whole global batch, [LLMs, terms]) and
@@ -380,7 +406,7 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
         with nullcontext() if i == len(micro_batches) - 1 else no_sync():
             # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32 --
             with torch.autocast(batch["bytes"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None), \
-                    attention_kernels():
+                    sdpa_kernel(attention_backends):
                 sums = forward(model, llms, batch, objectives)
             # --- Objectives: the answer's cross-entropy, plus the weighted terms that are on ---
             # The KD term's teacher (the LLM reading the prompt's text) ran inside the forward

@@ -24,7 +24,8 @@ layer of both LLMs enters it through the same one, `CheckpointWrapper.forward`; 
 These settings are dynamo configuration read while a region is traced, which is lazy: in the first
 step that reaches it, or a recompile (the limit at each cache miss). So they are patched around
 every call of the step (`stable_shapes`) rather than flipped for the whole process. train.py does
-the compiling itself: `region.compile(mode=..., dynamic=True)` for each of `step_regions`.
+the compiling itself: `region.compile(mode=..., dynamic=True)` for each decoder layer and each of
+`wire_regions`; `step_regions` lists them all (tests and bench/compile.py compile them at once).
 
 Compiled regions serve training calls only. Evaluation (eval mode, no_grad, padded attention, a
 KV cache) would recompile every region, so it runs under torch.compiler.set_stance("force_eager").
@@ -53,9 +54,8 @@ def stable_shapes():
 
     - no duck sizing: each input size gets a symbol of its own (see the module docstring);
     - floats specialised: Python floats (norm eps, attention scale, dropout p) are constants of the
-      graph, not symbolic inputs that dynamo traces around and then specialises anyway. It traces
-      2.4x the calls without it (294 vs 121 for the cpu profile's regions; the whole step compiled
-      in 67 s instead of 19 s).
+      graph, not symbolic inputs that dynamo traces around and then specialises anyway (without
+      it, 2.4x the traced calls and 3.5x the compile time: docs/performance.md).
     - a recompile limit of RECOMPILE_LIMIT, or the process's own if higher.
     """
     import torch.fx.experimental._config as fx_config
@@ -66,13 +66,15 @@ def stable_shapes():
         yield
 
 
+def wire_regions(wire_encoder: nn.Module) -> list[nn.Module]:
+    """The trainable model's regions: each byte-encoder block and the latent pooler (two small
+    rounds, one graph). In-place compilation keeps parameter names (no `_orig_mod.`), so
+    checkpoints do not notice."""
+    return [*wire_encoder.encoder.blocks, wire_encoder.pooler]
+
+
 def step_regions(wire_encoder: nn.Module, llms: dict) -> list[nn.Module]:
-    """The modules train.py compiles, each on its own and in place (`module.compile`): each
-    byte-encoder block, the latent pooler (two small rounds, one graph) and each decoder layer of
-    each frozen LLM. Activation checkpointing must have wrapped the layers first: the wrapper is
-    compiled with the layer, so the recompute is planned inside the graph. In-place compilation keeps
-    parameter names (no `_orig_mod.`), so checkpoints do not notice."""
-    regions = [*wire_encoder.encoder.blocks, wire_encoder.pooler]
-    for llm in llms.values():
-        regions.extend(llm.model.get_decoder().layers)
-    return regions
+    """Every region train.py compiles, each on its own and in place (`module.compile`): the wire's
+    and each decoder layer of each frozen LLM, which activation checkpointing must have wrapped
+    first, so the recompute is planned inside the graph."""
+    return [*wire_regions(wire_encoder), *(layer for llm in llms.values() for layer in llm.model.get_decoder().layers)]

@@ -23,6 +23,7 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    launched: bool  # started by torchrun (RANK in the environment): joins a process group
 
     @property
     def is_main(self) -> bool:
@@ -41,33 +42,33 @@ def select_device(device_type: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def backend_for(device: torch.device) -> str:
-    """NCCL moves CUDA tensors over NVLink/InfiniBand; gloo is the CPU backend."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def init_distributed(device_type: str, timeout_s: int) -> DistInfo:
-    """Join the process group torchrun describes in RANK / LOCAL_RANK / WORLD_SIZE."""
+def torchrun_rank(device_type: str) -> DistInfo:
+    """This process's place in the world torchrun describes in RANK / LOCAL_RANK / WORLD_SIZE, and
+    its device; plain `python` is a world of one."""
     if "RANK" not in os.environ:
-        return DistInfo(0, 0, 1, select_device(device_type, 0))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    device = select_device(device_type, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    # An explicit timeout: a rank that dies or hangs makes the others fail instead of waiting forever.
-    dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=device if device.type == "cuda" else None)
-    errors.process_group_started = True  # the process will leave without finalizing (errors.leave)
-    return DistInfo(rank, local_rank, world_size, device)
+        return DistInfo(0, 0, 1, select_device(device_type, 0), launched=False)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    return DistInfo(int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]),
+                    select_device(device_type, local_rank), launched=True)
+
+
+def group_options(device: torch.device, timeout_s: int) -> dict:
+    """dist.init_process_group's arguments: NCCL moves CUDA tensors over NVLink/InfiniBand, gloo is
+    the CPU backend; an explicit timeout, so a rank that dies or hangs makes the others fail instead
+    of waiting forever; on CUDA the rank's GPU, so NCCL binds its communicator to it at once."""
+    return {"backend": "nccl" if device.type == "cuda" else "gloo",
+            "timeout": datetime.timedelta(seconds=timeout_s),
+            "device_id": device if device.type == "cuda" else None}
 
 
 @contextmanager
-def process_group(device_type: str, timeout_s: int) -> Iterator[DistInfo]:
-    """The process group for the body of a command, torn down however the body ends."""
-    info = init_distributed(device_type, timeout_s)
+def leave_together() -> Iterator[None]:
+    """The body of a command in its process group (if it joined one), the group torn down however
+    the body ends."""
+    if dist.is_initialized():
+        errors.process_group_started = True  # the process will leave without finalizing (errors.leave)
     try:
-        yield info
+        yield
         # Leave together: a rank that destroys the group and exits while a peer is still busy
         # (rank 0 writing a report) can be aborted by gloo's connection threads at exit. Only
         # on success: after an error the peers may never arrive, and the timeout must decide.
@@ -76,6 +77,18 @@ def process_group(device_type: str, timeout_s: int) -> Iterator[DistInfo]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextmanager
+def process_group(device_type: str, timeout_s: int) -> Iterator[DistInfo]:
+    """The commands' process group, joined as train.py joins it, for the body of the command."""
+    info = torchrun_rank(device_type)
+    if info.launched:
+        if info.device.type == "cuda":
+            torch.cuda.set_device(info.device)
+        dist.init_process_group(**group_options(info.device, timeout_s))
+    with leave_together():
+        yield info
 
 
 def ddp_buffer_options() -> dict:

@@ -42,7 +42,7 @@ class OutOfMemory(HarnessExit):
     exit_code = 5
 
 
-# Set by distributed.init_distributed once this process has started a process group, for the rest
+# Set by distributed.leave_together once this process has joined a process group, for the rest
 # of the process: the group's threads outlive destroy_process_group (see leave).
 process_group_started = False
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
 from .config import FIELDS, Config, Parser, RunFlags, check_can_create, check_value, field_defaults, positive
@@ -47,7 +48,7 @@ from .errors import UserError, main_guard
 from .eval.evaluation import evaluate_examples
 from .eval.report import build_report, markdown, write_report
 from .eval.settings import EvalSettings
-from .llm import build_frozen_llms, held_per_rank, load_weights, shard_frozen_llm
+from .llm import build_frozen_llms, fsdp_units, held_per_rank, read_weights
 from .model import WireConfig, WireEncoder
 from .precision import frozen_weight_dtype
 
@@ -156,20 +157,24 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
     check_can_create(out_dir, "output directory")
     examples = sources.held_out_examples(args.eval_examples, dataset)
-    llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
+    # Built, sharded and read as train.py does; no backward here, so nothing to wrap or compile.
     # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
+    with torch.device("meta"):
+        llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
     sharded = cfg.frozen_sharding == "fsdp" and di.is_distributed
-    if sharded:
-        mesh = init_device_mesh(di.device.type, (di.world_size,))
-        for llm in llms.values():
-            shard_frozen_llm(llm, mesh)
+    mesh = init_device_mesh(di.device.type, (di.world_size,)) if sharded else None
     for llm in llms.values():
-        load_weights(llm, di.device)
+        if sharded:
+            for unit in fsdp_units(llm):
+                fully_shard(unit, mesh=mesh)
+            fully_shard(llm.model, mesh=mesh)
+        llm.model.to_empty(device=di.device)
+        read_weights(llm)
     if sharded and di.is_main:
         print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr, flush=True)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
     plan = EvalSettings.of(cfg, text_baselines=True, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                   progress=report_progress(di.world_size) if di.is_main else None, lockstep=sharded)
+                           progress=report_progress(di.world_size) if di.is_main else None, lockstep=sharded)
     records = evaluate_examples(model, llms, examples, plan, di.device, di.rank, di.world_size)
     if not di.is_main:
         return

@@ -42,16 +42,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from .config import Parser, check_can_create, load_config, positive
 from .errors import UserError, main_guard
 from .distributed import process_group
-from .llm import apply_activation_checkpointing, load_frozen_llms
+from .llm import is_decoder_layer, load_frozen_llms
 from .model import WireConfig, WireEncoder
 from .plan import TRAINING_STEP, write_json
 from .planner.budget import GIB, Fit, fit_line
 from .planner.memtrace import planning_batch
-from .precision import cuda_capability, frozen_weight_dtype, sdpa_kernels
+from .precision import cuda_capability, frozen_weight_dtype, sdpa_backends
 
 PROG = "python -m latentwire.find_batch"
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
@@ -124,7 +125,7 @@ class Probe:
         self.answers = {name: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)
                         for name, llm in llms.items()}
         # train.py's attention kernels for this card and dtype
-        self.attention_kernels, _ = sdpa_kernels(cuda_capability(device), frozen_weight_dtype(cfg.precision))
+        self.attention_backends, _ = sdpa_backends(cuda_capability(device), frozen_weight_dtype(cfg.precision))
         self.resident = resident_bytes(llm.model for llm in llms.values())
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
@@ -157,7 +158,7 @@ class Probe:
         optimizer = TRAINING_STEP.optimizer(self.cfg, model, self.device.type)
         batch = planning_batch(self.cfg, self.answers, micro_batch, self.device)
         for _ in range(self.steps):
-            TRAINING_STEP.run(self.cfg, model, self.llms, optimizer, batch, self.attention_kernels)
+            TRAINING_STEP.run(self.cfg, model, self.llms, optimizer, batch, self.attention_backends)
 
 
 def free_memory(device: torch.device) -> None:
@@ -286,7 +287,7 @@ def find(cfg, args, di) -> None:
     llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
     if cfg.activation_checkpointing:
         for llm in llms.values():
-            apply_activation_checkpointing(llm)
+            apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
     probe = Probe(cfg, llms, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)
     say(f"find_batch {cfg.run.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "

@@ -1,6 +1,7 @@
-"""The two frozen LLMs: built on the meta device from their source (`latentwire.llm_sources`),
-frozen, and filled by `load_weights`, so that FSDP2 can shard them in between and a rank reads only
-its shards; activation checkpointing and FSDP2 units of their decoder layers.
+"""The two frozen LLMs: built from their source (`latentwire.llm_sources`) under the caller's
+`torch.device("meta")`, frozen, and, once `to_empty` has allocated them, filled by `read_weights`,
+so that FSDP2 can shard them in between and a rank reads only its shards. Which layers activation
+checkpointing wraps and which units FSDP2 shards: train.py makes the calls, this module decides.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class FrozenLLM:
     model: nn.Module
     tokenizer: object
     contract: PromptContract | None = None  # the token ids around every prompt (latentwire.prompting)
-    weights: object = None  # where `load_weights` reads the model's tensors from
+    weights: object = None  # where `read_weights` reads the model's tensors from
     source: str = ""
 
     @property
@@ -90,25 +91,27 @@ def freeze(model: nn.Module) -> nn.Module:
 
 
 # --- loading: built on the meta device, then filled -------------------------------------------
-# Every source builds its model on the meta device (the structure, no memory) with a weight
-# source beside it; `load_weights` then allocates the model on the rank's device and fills it. In
-# between, train.py may wrap the layers for activation checkpointing and shard them with FSDP2:
-# a sharded parameter is then allocated and read only for the rows this rank holds, so no rank
-# ever holds a 70B model whole, in host or device memory.
+# Every source's model is built under the caller's torch.device("meta") (the structure, no memory)
+# with a weight source beside it; `to_empty` then allocates the model on the rank's device and
+# `read_weights` fills it. In between, train.py may wrap the layers for activation checkpointing
+# and shard them with FSDP2: a sharded parameter is then allocated and read only for the rows this
+# rank holds, so no rank ever holds a 70B model whole, in host or device memory.
 
-def meta_model(config, dtype: torch.dtype) -> nn.Module:
+def build_model(config, dtype: torch.dtype) -> nn.Module:
+    """The model of a configuration, on the device of the caller's context: `torch.device("meta")`
+    (structure, no memory), or a FakeTensorMode for the memory plan."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
 
 
 def build_frozen_llm(name: str, source: str, dtype: torch.dtype, prompt: PromptFormat = PromptFormat()) -> FrozenLLM:
     """`name` is 'llama' or 'qwen'; `source` is what `llm_sources.read_source` reads; `prompt` makes
-    its tokenizer's prompt contract. The model is on the meta device, frozen, until `load_weights`."""
+    its tokenizer's prompt contract. Built under `torch.device("meta")`, the model is frozen
+    structure until `to_empty` and `read_weights`."""
     found = read_source(name, source)
     with one_line_error(f"cannot build model {source!r} from its configuration"):
-        model = meta_model(found.config, dtype)
+        model = build_model(found.config, dtype)
     weights = found.weights(model)
     check_buffers_computable(model, source)
     contract = PromptContract.of(found.tokenizer, prompt, who=f"the {name} ({source})")
@@ -120,7 +123,7 @@ def rotary_embedding(model: nn.Module) -> nn.Module | None:
 
 
 def check_buffers_computable(model: nn.Module, source: str) -> None:
-    """Buffers outside the state dict are in no checkpoint: `load_weights` computes RoPE's inverse
+    """Buffers outside the state dict are in no checkpoint: `read_weights` computes RoPE's inverse
     frequencies again from the configuration, and knows no other."""
     rotary = rotary_embedding(model)
     computed = set() if rotary is None else {id(b) for b in rotary.buffers()}
@@ -147,15 +150,14 @@ def held_rows(target: torch.Tensor) -> tuple[torch.Tensor, slice]:
     return local, slice(start, start + local.shape[0])
 
 
-def load_weights(llm: FrozenLLM, device: torch.device) -> None:
+def read_weights(llm: FrozenLLM) -> None:
+    """Fill the model `to_empty` allocated with its weights, one tensor, or one rank's rows of it, at
+    a time, cast to the parameter's dtype. Every parameter must be filled, directly or through a
+    tied one. A model FSDP2 sharded then runs once, so that it is the root (`start_fsdp_root`):
+    read, it is ready to use either way."""
     from torch.distributed.fsdp import FSDPModule
 
-    """Allocate the model on `device` (it was built on the meta device) and copy its weights in, one
-    tensor, or one rank's rows of it, at a time, cast to the parameter's dtype. Every parameter
-    must be filled, directly or through a tied one. A model FSDP2 sharded then runs once, so that
-    it is the root (`start_fsdp_root`): loaded, it is ready to use either way."""
     model, weights, source = llm.model, llm.weights, llm.source
-    model.to_empty(device=device)
     model.tie_weights()  # to_empty gave each module a parameter of its own, tied ones included
     filled = set()
     with torch.no_grad(), one_line_error(f"cannot read the weights of model {source!r}"):
@@ -173,6 +175,7 @@ def load_weights(llm: FrozenLLM, device: torch.device) -> None:
     if missing:
         raise UserError(f"model {source!r}: its checkpoint has no tensor for {missing[0]}"
                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    device = next(model.parameters()).device
     if (rotary := rotary_embedding(model)) is not None:
         with torch.device(device):
             model.get_decoder().rotary_emb = freeze(type(rotary)(config=model.config))
@@ -183,23 +186,22 @@ def load_weights(llm: FrozenLLM, device: torch.device) -> None:
 
 def load_frozen_llm(name: str, source: str, dtype: torch.dtype, device: torch.device) -> FrozenLLM:
     """An LLM built and loaded whole on `device`."""
-    llm = build_frozen_llm(name, source, dtype)
-    load_weights(llm, device)
+    with torch.device("meta"):
+        llm = build_frozen_llm(name, source, dtype)
+    llm.model.to_empty(device=device)
+    read_weights(llm)
     return llm
 
 
 def build_frozen_llms(cfg, dtype: torch.dtype) -> dict[str, FrozenLLM]:
     """Both frozen LLMs of a configuration by name, each from its source field (`cfg.llama`,
-    `cfg.qwen`), on the meta device."""
+    `cfg.qwen`)."""
     return {name: build_frozen_llm(name, getattr(cfg, name), dtype, PromptFormat.of(cfg)) for name in LLM_NAMES}
 
 
 def load_frozen_llms(cfg, dtype: torch.dtype, device: torch.device) -> dict[str, FrozenLLM]:
     """Both frozen LLMs of a configuration, built and loaded whole on `device`."""
-    llms = build_frozen_llms(cfg, dtype)
-    for llm in llms.values():
-        load_weights(llm, device)
-    return llms
+    return {name: load_frozen_llm(name, getattr(cfg, name), dtype, device) for name in LLM_NAMES}
 
 
 def held_bytes(model: nn.Module) -> int:
@@ -220,6 +222,7 @@ def fsdp_units(llm: FrozenLLM) -> list[nn.Module | list[nn.Module]]:
     the embedding table, looked up on its own before the model's forward; the final norm with the
     head, one unit rather than left to the root, which FSDP keeps whole from forward to the end of
     backward (a 152k-token head is 2.5 GB). The model itself, the root, then holds nothing."""
+    check_untied(llm)
     decoder = llm.model.get_decoder()
     return [*decoder.layers, llm.model.get_input_embeddings(), [decoder.norm, llm.model.get_output_embeddings()]]
 
@@ -232,16 +235,10 @@ def check_untied(llm: FrozenLLM) -> None:
                         "which are sharded separately; use --frozen-sharding none")
 
 
-def shard_frozen_llm(llm: FrozenLLM, mesh) -> None:
-    """FSDP2 over `mesh`: fully_shard each of `fsdp_units`, then the model, which becomes the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    check_untied(llm)
-    for unit in fsdp_units(llm):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(llm.model, mesh=mesh)
-    # Backward never needs the table (frozen, looked up by token ids), but FSDP2's default prefetch
-    # would all-gather it at the end of every backward: layer 0 prefetches the unit run before it.
+def skip_unused_backward_gathers(llm: FrozenLLM) -> None:
+    """Backward never needs the embedding table (frozen, looked up by token ids), but FSDP2's default
+    prefetch would all-gather it at the end of every backward: layer 0 prefetches the unit that ran
+    before it."""
     llm.model.get_input_embeddings().set_unshard_in_backward(False)
 
 
@@ -255,13 +252,9 @@ def start_fsdp_root(llm: FrozenLLM) -> None:
         llm.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
 
 
-def apply_activation_checkpointing(llm: FrozenLLM) -> None:
-    """Recompute each decoder layer in backward instead of storing its activations. The layers are
-    frozen, but gradients flow through them to the wire, so their activations would otherwise be
-    kept for backward: this trades ~1/3 more compute for most of that memory."""
-    # Non-reentrant checkpointing (the wrapper's default): works with frozen inputs-to-layer
-    # weights, keyword arguments and torch.compile.
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing as wrap
-
+def is_decoder_layer(llm: FrozenLLM):
+    """What activation checkpointing wraps: each decoder layer. The layers are frozen, but gradients
+    flow through them to the wire, so their activations would otherwise be kept for backward;
+    recomputing them trades ~1/3 more compute for most of that memory."""
     layer_cls = type(llm.model.get_decoder().layers[0])
-    wrap(llm.model, check_fn=lambda m: isinstance(m, layer_cls))
+    return lambda module: isinstance(module, layer_cls)

@@ -117,7 +117,8 @@ def tiny_model(family: str, tokenizer) -> nn.Module:
                  initializer_range=0.1,
                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id)
-    with torch.random.fork_rng(devices=[]):
+    # On the CPU whatever device the caller builds under: these are the weights themselves.
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(TINY_SEED + (family == "qwen"))
         return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=torch.float32)
 

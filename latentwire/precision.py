@@ -6,9 +6,6 @@ of plain inputs (compute capability, dtype), so CPU tests take each branch.
 """
 from __future__ import annotations
 
-import functools
-from contextlib import nullcontext
-
 import torch
 
 # The autocast dtype of each --precision; fp32 runs without autocast.
@@ -43,21 +40,25 @@ def matmul_arithmetic(precision: str, tf32: bool) -> str:
 
 # --- attention kernels ------------------------------------------------------------------------
 
-def sdpa_backends(capability: tuple[int, int], dtype: torch.dtype) -> tuple[list, str | None]:
-    """The SDPA kernels CUDA may pick for this card and compute dtype, and a warning where the math
-    kernel has to be among them.
+def sdpa_backends(capability: tuple[int, int] | None, dtype: torch.dtype) -> tuple[list, str | None]:
+    """The SDPA kernels this card (None: not CUDA) may pick for this compute dtype, for
+    `torch.nn.attention.sdpa_kernel`, and a warning where the math kernel has to be among them.
 
-    Flash needs an sm80+ card and bf16/fp16 and takes no mask: the LLMs' causal attention. The
-    memory-efficient kernel runs on any card and dtype, and takes the encoder's padding masks, but
-    in torch 2.13 not grouped-query K/V, which is how the LLMs call SDPA (no mask, enable_gqa).
-    Where flash cannot run, the LLMs' attention needs the math kernel; it is allowed last, with a
-    warning, instead of failing with "no available kernel". Where flash can run, math stays out: a
-    silent fallback to it is an error. cuDNN stays out everywhere: torch tries it first on sm90,
-    and it has returned NaN gradients for masked attention (pytorch#196678), which is what the
-    encoder's padded attention is.
+    On CPU every kernel stays allowed (the CPU flash kernel where it applies). On CUDA, flash needs
+    an sm80+ card and bf16/fp16 and takes no mask: the LLMs' causal attention. The memory-efficient
+    kernel runs on any card and dtype, and takes the encoder's padding masks, but in torch 2.13 not
+    grouped-query K/V, which is how the LLMs call SDPA (no mask, enable_gqa). Where flash cannot
+    run, the LLMs' attention needs the math kernel; it is allowed last, with a warning, instead of
+    failing with "no available kernel". Where flash can run, math stays out: a silent fallback to
+    it is an error. cuDNN stays out everywhere on CUDA: torch tries it first on sm90, and it has
+    returned NaN gradients for masked attention (pytorch#196678), which is what the encoder's padded
+    attention is.
     """
     from torch.nn.attention import SDPBackend
 
+    if capability is None:
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                SDPBackend.MATH], None
     if capability >= (8, 0) and dtype in (torch.bfloat16, torch.float16):
         return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], None
     dtype_name = str(dtype).removeprefix("torch.")
@@ -65,14 +66,3 @@ def sdpa_backends(capability: tuple[int, int], dtype: torch.dtype) -> tuple[list
            f"{capability[1]} with {dtype_name}; the LLMs' grouped-query attention runs in the math kernel "
            "(the memory-efficient one has no grouped-query support), the encoder's in the memory-efficient one")
     return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], why
-
-
-def sdpa_kernels(capability: tuple[int, int] | None, dtype: torch.dtype) -> tuple:
-    """A factory of SDPA kernel contexts for this card (None: not CUDA) and compute dtype, and the
-    warning of `sdpa_backends`. On CPU every kernel stays allowed (the CPU flash kernel where it applies)."""
-    if capability is None:
-        return nullcontext, None
-    from torch.nn.attention import sdpa_kernel
-
-    backends, why = sdpa_backends(capability, dtype)
-    return functools.partial(sdpa_kernel, backends), why

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
 
 
 class NoProfiler:
@@ -49,28 +49,29 @@ class ProfilerConfig:
         return cls(**{f.name: getattr(config, "profiler_" + f.name) for f in fields(cls)})
 
 
-def make_profiler(config: ProfilerConfig | None, out_dir: Path, rank: int, device: torch.device):
-    if config is None:
-        return NoProfiler()
+def profiler_options(config: ProfilerConfig, out_dir: Path, rank: int, device: torch.device) -> dict:
+    """torch.profiler.profile's arguments: CPU and, on a GPU, CUDA activity; the schedule once; a
+    TensorBoard trace per rank."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return profile(
-        activities=activities,
-        schedule=schedule(wait=config.wait, warmup=config.warmup, active=config.active, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(str(Path(out_dir) / "traces"), worker_name=f"rank{rank}"),
-        record_shapes=config.shapes, profile_memory=config.memory, with_stack=config.stacks,
-    )
+    return dict(activities=activities,
+                schedule=schedule(wait=config.wait, warmup=config.warmup, active=config.active, repeat=1),
+                on_trace_ready=tensorboard_trace_handler(str(Path(out_dir) / "traces"), worker_name=f"rank{rank}"),
+                record_shapes=config.shapes, profile_memory=config.memory, with_stack=config.stacks)
+
+
+# Allocations the history keeps, the newest ones: torch's own default for the memory visualizer.
+HISTORY_ENTRIES = 200_000
 
 
 class MemorySnapshots:
     """What can be recorded depends on the device: CUDA has a caching allocator with history and
-    state; the CPU allocator keeps neither, so on CPU this only says so and writes nothing."""
+    state; the CPU allocator keeps neither, so on CPU this only says so and writes nothing.
+    `recording`: whether train.py starts the allocation history (`HISTORY_ENTRIES` of them)."""
 
     def __init__(self, requested: bool, device: torch.device, out_dir: Path, rank: int):
         self.available = device.type == "cuda" and torch.cuda.is_available()
         self.recording = requested and self.available
         self.path = Path(out_dir) / "memory" / f"snapshot_rank{rank}.pickle"
-        if self.recording:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
 
     def dump(self) -> Path | None:
         """Write the snapshot; returns its path, or None where the device has no allocator state."""

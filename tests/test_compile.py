@@ -9,13 +9,13 @@ import random
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, apply_activation_checkpointing
 
 from conftest import ALL_TERMS
 from latentwire.compiling import DECODER_LAYER_VARIANTS, stable_shapes, step_regions
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
-from latentwire.llm import apply_activation_checkpointing, load_frozen_llms
+from latentwire.llm import is_decoder_layer, load_frozen_llms
 from latentwire.model import WireConfig, WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
 
@@ -34,7 +34,7 @@ def build():
     cfg = load_config(["--profile", "cpu", "--dropout", "0"])
     llms = load_frozen_llms(cfg, torch.float32, CPU)
     for llm in llms.values():
-        apply_activation_checkpointing(llm)
+        apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
     torch.manual_seed(0)
     model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
     return cfg, model, llms

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from conftest import assert_one_line_error, evaluate_cli, ok, read_metrics, run_module, run_train
 from latentwire import evaluate as command
@@ -14,7 +15,7 @@ from latentwire.eval import report as reporting
 from latentwire.eval.settings import EvalSettings
 from latentwire.config import load_config
 from latentwire.data import ATTRIBUTES, Collator, PromptDataset, answer_text, load_examples, synthetic_examples
-from latentwire.llm import LLM_NAMES, apply_activation_checkpointing, load_frozen_llm
+from latentwire.llm import LLM_NAMES, is_decoder_layer, load_frozen_llm
 from latentwire.model import WireConfig, WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 from latentwire.precision import AMP_DTYPES
@@ -212,7 +213,7 @@ def test_activation_checkpointed_llms_evaluate_alike(cfg):
     plain = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
     wrapped = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
     for llm in wrapped.values():
-        apply_activation_checkpointing(llm)
+        apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
     examples = synthetic_examples(4, seed=10)
     plan = EvalSettings.of(cfg, text_baselines=False)
     expected = ev.evaluate_wire(wire_encoder(cfg, plain), plain, examples, plan, CPU, 0, 1)

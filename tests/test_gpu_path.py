@@ -135,11 +135,15 @@ def test_fused_adamw_and_pinned_memory_only_on_cuda(device_type):
 
 
 def test_cpu_keeps_every_kernel():
-    from latentwire.precision import sdpa_kernels
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    factory, why = sdpa_kernels(None, torch.float32)
+    from latentwire.precision import sdpa_backends
+
+    backends, why = sdpa_backends(None, torch.float32)
     assert why is None
-    with factory():
+    assert {SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.MATH} <= set(backends)
+    with sdpa_kernel(backends):
         pass
 
 

@@ -1,11 +1,12 @@
 """The model's correctness rules, in-process on the cpu profile's tiny LLMs."""
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from conftest import ALL_TERMS
 from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, synthetic_examples
-from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
+from latentwire.llm import is_decoder_layer, load_frozen_llm
 from latentwire.model import WireConfig, WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 
@@ -117,7 +118,7 @@ def test_activation_checkpointing_gives_the_same_gradients(cfg):
         model, llms = build(cfg)
         if checkpointing:
             for llm in llms.values():
-                apply_activation_checkpointing(llm)
+                apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
         forward_loss_sums(model, llms, batch_of(cfg, llms), ANSWER_CE).sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name in grads[0]:
@@ -128,7 +129,7 @@ def test_activation_checkpointing_wraps_every_decoder_layer(cfg):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     _, llms = build(cfg)
     for llm in llms.values():
-        apply_activation_checkpointing(llm)
+        apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
         layers = llm.model.get_decoder().layers
         assert len(layers) == llm.model.config.num_hidden_layers
         assert all(isinstance(layer, CheckpointWrapper) for layer in layers)

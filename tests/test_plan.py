@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from latentwire.planner.analytic import optimizer_state_bytes, static_memory
 from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
@@ -16,7 +17,7 @@ from latentwire.planner.elastic import elastic_batch, scaled_lr
 from latentwire.find_batch import Probe
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
 from latentwire.llm_sources import llm_spec
-from latentwire.llm import apply_activation_checkpointing, load_frozen_llm
+from latentwire.llm import is_decoder_layer, load_frozen_llm
 from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, fake_llms, planning_batch
 from latentwire.plan import TRAINING_STEP, main as plan_main
 from latentwire.planner.memory_plan import make_plan, planned_rows
@@ -140,7 +141,7 @@ def measured_and_traced_peaks(cfg) -> tuple[int, int]:
     llms = {n: load_frozen_llm(n, getattr(cfg, n), frozen_weight_dtype(cfg.precision), CPU) for n in ("llama", "qwen")}
     if cfg.activation_checkpointing:
         for llm in llms.values():
-            apply_activation_checkpointing(llm)
+            apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
     measured, _ = Probe(cfg, llms, CPU, steps=2, cap_bytes=2 ** 62)(cfg.micro_batch_size)
     return measured, traced_peak(cfg, cfg.micro_batch_size)
 

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from conftest import RUN, SMALL_LLAMA, assert_same_run, evaluate_cli, final_weights, ok, read_metrics, run_module, run_train
 
@@ -103,7 +104,7 @@ def test_a_sharded_rank_allocates_and_reads_only_its_rows(fake_rank, saved_reade
     three; the Llama's odd vocabulary too), and reads no more than that."""
     from torch.distributed.fsdp import fully_shard
 
-    from latentwire.llm import apply_activation_checkpointing, build_frozen_llm, fsdp_units, load_frozen_llm, load_weights
+    from latentwire.llm import build_frozen_llm, fsdp_units, is_decoder_layer, load_frozen_llm, read_weights
 
     if source == "checkpoint":
         name, source = "qwen", str(saved_reader)
@@ -112,8 +113,9 @@ def test_a_sharded_rank_allocates_and_reads_only_its_rows(fake_rank, saved_reade
         name, source = "llama", f"random:{tmp_path / 'config.json'}"
     reference = load_frozen_llm(name, source, torch.float32, torch.device("cpu")).model
     whole = reference.state_dict()
-    llm = build_frozen_llm(name, source, torch.float32)
-    apply_activation_checkpointing(llm)
+    with torch.device("meta"):
+        llm = build_frozen_llm(name, source, torch.float32)
+    apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
     mesh, world, rank = fake_rank
     for unit in fsdp_units(llm):
         fully_shard(unit, mesh=mesh)
@@ -126,7 +128,8 @@ def test_a_sharded_rank_allocates_and_reads_only_its_rows(fake_rank, saved_reade
         return tensor
 
     llm.weights.read = counted_read
-    load_weights(llm, torch.device("cpu"))
+    llm.model.to_empty(device=torch.device("cpu"))
+    read_weights(llm)
 
     sharded = llm.model.state_dict()
     assert sharded.keys() == whole.keys()
@@ -147,12 +150,19 @@ def test_backward_gathers_every_decoder_layer_and_never_the_embedding_table(fake
     table, the unit that ran before layer 0, at the end of every backward (2.5 GB for Qwen2.5-7B's)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup, TrainingState
 
-    from latentwire.llm import build_frozen_llm, load_weights, shard_frozen_llm
+    from torch.distributed.fsdp import fully_shard
 
-    llm = build_frozen_llm("llama", "tiny-random", torch.float32)
+    from latentwire.llm import build_frozen_llm, fsdp_units, read_weights, skip_unused_backward_gathers
+
+    with torch.device("meta"):
+        llm = build_frozen_llm("llama", "tiny-random", torch.float32)
     mesh, _, _ = fake_rank
-    shard_frozen_llm(llm, mesh)
-    load_weights(llm, torch.device("cpu"))
+    for unit in fsdp_units(llm):  # as train.py shards
+        fully_shard(unit, mesh=mesh)
+    fully_shard(llm.model, mesh=mesh)
+    skip_unused_backward_gathers(llm)
+    llm.model.to_empty(device=torch.device("cpu"))
+    read_weights(llm)
     gathered_in_backward, unshard = [], FSDPParamGroup.unshard
 
     def recording_unshard(group, async_op=False):

@@ -25,14 +25,14 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.utils._pytree import tree_leaves
 
 from ..data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, round_up
-from ..attention import causal_attention
-from ..llm import FrozenLLM, apply_activation_checkpointing, freeze
+from ..llm import FrozenLLM, build_model, freeze, is_decoder_layer
 from ..model import WireConfig, WireEncoder
 from ..objectives import Objectives, forward_loss_sums, target_counts
-from ..precision import AMP_DTYPES, frozen_weight_dtype
+from ..precision import AMP_DTYPES, frozen_weight_dtype, sdpa_backends
 
 CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
             _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
@@ -53,14 +53,14 @@ class TrainingStep:
         return self.adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
                           device_type=device_type, eps=cfg.adam_eps)
 
-    def run(self, cfg, model, llms: dict, optimizer, batch: dict, attention_kernels=nullcontext) -> None:
-        """One micro-batch through `train_step`, then the update (no GradScaler: its fp16 loss
-        scaling costs a few scalars)."""
+    def run(self, cfg, model, llms: dict, optimizer, batch: dict, attention_backends: list) -> None:
+        """One micro-batch through `train_step` with these SDPA kernels, then the update (no
+        GradScaler: its fp16 loss scaling costs a few scalars)."""
         objectives = Objectives.of(cfg)
         scaler = torch.amp.GradScaler(batch["bytes"].device.type, enabled=False)
         self.train_step(model, llms, [batch], n_targets=target_counts(batch, objectives).float(), objectives=objectives,
                         forward=forward_loss_sums, amp_dtype=AMP_DTYPES[cfg.precision],
-                        attention_kernels=attention_kernels, scaler=scaler, optimizer=optimizer,
+                        attention_backends=attention_backends, scaler=scaler, optimizer=optimizer,
                         max_grad_norm=cfg.max_grad_norm, world_size=1, no_sync=nullcontext)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -197,16 +197,14 @@ class StepTrace:
 
 
 def fake_llms(cfg, specs: dict) -> dict[str, FrozenLLM]:
-    """The profile's frozen LLMs from their configurations; call under an active FakeTensorMode."""
-    from transformers import AutoModelForCausalLM
-
+    """The profile's frozen LLMs from their configurations, wrapped as train.py wraps them; call under
+    an active FakeTensorMode."""
     dtype = frozen_weight_dtype(cfg.precision)
     llms = {}
     for name, spec in specs.items():
-        model = AutoModelForCausalLM.from_config(spec.config, attn_implementation=causal_attention(), dtype=dtype)
-        llms[name] = FrozenLLM(name, freeze(model), tokenizer=None)
+        llms[name] = FrozenLLM(name, freeze(build_model(spec.config, dtype)), tokenizer=None)
         if cfg.activation_checkpointing:
-            apply_activation_checkpointing(llms[name])
+            apply_activation_checkpointing(llms[name].model, check_fn=is_decoder_layer(llms[name]))
     return llms
 
 
@@ -237,9 +235,10 @@ class StepTracer:
                      lambda *_: seen.update(optimizer=tracker.categories()["optimizer"])))
         # Around backward too: activation checkpointing recomputes the attention there.
         attention = cuda_attention() if self.cfg.device == "cuda" else nullcontext()
+        every_kernel, _ = sdpa_backends(None, frozen_weight_dtype(self.cfg.precision))  # traced on the CPU
         with tracker, attention:
             for _ in range(steps):
-                self.step.run(self.cfg, self.model, self.llms, self.optimizer, batch)
+                self.step.run(self.cfg, self.model, self.llms, self.optimizer, batch, every_kernel)
                 tracker.reset_mod_stats()
         for hook in hooks:
             hook.remove()
