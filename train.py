@@ -36,14 +36,14 @@ from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserEr
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, group_options, leave_together, torchrun_rank
 from latentwire.eval.evaluation import evaluate_wire
 from latentwire.eval.settings import EvalSettings
-from latentwire.llm import (build_frozen_llms, fsdp_units, held_per_rank, is_decoder_layer, read_weights,
-                            skip_unused_backward_gathers)
+from latentwire.llm import (build_frozen_llms, decoder_layers, fsdp_units, held_per_rank, is_decoder_layer,
+                            read_weights, skip_unused_backward_gathers)
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireConfig, WireEncoder, count_parameters
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 from latentwire.planner.elastic import apply_elastic_batch
-from latentwire.planner.memtrace import TrainingStep
+from latentwire.planner.step import TrainingStep
 from latentwire.preemption import StopFlag, shield_worker_from_stop_signals
 from latentwire.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic, sdpa_backends,
                                   use_tf32)
@@ -141,11 +141,11 @@ def train(cfg, di) -> None:
     with torch.device("meta"):
         llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
     for llm in llms.values():
-        if cfg.activation_checkpointing:
+        if cfg.activation_checkpointing:  # non-reentrant: takes frozen weights, keyword arguments, compile
             apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
                                            check_fn=is_decoder_layer(llm))
         if cfg.compile:
-            for layer in llm.model.get_decoder().layers:
+            for layer in decoder_layers(llm):
                 layer.compile(mode=cfg.compile_mode, dynamic=True)
         if shard_frozen:
             for unit in fsdp_units(llm):  # each decoder layer, the embedding table, the norm with the head
@@ -256,7 +256,8 @@ def train(cfg, di) -> None:
                       peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps,
                            first_record=training.facts())
-    eval_plan = EvalSettings.of(cfg, text_baselines=False, lockstep=shard_frozen, stop=lambda: stop.on_any_rank(device))
+    eval_settings = EvalSettings.of(cfg, text_baselines=False, lockstep=shard_frozen,
+                                    stop=lambda: stop.on_any_rank(device))
     if di.is_main:
         print(run_summary(cfg.run.profile, device, cfg.precision, state.layout, model, llms), flush=True)
 
@@ -267,10 +268,12 @@ def train(cfg, di) -> None:
     exit_after_save = preempted(stop, state.step, di.is_main) if stop.on_any_rank(device) else None
 
     # --- Profiler: torch.profiler on the profile's wait / warmup / active schedule ---------------
-    # One trace per rank under out_dir/traces (TensorBoard's profiler plugin and Perfetto read it);
-    # the loop calls profiler.step() after every optimizer step.
-    profiled = ProfilerConfig.of(cfg)
-    profiler = torch.profiler.profile(**profiler_options(profiled, out_dir, rank, device)) if profiled else NoProfiler()
+    # A few steps, not the run: a trace of every kernel is large and slows the steps it records, and
+    # the first steps (compile, allocator warm-up) are not the steady state, hence wait and warmup.
+    # One trace per rank under out_dir/traces (TensorBoard's profiler plugin and Perfetto read it).
+    profiler_config = ProfilerConfig.of(cfg)
+    profiler = (torch.profiler.profile(**profiler_options(profiler_config, out_dir, rank, device))
+                if profiler_config else NoProfiler())
 
     # --- The loop ----------------------------------------------------------------------------
     model.train()
@@ -347,9 +350,9 @@ def train(cfg, di) -> None:
                 if eval_due:
                     # Evaluation's eval-mode, padded, KV-cached calls would recompile every region.
                     with torch.compiler.set_stance("force_eager"):
-                        scores = evaluate_wire(model, llms, eval_examples, eval_plan, device, rank, world)
+                        scores = evaluate_wire(model, llms, eval_examples, eval_settings, device, rank, world)
                     # A signal during it (minutes with 8B readers) is heard between its chunks
-                    # (eval_plan.stop): the unfinished evaluation is dropped and the step saved.
+                    # (eval_settings.stop): the unfinished evaluation is dropped and the step saved.
                     stop_requested = scores is None
                     record |= scores or {}
                 logger.log(record)
@@ -404,7 +407,8 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
     for i, batch in enumerate(micro_batches):
         # --- One gradient all-reduce per optimizer step: no_sync on all but the last ---------
         with nullcontext() if i == len(micro_batches) - 1 else no_sync():
-            # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32 --
+            # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32;
+            # attention in the SDPA kernels the card allows (see the fused attention block) ---
             with torch.autocast(batch["bytes"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None), \
                     sdpa_kernel(attention_backends):
                 sums = forward(model, llms, batch, objectives)

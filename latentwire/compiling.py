@@ -37,6 +37,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .llm import decoder_layers
+
 # Variants of CheckpointWrapper.forward the step compiles: 2 LLMs (layer classes and widths differ)
 # x 2 calls (training; with distillation on, the teacher, under no_grad and with a padding mask)
 # x 2 (the one recompile an inductor size guard may cost) = 8, exactly dynamo's default limit, so
@@ -77,4 +79,4 @@ def step_regions(wire_encoder: nn.Module, llms: dict) -> list[nn.Module]:
     """Every region train.py compiles, each on its own and in place (`module.compile`): the wire's
     and each decoder layer of each frozen LLM, which activation checkpointing must have wrapped
     first, so the recompute is planned inside the graph."""
-    return [*wire_regions(wire_encoder), *(layer for llm in llms.values() for layer in llm.model.get_decoder().layers)]
+    return [*wire_regions(wire_encoder), *(layer for llm in llms.values() for layer in decoder_layers(llm))]

@@ -29,7 +29,6 @@ This module is the command: checkpoint loading and the run. `latentwire.eval` ho
 scoring and greedy decoding; `report.py` the summary, the margins and the JSON / Markdown report.
 """
 from __future__ import annotations
-from __future__ import annotations
 
 import argparse
 import json
@@ -57,7 +56,6 @@ from .precision import frozen_weight_dtype
 READ_FIELDS = ("device", "precision", "dist_timeout_s", "llama", "qwen", "num_latents", "d_z", "encoder_dim",
                "encoder_layers", "encoder_heads", "dropout", "dataset", "seed", "max_prompt_bytes",
                "max_answer_tokens", "pad_multiple", "micro_batch_size", "max_new_tokens")
-
 
 
 # --- loading a checkpoint ---------------------------------------------------------------------
@@ -173,13 +171,13 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     if sharded and di.is_main:
         print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr, flush=True)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
-    plan = EvalSettings.of(cfg, text_baselines=True, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+    settings = EvalSettings.of(cfg, text_baselines=True, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                            progress=report_progress(di.world_size) if di.is_main else None, lockstep=sharded)
-    records = evaluate_examples(model, llms, examples, plan, di.device, di.rank, di.world_size)
+    records = evaluate_examples(model, llms, examples, settings, di.device, di.rank, di.world_size)
     if not di.is_main:
         return
-    report = build_report(ckpt, step, cfg, dataset, sources.describe_held_out(dataset), examples, records, llms, plan,
-                          di.world_size)
+    report = build_report(ckpt, step, cfg, dataset, sources.describe_held_out(dataset), examples, records, llms,
+                          settings, di.world_size)
     paths = write_report(report, out_dir, f"{ckpt.name}_{Path(dataset).stem}_n{len(examples)}")
     print(markdown(report), flush=True)
     print("wrote " + " and ".join(map(str, paths)), flush=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .errors import OUTCOME_DIR
 
+
 def run_outcome(directory: Path) -> dict | None:
     """The outcome of the lowest rank that ended with a non-zero code, or None if none did."""
     outcomes = sorted((json.loads(p.read_text()) for p in directory.glob("rank*.json")), key=lambda o: o["rank"])

@@ -112,6 +112,7 @@ def build_frozen_llm(name: str, source: str, dtype: torch.dtype, prompt: PromptF
     found = read_source(name, source)
     with one_line_error(f"cannot build model {source!r} from its configuration"):
         model = build_model(found.config, dtype)
+    assert next(model.parameters()).is_meta, "build the frozen LLMs under torch.device('meta')"
     weights = found.weights(model)
     check_buffers_computable(model, source)
     contract = PromptContract.of(found.tokenizer, prompt, who=f"the {name} ({source})")
@@ -221,10 +222,11 @@ def fsdp_units(llm: FrozenLLM) -> list[nn.Module | list[nn.Module]]:
     """What --frozen-sharding fsdp shards, each unit whole only while it runs: each decoder layer;
     the embedding table, looked up on its own before the model's forward; the final norm with the
     head, one unit rather than left to the root, which FSDP keeps whole from forward to the end of
-    backward (a 152k-token head is 2.5 GB). The model itself, the root, then holds nothing."""
+    backward (a 152k-token head is 2.5 GB). The model itself, the root, then holds nothing. An LLM
+    that ties its table and head is refused (`check_untied`)."""
     check_untied(llm)
-    decoder = llm.model.get_decoder()
-    return [*decoder.layers, llm.model.get_input_embeddings(), [decoder.norm, llm.model.get_output_embeddings()]]
+    return [*decoder_layers(llm), llm.model.get_input_embeddings(), [llm.model.get_decoder().norm,
+                                                                      llm.model.get_output_embeddings()]]
 
 
 def check_untied(llm: FrozenLLM) -> None:
@@ -246,15 +248,22 @@ def start_fsdp_root(llm: FrozenLLM) -> None:
     """FSDP2 makes the first of its modules to run forward the root, which sets up every module
     under it, and fails if a module under it ran first. The embedding table, sharded on its own, is
     looked up outside the model's forward (soft tokens are joined to its output), so the model runs
-    once first: one token, no gradients, the same on every rank."""
+    once first: one token, no gradients, the same on every rank. Eagerly: layers compiled before
+    sharding would otherwise compile this call, a variant no training step uses."""
     device = llm.model.get_input_embeddings().weight.device
-    with torch.no_grad():
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         llm.model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+
+
+def decoder_layers(llm: FrozenLLM) -> nn.ModuleList:
+    """The LLM's decoder layers: what activation checkpointing wraps, compile compiles one at a time
+    and FSDP2 shards one unit each."""
+    return llm.model.get_decoder().layers
 
 
 def is_decoder_layer(llm: FrozenLLM):
     """What activation checkpointing wraps: each decoder layer. The layers are frozen, but gradients
     flow through them to the wire, so their activations would otherwise be kept for backward;
     recomputing them trades ~1/3 more compute for most of that memory."""
-    layer_cls = type(llm.model.get_decoder().layers[0])
+    layer_cls = type(decoder_layers(llm)[0])
     return lambda module: isinstance(module, layer_cls)

@@ -53,6 +53,7 @@ TINY_SPECS = {
                  num_key_value_heads=2, vocab_size=768),
 }
 
+
 @dataclass(frozen=True)
 class Source:
     """An LLM's configuration and tokenizer, and where its tensors are read from once its model is
@@ -274,7 +275,7 @@ def llm_spec(name: str, source: str) -> LLMSpec:
     if source == TINY:
         return _local_spec(tiny_reader(name))
     if source.startswith(RANDOM):
-        has_bos = tiny_tokenizer(name).bos_token_id is not None  # the tokenizer llm.random_architecture reads it with
+        has_bos = tiny_tokenizer(name).bos_token_id is not None  # the tokenizer random_architecture reads it with
         return LLMSpec(source, random_config(source), has_bos, "random weights, configuration of " + source[len(RANDOM):])
     if os.path.isdir(os.path.expanduser(source)):
         return _local_spec(source)

@@ -42,7 +42,7 @@ from .objectives import Objectives
 from .planner.analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
 from .planner.budget import GIB, Budget, budget_for
 from .planner.memory_plan import Plan, make_plan, trainable_shapes
-from .planner.memtrace import TrainingStep
+from .planner.step import TrainingStep
 
 PROG = "python -m latentwire.plan"
 # train.py's optimizer and step: what is planned is what trains.

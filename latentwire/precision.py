@@ -57,8 +57,7 @@ def sdpa_backends(capability: tuple[int, int] | None, dtype: torch.dtype) -> tup
     from torch.nn.attention import SDPBackend
 
     if capability is None:
-        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                SDPBackend.MATH], None
+        return [b for b in SDPBackend.__members__.values() if b != SDPBackend.ERROR], None
     if capability >= (8, 0) and dtype in (torch.bfloat16, torch.float16):
         return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], None
     dtype_name = str(dtype).removeprefix("torch.")

@@ -140,8 +140,8 @@ def test_no_attention_query_of_an_evaluation_sees_no_key(cfg, llms, monkeypatch)
     monkeypatch.setattr(F, "scaled_dot_product_attention", checking_sdpa)
     examples = synthetic_examples(6, seed=12)
     assert len({len(gen.text_prompt_ids(llms["llama"], ex, None)) for ex in examples}) > 1  # really left-padded
-    plan = EvalSettings.of(cfg, text_baselines=True, batch_size=6, max_new_tokens=3)
-    ev.evaluate_examples(wire_encoder(cfg, llms), llms, examples, plan, CPU, rank=0, world=1)
+    settings = EvalSettings.of(cfg, text_baselines=True, batch_size=6, max_new_tokens=3)
+    ev.evaluate_examples(wire_encoder(cfg, llms), llms, examples, settings, CPU, rank=0, world=1)
     assert rows_seen[0] > 0 and keyless_rows[0] == 0
 
 
@@ -181,8 +181,8 @@ def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
     """Same BOS/EOS handling as training: summed answer NLL and target counts equal the loop's."""
     examples = synthetic_examples(12, seed=8)
     model = wire_encoder(cfg, llms)
-    plan = EvalSettings.of(cfg, text_baselines=False, batch_size=5, max_new_tokens=2)
-    records = ev.evaluate_examples(model, llms, examples, plan, CPU, rank=0, world=1)
+    settings = EvalSettings.of(cfg, text_baselines=False, batch_size=5, max_new_tokens=2)
+    records = ev.evaluate_examples(model, llms, examples, settings, CPU, rank=0, world=1)
     batch = collate(cfg, llms, examples)
     with torch.no_grad():
         training_sums = forward_loss_sums(model.eval(), llms, batch, Objectives())[:, 0]
@@ -197,11 +197,11 @@ def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
                        "--max-new-tokens", "3"])
     model = wire_encoder(cfg, llms).train()
     examples = synthetic_examples(6, seed=9)
-    plan = EvalSettings.of(cfg, text_baselines=False)
-    first = ev.evaluate_wire(model, llms, examples, plan, CPU, rank=0, world=1)
+    settings = EvalSettings.of(cfg, text_baselines=False)
+    first = ev.evaluate_wire(model, llms, examples, settings, CPU, rank=0, world=1)
     assert model.training
     # With dropout 0.5 active, two passes would differ; in eval mode they are identical.
-    assert ev.evaluate_wire(model, llms, examples, plan, CPU, rank=0, world=1) == first
+    assert ev.evaluate_wire(model, llms, examples, settings, CPU, rank=0, world=1) == first
     for name in LLM_NAMES:
         assert {f"eval_nll_{k}_{name}" for k in ("wire", *ev.wire_controls(cfg.precision))} <= first.keys()
         assert {f"eval_em_wire_{name}", f"eval_f1_wire_{name}"} <= first.keys()
@@ -215,9 +215,9 @@ def test_activation_checkpointed_llms_evaluate_alike(cfg):
     for llm in wrapped.values():
         apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
     examples = synthetic_examples(4, seed=10)
-    plan = EvalSettings.of(cfg, text_baselines=False)
-    expected = ev.evaluate_wire(wire_encoder(cfg, plain), plain, examples, plan, CPU, 0, 1)
-    assert ev.evaluate_wire(wire_encoder(cfg, wrapped), wrapped, examples, plan, CPU, 0, 1) == pytest.approx(expected)
+    settings = EvalSettings.of(cfg, text_baselines=False)
+    expected = ev.evaluate_wire(wire_encoder(cfg, plain), plain, examples, settings, CPU, 0, 1)
+    assert ev.evaluate_wire(wire_encoder(cfg, wrapped), wrapped, examples, settings, CPU, 0, 1) == pytest.approx(expected)
 
 
 def summed_nll(llms, prompts, texts) -> list[float]:
@@ -343,8 +343,8 @@ def test_the_trained_wire_carries_information_and_content(default_run):
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
     model = command.load_wire_encoder(ckpt, cfg, llms, CPU)
     examples = load_examples(cfg.dataset, "validation", 256, cfg.seed)
-    plan = EvalSettings.of(cfg, text_baselines=False, batch_size=32)
-    records = ev.evaluate_examples(model, llms, examples, plan, CPU, 0, 1)
+    settings = EvalSettings.of(cfg, text_baselines=False, batch_size=32)
+    records = ev.evaluate_examples(model, llms, examples, settings, CPU, 0, 1)
     m = reporting.summarize(records)
     guess = context_free_em(examples)
     for name in LLM_NAMES:

@@ -24,7 +24,8 @@ def modules() -> dict[str, Path]:
 
 
 def imported(name: str, path: Path, known: set[str]) -> set[str]:
-    """The modules of `known` that `name` imports (`from .x import y` counts x, and x.y if y is one)."""
+    """The modules of `known` that `name` imports (`from .x import y` counts x, and x.y if y is one;
+    importing a.b.c runs the packages a and a.b first, so they count too)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -38,7 +39,8 @@ def imported(name: str, path: Path, known: set[str]) -> set[str]:
                 module = node.module
             found.add(module)
             found.update(f"{module}.{alias.name}" for alias in node.names)
-    return {m for m in found if m in known and m != name}
+    parents = {".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 1)}
+    return {m for m in found | parents if m in known and m != name and not name.startswith(m + ".")}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -48,6 +50,11 @@ def import_graph() -> dict[str, set[str]]:
 
 def is_tool(name: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in TOOL_PACKAGES)
+
+
+def test_the_entry_points_are_the_modules_users_run():
+    runnable = {name for name, path in modules().items() if '__name__ == "__main__"' in path.read_text()}
+    assert runnable == ENTRY_POINTS
 
 
 def test_the_graph_is_read_from_every_kind_of_import():

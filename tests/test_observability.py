@@ -85,6 +85,28 @@ def test_memory_snapshot_selection(monkeypatch, tmp_path):
     assert pickle.loads(path.read_bytes())["segments"] == []
 
 
+def test_train_starts_the_allocation_history_when_the_snapshot_records(monkeypatch, tmp_path):
+    """The CUDA-only call in train.py's snapshot block, taken on CPU: a MemorySnapshots that says it
+    records makes train.py start the allocator's history, once, before the first step."""
+    import train
+
+    calls = []
+
+    class Recording(MemorySnapshots):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.recording = True
+
+        def finish(self):
+            calls.append("finish")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(train, "MemorySnapshots", Recording)
+    torch.set_num_threads(1)
+    train.main([*SHORT, "--max-steps", "1", "--out-dir", str(tmp_path / "run")])
+    assert calls == [{"max_entries": 200_000}, "finish"]
+
+
 OOM_AT_STEP_2 = """
 import sys, torch
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}

@@ -180,3 +180,33 @@ def test_backward_gathers_every_decoder_layer_and_never_the_embedding_table(fake
     layers = list(llm.model.get_decoder().layers)
     assert all(any(m is layer for m in gathered_in_backward) for layer in layers)
     assert not any(m is llm.model.get_input_embeddings() for m in gathered_in_backward)
+
+
+@pytest.mark.parametrize("fake_rank", [(2, 1)], indirect=True)
+def test_layers_compiled_before_sharding_compile_nothing_while_the_llm_is_read(fake_rank):
+    """train.py compiles each decoder layer before fully_shard; FSDP2's one root forward at load
+    (`start_fsdp_root`) must run eagerly, or it would compile a variant no training step uses, on
+    every sharded GPU profile, before the first step."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import fully_shard
+
+    from latentwire.llm import build_frozen_llm, decoder_layers, fsdp_units, read_weights
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.device("meta"):
+        llm = build_frozen_llm("llama", "tiny-random", torch.float32)
+    for layer in decoder_layers(llm):
+        layer.compile(backend="eager", dynamic=True)
+    mesh, _, _ = fake_rank
+    for unit in fsdp_units(llm):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(llm.model, mesh=mesh)
+    llm.model.to_empty(device=torch.device("cpu"))
+    read_weights(llm)
+    assert counters["stats"]["unique_graphs"] == 0
+    ids = torch.ones((1, 4), dtype=torch.long)
+    with torch.no_grad():
+        llm.model(input_ids=ids, use_cache=False)  # the layers are compiled, for the calls that follow
+    assert counters["stats"]["unique_graphs"] > 0
+    torch._dynamo.reset()

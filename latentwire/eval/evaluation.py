@@ -61,7 +61,7 @@ def wire_controls(precision: str) -> tuple[str, ...]:
 # --- one chunk of examples --------------------------------------------------------------------
 
 def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices: range, partners: list[int],
-                   collate: Collator, plan: EvalSettings, device: torch.device) -> list[dict]:
+                   collate: Collator, settings: EvalSettings, device: torch.device) -> list[dict]:
     """Per-example records of one chunk: NLL sums and target counts, answers, EM and F1, keyed by
     `{input}_{llm}`."""
     dataset = PromptDataset(examples)
@@ -74,20 +74,20 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
 
     z = model.wire(batch["bytes"], batch["byte_mask"])
     wires = {"wire": z, "zeroed": torch.zeros_like(z), "shuffled": model.wire(partner["bytes"], partner["byte_mask"]),
-             **{p: payload_roundtrip(z, p) for p in payload_controls(plan.precision)}}
+             **{p: payload_roundtrip(z, p) for p in payload_controls(settings.precision)}}
     for key, wire in wires.items():
         prompts = {name: wire_prompts(llm, model.adapters[name](wire), batch["answers"][name]["lead_ids"])
                    for name, llm in llms.items()}
         add_nll(records, key, llms, prompts, targets)
         if key == "wire":
-            add_answers(records, key, llms, prompts, golds, plan)
+            add_answers(records, key, llms, prompts, golds, settings)
 
-    if plan.text_baselines:
+    if settings.text_baselines:
         chunk = [examples[i] for i in indices]
-        for key, cut in (("text", None), ("text_cut", plan.num_latents)):
+        for key, cut in (("text", None), ("text_cut", settings.num_latents)):
             prompts = {name: text_prompts(llm, chunk, cut) for name, llm in llms.items()}
             add_nll(records, key, llms, prompts, targets)
-            add_answers(records, key, llms, prompts, golds, plan)
+            add_answers(records, key, llms, prompts, golds, settings)
     return records
 
 
@@ -99,9 +99,9 @@ def add_nll(records: list[dict], key: str, llms: dict, prompts: dict, targets: d
             record["first_token"][f"{key}_{name}"] = float(hit)
 
 
-def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]], plan: EvalSettings) -> None:
+def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]], settings: EvalSettings) -> None:
     answers = {name: [decode_answer(llm.tokenizer, ids) for ids in
-                      greedy_generate(llm, prompts[name], plan.max_new_tokens, stop_together=plan.lockstep)]
+                      greedy_generate(llm, prompts[name], settings.max_new_tokens, stop_together=settings.lockstep)]
                for name, llm in llms.items()}
     answers["joint"] = joint_pick(llms, prompts, answers)
     for who, texts in answers.items():
@@ -128,39 +128,39 @@ def gather_records(local: list[dict], world: int) -> list[dict]:
     return sorted((r for part in parts for r in part), key=lambda r: r["index"])
 
 
-def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], plan: EvalSettings, device: torch.device,
+def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], settings: EvalSettings, device: torch.device,
                       rank: int, world: int) -> list[dict] | None:
-    """Per-example records of all `examples`, on every rank, or None when `plan.stop` stopped it. A
+    """Per-example records of all `examples`, on every rank, or None when `settings.stop` stopped it. A
     collective when distributed."""
-    collate = Collator.for_llms(llms, plan.max_prompt_bytes, plan.max_answer_tokens, plan.pad_multiple)
-    partners = cyclic_derangement(len(examples), plan.seed)
-    amp_dtype = AMP_DTYPES[plan.precision]
+    collate = Collator.for_llms(llms, settings.max_prompt_bytes, settings.max_answer_tokens, settings.pad_multiple)
+    partners = cyclic_derangement(len(examples), settings.seed)
+    amp_dtype = AMP_DTYPES[settings.precision]
     was_training = model.training
     model.eval()  # no dropout: the wire is what the trained encoder writes, deterministically
     try:
         with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            chunks, local = rank_chunks(len(examples), plan.batch_size, rank, world), []
-            most = rank_chunks(len(examples), plan.batch_size, 0, world)  # rank 0 is dealt the most
+            chunks, local = rank_chunks(len(examples), settings.batch_size, rank, world), []
+            most = rank_chunks(len(examples), settings.batch_size, 0, world)  # rank 0 is dealt the most
             for i in range(len(most)):
-                if plan.stop and plan.stop():
+                if settings.stop and settings.stop():
                     return None
-                if i >= len(chunks) and not plan.lockstep:
+                if i >= len(chunks) and not settings.lockstep:
                     continue  # this rank's share is done; it still answers stop() with the others
                 chunk = chunks[i] if i < len(chunks) else most[0]  # lockstep: a chunk run again, dropped
-                records = evaluate_chunk(model, llms, examples, chunk, partners, collate, plan, device)
+                records = evaluate_chunk(model, llms, examples, chunk, partners, collate, settings, device)
                 local += records if i < len(chunks) else []
-                if plan.progress:
-                    plan.progress(len(local), sum(map(len, chunks)))
+                if settings.progress:
+                    settings.progress(len(local), sum(map(len, chunks)))
     finally:
         model.train(was_training)
     return gather_records(local, world)
 
 
-def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], plan: EvalSettings, device: torch.device,
+def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], settings: EvalSettings, device: torch.device,
                   rank: int, world: int) -> dict[str, float] | None:
     """The periodic evaluation of train.py: the wire's answers (EM/F1 per LLM and joint) and answer
     NLL, with the controls of `wire_controls`; flat `eval_*` scalars, equal on every rank, or None
-    when `plan.stop` stopped it. A collective: every rank calls it. Pass the bare model, not its
+    when `settings.stop` stopped it. A collective: every rank calls it. Pass the bare model, not its
     DDP wrapper."""
-    records = evaluate_examples(model, llms, examples, plan, device, rank, world)
+    records = evaluate_examples(model, llms, examples, settings, device, rank, world)
     return None if records is None else {f"eval_{k}": v for k, v in summarize(records).items()}

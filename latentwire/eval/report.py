@@ -64,7 +64,7 @@ def compression(llms: dict, examples: list[dict], num_latents: int) -> dict:
 
 
 def build_report(ckpt: Path, step, cfg, dataset: str, held_out: str, examples: list[dict], records: list[dict],
-                 llms: dict, plan: EvalSettings, world: int) -> dict:
+                 llms: dict, settings: EvalSettings, world: int) -> dict:
     """`held_out` says where the examples come from (data.DataSources.describe_held_out)."""
     metrics = summarize(records)
     margins = {name: {control: control_margin(records, control, name) for control in ("zeroed", "shuffled")}
@@ -74,14 +74,14 @@ def build_report(ckpt: Path, step, cfg, dataset: str, held_out: str, examples: l
         "dataset": dataset, "split": "validation", "held_out": held_out, "examples": len(examples),
         "answers_past_cut": answers_past_cut(examples, cfg.max_prompt_bytes).count(True),
         "max_prompt_bytes": cfg.max_prompt_bytes, "world_size": world,
-        "settings": {"num_latents": cfg.num_latents, "d_z": cfg.d_z, "batch_size": plan.batch_size,
-                     "max_new_tokens": plan.max_new_tokens, "anchor_text": cfg.anchor_text,
+        "settings": {"num_latents": cfg.num_latents, "d_z": cfg.d_z, "batch_size": settings.batch_size,
+                     "max_new_tokens": settings.max_new_tokens, "anchor_text": cfg.anchor_text,
                      "chat_template": cfg.chat_template},
         "metrics": metrics,
         "wire_vs_controls": margins,
         "wire_carries_information": {name: all(m["margin"] > SIGNIFICANT_SE * m["se"] for m in by_control.values())
                                      for name, by_control in margins.items()},
-        "wire_share_of_text": {who: share_of_text(metrics, who) for who in (*llms, "joint")} if plan.text_baselines else {},
+        "wire_share_of_text": {who: share_of_text(metrics, who) for who in (*llms, "joint")} if settings.text_baselines else {},
         "compression": compression(llms, examples, cfg.num_latents),
         "payload_bytes": payload_bytes(cfg.num_latents, cfg.d_z),
         "answers": [{"index": r["index"], "question": examples[r["index"]]["question"],

@@ -13,8 +13,7 @@ import dataclasses
 import math
 
 from ..errors import UserError
-from .memory_plan import plan_max_micro_batch
-from .memtrace import TrainingStep
+from .step import TrainingStep
 
 # An exact split may take up to this many times the fewest micro-steps per optimizer step (its
 # micro-batches are then at least about half of what fits, which still keeps a large GPU busy);
@@ -29,17 +28,17 @@ def scaled_lr(lr: float, old_batch: int, new_batch: int, rule: str) -> float:
     return lr * (math.sqrt(ratio) if rule == "sqrt" else ratio)
 
 
-def elastic_batch(cfg, world_size: int, plan_max_micro_batch: int) -> tuple[int, int, float, str]:
-    """(micro_batch_size, grad_accum_steps, lr, message) for a rank that fits `plan_max_micro_batch`."""
-    if plan_max_micro_batch < 1:
+def elastic_batch(cfg, world_size: int, fits: int) -> tuple[int, int, float, str]:
+    """(micro_batch_size, grad_accum_steps, lr, message) for a rank that fits micro-batches up to `fits`."""
+    if fits < 1:
         raise UserError(f"elastic batch: the memory plan of profile {cfg.run.profile!r} fits no micro-batch "
                         "on this card, not even 1")
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world_size
     per_rank = global_batch // world_size
-    fewest_steps = math.ceil(per_rank / plan_max_micro_batch)
-    exact = max(d for d in range(1, min(per_rank, plan_max_micro_batch) + 1) if per_rank % d == 0)
+    fewest_steps = math.ceil(per_rank / fits)
+    exact = max(d for d in range(1, min(per_rank, fits) + 1) if per_rank % d == 0)
     was = f"(profile: {cfg.micro_batch_size} x {cfg.grad_accum_steps})"
-    head = f"elastic batch: the memory plan fits micro-batch <= {plan_max_micro_batch} per rank {was}; "
+    head = f"elastic batch: the memory plan fits micro-batch <= {fits} per rank {was}; "
     if per_rank // exact <= MAX_MICRO_STEP_FACTOR * fewest_steps:
         accum = per_rank // exact
         return exact, accum, cfg.lr, (head + f"global batch {global_batch} kept as {exact} x {accum} x "
@@ -56,6 +55,9 @@ def elastic_batch(cfg, world_size: int, plan_max_micro_batch: int) -> tuple[int,
 def apply_elastic_batch(cfg, world_size: int, step: TrainingStep):
     """The configuration with micro-batch, accumulation and lr from the memory plan of `step`
     (train.py's), and why."""
+    # The tracer (MemTracker, and inductor with it) is imported only when a run asks for it.
+    from .memory_plan import plan_max_micro_batch
+
     micro, accum, lr, message = elastic_batch(cfg, world_size, plan_max_micro_batch(cfg, world_size, step))
     values = {**cfg.values, "micro_batch_size": micro, "grad_accum_steps": accum, "lr": lr}
     return dataclasses.replace(cfg, values=values), message

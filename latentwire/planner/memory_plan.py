@@ -17,7 +17,9 @@ from ..llm_sources import LLMSpec, llm_spec
 from ..model import WireConfig, WireEncoder
 from .analytic import StaticMemory, static_memory
 from .budget import Budget, Fit, budget_for, fit_line, largest_fitting
-from .memtrace import StepTrace, StepTracer, TrainingStep, fake_llms
+from .memtrace import StepTrace, StepTracer, fake_llms
+from .step import TrainingStep
+
 
 @dataclass(frozen=True)
 class Plan:
