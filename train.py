@@ -251,6 +251,8 @@ def train(cfg, di) -> None:
     snapshots = MemorySnapshots(cfg.memory_snapshot, device, out_dir, rank)
     if snapshots.recording:
         torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+
+    # --- Metrics: throughput, MFU and memory per log window; jsonl and TensorBoard -------------
     # MFU against the peak of the arithmetic the matmuls really run in.
     meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, wire).step_flops,
                       peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
@@ -278,8 +280,7 @@ def train(cfg, di) -> None:
     # --- The loop ----------------------------------------------------------------------------
     model.train()
     skipped, bad_in_a_row = 0, 0
-    with profiler, \
-            out_of_memory_report(cfg.run.profile, cfg.micro_batch_size, snapshots):
+    with profiler, out_of_memory_report(cfg.run.profile, cfg.micro_batch_size, snapshots):
         # Preempted or diverged: leave the loop, save, then exit with exit_after_save's code.
         while exit_after_save is None and state.step < cfg.max_steps:
             t_wait = time.perf_counter()
