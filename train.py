@@ -216,8 +216,9 @@ def train(cfg, di) -> None:
     # ones. Resume takes the newest checkpoint that every rank loads (a partial or corrupt newer
     # one is skipped with a warning). Same layout (world size, micro-batch, accumulation):
     # bitwise the run that never stopped on CPU; on CUDA equal to rounding, as any two CUDA runs
-    # are (attention's backward kernels add in a varying order). A data position means something only in the same
-    # training set, so a resume on other data is refused unless --new-data starts a fresh epoch.
+    # are (attention's backward kernels add in a varying order). A data position means something
+    # only in the same training set, so a resume on other data is refused unless --new-data starts
+    # a fresh epoch.
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, cfg.micro_batch_size, cfg.grad_accum_steps),
                        data=training.identity())
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.keep_checkpoints,

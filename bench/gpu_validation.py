@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -26,8 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+
+from common import REPO, child_env
 
 # Readers for the GPU profiles: their architectures from latentwire.known_llms, no download.
 REAL_LLMS = ["--llama", "random:meta-llama/Llama-3.1-8B", "--qwen", "random:Qwen/Qwen2.5-7B"]
@@ -102,7 +102,7 @@ def run(cmd: list[str], log, env: dict | None = None, timeout: int = 3600) -> su
     """One part in its own process; its output goes to the log, whatever it returns."""
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**child_env(torch.get_num_threads()), **(env or {})})
     log.write(f"\n$ {' '.join(cmd)}\n(exit {proc.returncode}, {time.perf_counter() - started:.0f} s)\n"
               f"{proc.stdout[-20000:]}\n{proc.stderr[-20000:]}\n")
     log.flush()
@@ -195,8 +195,6 @@ def main() -> None:
     results = {"date": datetime.date.today().isoformat(), "profile": profile, "runs": [], "checks": {}}
 
     with open(out / "validation.log", "w") as log:
-        import torch
-
         if torch.cuda.is_available():
             proc = run([sys.executable, "-c", KERNEL_FACTS], log)
             results["kernel_facts"] = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-300:]}

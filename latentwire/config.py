@@ -9,15 +9,16 @@ dashes (`micro_batch_size` -> `--micro-batch-size`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import textwrap
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UserError
+from .precision import frozen_weight_dtype, sdpa_backends
 from .prompting import DEFAULT_ANCHOR
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -281,9 +282,14 @@ def check_consistency(v: dict, where: str) -> None:
 
 
 def fused_attention_only(device: str, precision: str, sm80: bool) -> bool:
-    """Whether training's attention may run only in the fused SDPA kernels
-    (`latentwire.precision.sdpa_backends`): CUDA on a card with bf16 units (sm80+), in bf16/fp16."""
-    return device == "cuda" and precision != "fp32" and sm80
+    """Whether training's attention may run only in the fused SDPA kernels: the math kernel is not
+    among those `precision.sdpa_backends` allows this card (bf16 units: sm80+) in this precision."""
+    from torch.nn.attention import SDPBackend
+
+    if device != "cuda":
+        return False
+    backends, _ = sdpa_backends((8, 0) if sm80 else (7, 0), frozen_weight_dtype(precision))
+    return SDPBackend.MATH not in backends
 
 
 def check_fused_head_widths(encoder_dim: int, d_z: int, heads: int, where: str) -> None:
