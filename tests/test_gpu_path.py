@@ -2,6 +2,7 @@
 dtype, device type): TF32, attention kernels, MFU peaks, memory windows, host syncs per step,
 frozen-LLM loading straight onto the device, and the memory a GPU-sized embedding table costs."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,25 @@ def test_the_pooler_passes_no_mask_where_nothing_is_padded(monkeypatch):
     byte_mask[0, 20:] = False
     pooler(torch.randn(2, 32, cfg.encoder_dim), byte_mask)
     assert [m is None for m in masks] == [False, True, False, True]  # cross (padded bytes), self (latents)
+
+
+def test_process_group_and_profiler_options_follow_the_device_type():
+    """train.py's dist.init_process_group and torch.profiler.profile arguments, for a GPU rank and
+    a CPU one: NCCL bound to the rank's GPU, gloo on CPU, the explicit timeout either way; CUDA
+    activity traced only on a GPU."""
+    import datetime
+
+    from torch.profiler import ProfilerActivity
+
+    from latentwire.distributed import group_options
+    from latentwire.profiling import ProfilerConfig, profiler_options
+
+    gpu = torch.device("cuda", 3)
+    assert group_options(gpu, 300) == {"backend": "nccl", "timeout": datetime.timedelta(seconds=300), "device_id": gpu}
+    assert group_options(CPU, 60) == {"backend": "gloo", "timeout": datetime.timedelta(seconds=60), "device_id": None}
+    config = ProfilerConfig(wait=1, warmup=1, active=2, shapes=True, memory=False, stacks=False)
+    assert profiler_options(config, Path("out"), 0, gpu)["activities"] == [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    assert profiler_options(config, Path("out"), 0, CPU)["activities"] == [ProfilerActivity.CPU]
 
 
 def test_ddp_skips_the_per_forward_buffer_broadcast_under_either_name():
