@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from latentwire.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
 from latentwire.compiling import stable_shapes, wire_regions
-from latentwire.config import check_can_create, load_config
+from latentwire.config import OptimizerConfig, check_can_create, load_config
 from latentwire.data import (Collator, DataSources, PromptDataset, ShardSampler, TrainingSet, describe_data, same_data,
                              to_device)
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
@@ -40,14 +40,14 @@ from latentwire.llm import (build_frozen_llms, decoder_layers, fsdp_units, held_
                             read_weights, skip_unused_backward_gathers)
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
-from latentwire.model import WireConfig, WireEncoder, count_parameters
+from latentwire.model import WireEncoder, count_parameters
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 from latentwire.planner.elastic import apply_elastic_batch
 from latentwire.planner.step import TrainingStep
 from latentwire.preemption import StopFlag, shield_worker_from_stop_signals
 from latentwire.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic, sdpa_backends,
                                   use_tf32)
-from latentwire.profiling import HISTORY_ENTRIES, MemorySnapshots, NoProfiler, ProfilerConfig, profiler_options
+from latentwire.profiling import HISTORY_ENTRIES, MemorySnapshots, NoProfiler, profiler_options
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,11 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     # --- Process group: one rank per process torchrun starts ---------------------------------
     # NCCL on CUDA, gloo on CPU, with an explicit timeout so a dead rank fails the job instead of
     # hanging it (group_options). Plain `python train.py` is a world of one, without a group.
-    di = torchrun_rank(cfg.device)
+    di = torchrun_rank(cfg.card.device)
     if di.launched:
         if di.device.type == "cuda":
             torch.cuda.set_device(di.device)
-        dist.init_process_group(**group_options(di.device, cfg.dist_timeout_s))
+        dist.init_process_group(**group_options(di.device, cfg.training.dist_timeout_s))
     # Out of memory outside the loop (loading the LLMs, DDP's buckets, the last save) is one line
     # and exit 5 too; the loop's own report below also names the micro-batch and the snapshot.
     with leave_together(), out_of_memory_report(cfg.run.profile):
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(cfg, di) -> None:
     device, rank, world = di.device, di.rank, di.world_size
-    out_dir = Path(cfg.out_dir)
+    out_dir = Path(cfg.output.out_dir)
     # --- Preemption: SIGTERM / SIGUSR1 only set a flag; ranks agree at the end of a step -----
     # Set first: a signal while the LLMs load (minutes for two 8B models) is heard before the
     # first step, which saves where the run stands and exits 75, not a killed rank.
@@ -79,12 +79,13 @@ def train(cfg, di) -> None:
     # What the data is, said up front: the answers the prompt's cut hides from the encoder (they
     # teach the wire to guess), and where the held-out examples come from (a local file holds
     # out a seeded part that training never sees).
-    sources = DataSources.of(cfg)
-    training = TrainingSet.load(sources, cfg.num_examples, cfg.max_prompt_bytes, cfg.drop_cut_answers)
+    data = cfg.data
+    sources = DataSources.of(data, seed=cfg.training.seed)
+    training = TrainingSet.load(sources, data.num_examples, data.max_prompt_bytes, data.drop_cut_answers)
     held_out = sources.held_out_source()
-    eval_examples = sources.held_out_examples(cfg.eval_examples, held_out) if cfg.eval_every else []
+    eval_examples = sources.held_out_examples(cfg.evaluation.examples, held_out) if cfg.evaluation.every else []
     if di.is_main:
-        print(f"data: {training.summary(cfg.max_prompt_bytes)}; held out: {sources.describe_held_out(held_out)}",
+        print(f"data: {training.summary(data.max_prompt_bytes)}; held out: {sources.describe_held_out(held_out)}",
               flush=True)
 
     # --- Elastic batch: the micro-batch from the memory plan ---------------------------------
@@ -92,17 +93,19 @@ def train(cfg, di) -> None:
     # and returns the largest micro-batch that fits the card. Accumulation makes up the profile's
     # global batch; only when no exact split fills the card well does the global batch change,
     # and the lr with it by the profile's lr_scaling rule.
-    if cfg.elastic_batch:
+    if cfg.planning.elastic_batch:
         cfg, why = apply_elastic_batch(cfg, world, TrainingStep(adamw, train_step))
         if di.is_main:
             print(why, flush=True)
+    steps, micro, accum = cfg.training.max_steps, cfg.training.micro_batch_size, cfg.training.grad_accum_steps
 
     # --- Seeds -------------------------------------------------------------------------------
     # The same seed on every rank gives identical initial weights (DDP also broadcasts rank 0's);
     # dropout is re-seeded per rank below so ranks do not drop the same units.
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    seed = cfg.training.seed
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
     # --- Numerics: autocast, grad scaler, TF32 -----------------------------------------------
     # bf16 autocast (train_step's torch.autocast) needs no loss scaling: bf16 has fp32's exponent
@@ -111,10 +114,10 @@ def train(cfg, di) -> None:
     # them with --precision fp32) on tensor cores, ~7x IEEE fp32 on an H100, where the profile asks
     # for it and the card (sm80+) has them. The legacy switch, not the new `fp32_precision = "tf32"`:
     # after that one torch.get_float32_matmul_precision() raises, and max-autotune calls it.
-    amp_dtype = AMP_DTYPES[cfg.precision]
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    amp_dtype = AMP_DTYPES[cfg.numerics.precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.numerics.precision == "fp16")
     capability = cuda_capability(device)
-    tf32 = use_tf32(cfg.tf32, capability)
+    tf32 = use_tf32(cfg.numerics.tf32, capability)
     if tf32:
         torch.set_float32_matmul_precision("high")
 
@@ -133,20 +136,20 @@ def train(cfg, di) -> None:
     #   so no reduce-scatter. compile and fully_shard commute: module.compile() compiles the
     #   module's call, whose hooks are looked up as it runs, and FSDP2's hooks run outside dynamo.
     # - to_empty, then each tensor, or this rank's rows of it, read from the checkpoint's memory map.
-    shard_frozen = cfg.frozen_sharding == "fsdp" and di.is_distributed
-    if cfg.frozen_sharding == "fsdp" and not shard_frozen and di.is_main:
+    shard_frozen = cfg.frozen.sharding == "fsdp" and di.is_distributed
+    if cfg.frozen.sharding == "fsdp" and not shard_frozen and di.is_main:
         print("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
               file=sys.stderr, flush=True)
     mesh = init_device_mesh(device.type, (world,)) if shard_frozen else None  # NCCL's all-gathers on a GPU
     with torch.device("meta"):
-        llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
+        llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     for llm in llms.values():
-        if cfg.activation_checkpointing:  # non-reentrant: takes frozen weights, keyword arguments, compile
+        if cfg.frozen.activation_checkpointing:  # non-reentrant: takes frozen weights, keyword arguments, compile
             apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
                                            check_fn=is_decoder_layer(llm))
-        if cfg.compile:
+        if cfg.compile.enabled:
             for layer in decoder_layers(llm):
-                layer.compile(mode=cfg.compile_mode, dynamic=True)
+                layer.compile(mode=cfg.compile.mode, dynamic=True)
         if shard_frozen:
             for unit in fsdp_units(llm):  # each decoder layer, the embedding table, the norm with the head
                 fully_shard(unit, mesh=mesh)
@@ -156,9 +159,8 @@ def train(cfg, di) -> None:
         read_weights(llm)
 
     # --- Trainable model: the byte encoder and one adapter per LLM ----------------------------
-    wire = WireConfig.of(cfg)
-    model = WireEncoder.for_llms(wire, llms).to(device)
-    torch.manual_seed(cfg.seed + rank)
+    model = WireEncoder.for_llms(cfg.wire, llms).to(device)
+    torch.manual_seed(seed + rank)
 
     # --- torch.compile, one region at a time --------------------------------------------------
     # Fuses each decoder layer's (above), encoder block's and the pooler's elementwise ops and norms
@@ -168,9 +170,9 @@ def train(cfg, di) -> None:
     # stable_shapes() adds the dynamo settings that make this hold, patched around each call of
     # the step because dynamo reads them whenever it traces (docs/performance.md).
     forward = forward_loss_sums
-    if cfg.compile:
+    if cfg.compile.enabled:
         for region in wire_regions(model):
-            region.compile(mode=cfg.compile_mode, dynamic=True)
+            region.compile(mode=cfg.compile.mode, dynamic=True)
         forward = stable_shapes()(forward_loss_sums)
 
     # --- DDP over the trainable part only ------------------------------------------------------
@@ -188,28 +190,28 @@ def train(cfg, di) -> None:
     # so the global batch of a step is the same set of examples for any world size; it can start
     # an epoch part-way, which is how a resumed run continues the same sample order.
     dataset = PromptDataset(training.examples)
-    sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=cfg.seed)
-    objectives = Objectives.of(cfg)
-    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple,
+    sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=seed)
+    objectives = cfg.objectives
+    collate = Collator.for_llms(llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
                                 teacher=objectives.teacher)
-    loader = make_loader(dataset, sampler, collate, micro_batch_size=cfg.micro_batch_size, num_workers=cfg.num_workers,
-                         prefetch_factor=cfg.prefetch_factor, device_type=device.type, seed=cfg.seed + rank)
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world
-    if len(loader) < cfg.grad_accum_steps:
+    loader = make_loader(dataset, sampler, collate, micro_batch_size=micro, num_workers=data.num_workers,
+                         prefetch_factor=data.prefetch_factor, device_type=device.type, seed=seed + rank)
+    global_batch = micro * accum * world
+    if len(loader) < accum:
         raise UserError(f"dataset of {len(dataset)} examples is smaller than one global batch "
-                        f"({cfg.micro_batch_size} x {cfg.grad_accum_steps} x {world} ranks)")
+                        f"({micro} x {accum} x {world} ranks)")
 
     # --- Optimizer: AdamW over the trainable parameters only, fused on CUDA (see adamw) ------
-    optimizer = adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                      device_type=device.type, eps=cfg.adam_eps)
+    optimizer = adamw(model, cfg.optimizer, device.type)
 
     # --- Schedule: OneCycle, stepped once per optimizer step ---------------------------------
     # Warm up from lr/div_factor to lr over pct_start of the run, then anneal to the final lr.
     # Momentum is not cycled: beta1 stays what the profile says.
+    schedule = cfg.schedule
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=cfg.lr, total_steps=cfg.max_steps,
-        pct_start=one_cycle_pct_start(cfg.pct_start, cfg.max_steps), anneal_strategy=cfg.anneal_strategy,
-        div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
+        optimizer, max_lr=cfg.optimizer.lr, total_steps=steps, pct_start=one_cycle_pct_start(schedule.pct_start, steps),
+        anneal_strategy=schedule.anneal_strategy, div_factor=schedule.div_factor,
+        final_div_factor=schedule.final_div_factor, cycle_momentum=False)
 
     # --- Resume: weights, optimizer, schedule, scaler, RNG and data position ------------------
     # The Checkpointer owns the format: it saves these objects and loads them back into the same
@@ -219,16 +221,15 @@ def train(cfg, di) -> None:
     # are (attention's backward kernels add in a varying order). A data position means something
     # only in the same training set, so a resume on other data is refused unless --new-data starts
     # a fresh epoch.
-    state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, cfg.micro_batch_size, cfg.grad_accum_steps),
-                       data=training.identity())
-    checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.keep_checkpoints,
-                                meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(wire)},
+    state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, micro, accum), data=training.identity())
+    checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.output.keep_checkpoints,
+                                meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(cfg.wire)},
                                 model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     if cfg.run.resume:
-        state = resume(checkpointer, state, cfg.run, cfg.max_steps, di.is_main)
+        state = resume(checkpointer, state, cfg.run, steps, di.is_main)
         if state is None:
             return
-    batches = global_batches(loader, sampler, cfg.grad_accum_steps, state.epoch, state.examples_done, global_batch)
+    batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, global_batch)
 
     # Every input has been checked: only now may --overwrite delete the old run.
     if di.is_main:
@@ -242,27 +243,27 @@ def train(cfg, di) -> None:
     # no fused kernel for the LLMs' grouped-query attention: there math is allowed last, and the
     # run says so.
     # train_step enters torch.nn.attention.sdpa_kernel(attention_backends) around each forward.
-    attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.precision))
+    attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.numerics.precision))
     if why and di.is_main:
         print(f"note: {why}", file=sys.stderr, flush=True)
 
     # --- Memory snapshot: allocation history on request, and always one on out-of-memory -----
     # The caching allocator records the stack of every allocation; the snapshot, written at the
     # end (and on out-of-memory, with or without history), opens at pytorch.org/memory_viz.
-    snapshots = MemorySnapshots(cfg.memory_snapshot, device, out_dir, rank)
+    snapshots = MemorySnapshots(cfg.profiler.memory_snapshot, device, out_dir, rank)
     if snapshots.recording:
         torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
 
     # --- Metrics: throughput, MFU and memory per log window; jsonl and TensorBoard -------------
     # MFU against the peak of the arithmetic the matmuls really run in.
-    meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, wire).step_flops,
-                      peak_tflops=getattr(cfg, "peak_tflops_" + matmul_arithmetic(cfg.precision, tf32)))
-    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=cfg.max_steps,
+    meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg.wire).step_flops,
+                      peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
+    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
                            first_record=training.facts())
     eval_settings = EvalSettings.of(cfg, text_baselines=False, lockstep=shard_frozen,
                                     stop=lambda: stop.on_any_rank(device))
     if di.is_main:
-        print(run_summary(cfg.run.profile, device, cfg.precision, state.layout, model, llms), flush=True)
+        print(run_summary(cfg.run.profile, device, cfg.numerics.precision, state.layout, model, llms), flush=True)
 
     # --- A signal before the first step: save and leave -------------------------------------
     # One collective after loading: a signal during it would otherwise wait for the first step,
@@ -274,16 +275,15 @@ def train(cfg, di) -> None:
     # A few steps, not the run: a trace of every kernel is large and slows the steps it records, and
     # the first steps (compile, allocator warm-up) are not the steady state, hence wait and warmup.
     # One trace per rank under out_dir/traces (TensorBoard's profiler plugin and Perfetto read it).
-    profiler_config = ProfilerConfig.of(cfg)
-    profiler = (torch.profiler.profile(**profiler_options(profiler_config, out_dir, rank, device))
-                if profiler_config else NoProfiler())
+    profiler = (torch.profiler.profile(**profiler_options(cfg.profiler, out_dir, rank, device))
+                if cfg.profiler.enabled else NoProfiler())
 
     # --- The loop ----------------------------------------------------------------------------
     model.train()
     skipped, bad_in_a_row = 0, 0
-    with profiler, out_of_memory_report(cfg.run.profile, cfg.micro_batch_size, snapshots):
+    with profiler, out_of_memory_report(cfg.run.profile, micro, snapshots):
         # Preempted or diverged: leave the loop, save, then exit with exit_after_save's code.
-        while exit_after_save is None and state.step < cfg.max_steps:
+        while exit_after_save is None and state.step < steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(batches)
             data_wait = time.perf_counter() - t_wait
@@ -303,7 +303,7 @@ def train(cfg, di) -> None:
             step_terms, grad_norm = train_step(
                 ddp_model, llms, micro_batches, n_targets=n_targets, objectives=objectives, forward=forward,
                 amp_dtype=amp_dtype, attention_backends=attention_backends, scaler=scaler, optimizer=optimizer,
-                max_grad_norm=cfg.max_grad_norm, world_size=world,
+                max_grad_norm=cfg.training.max_grad_norm, world_size=world,
                 no_sync=ddp_model.no_sync if di.is_distributed else nullcontext)
 
             # --- The step's one host sync ------------------------------------------------
@@ -325,14 +325,14 @@ def train(cfg, di) -> None:
             logger.step_done()
             skipped += not finite
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
-            if bad_in_a_row >= cfg.max_nonfinite_steps:
+            if bad_in_a_row >= cfg.training.max_nonfinite_steps:
                 exit_after_save = Diverged(f"{bad_in_a_row} non-finite steps in a row (to step {state.step}); saved "
                                            f"the last good weights as checkpoint step {state.step}"
-                                           f"{nonfinite_hint(cfg.precision)}")
+                                           f"{nonfinite_hint(cfg.numerics.precision)}")
                 break
 
             meter.add(micro_batches, samples=global_batch, data_wait=data_wait,
-                      tokens=answer_tokens + cfg.num_latents * len(llms) * global_batch)
+                      tokens=answer_tokens + cfg.wire.num_latents * len(llms) * global_batch)
 
             # --- Periodic evaluation on the held-out split ---------------------------------
             # Every rank answers its share of the split and the results are gathered, so all ranks
@@ -340,12 +340,13 @@ def train(cfg, di) -> None:
             # weights. It joins the step's log record after the window's rates are taken, and the
             # next window starts after it, so evaluation never counts as training time. A step
             # that is preempted skips it: the grace before SIGKILL is for saving.
-            run_ends = state.step == cfg.max_steps or state.step == cfg.run.stop_at_step
-            eval_scheduled = cfg.eval_every > 0 and (state.step % cfg.eval_every == 0 or state.step == cfg.max_steps)
+            run_ends = state.step == steps or state.step == cfg.run.stop_at_step
+            eval_every = cfg.evaluation.every
+            eval_scheduled = eval_every > 0 and (state.step % eval_every == 0 or state.step == steps)
             eval_due = eval_scheduled and not stop_requested
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
-            if state.step == 1 or state.step % cfg.log_every == 0 or state.step == cfg.max_steps or eval_due:
+            if state.step == 1 or state.step % cfg.output.log_every == 0 or state.step == steps or eval_due:
                 record = {"step": state.step, "time": time.time(), "epoch": state.epoch,
                           **loss_record(all_reduce_sum(step_terms), objectives, list(llms)),
                           "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **meter.read()}
@@ -370,7 +371,7 @@ def train(cfg, di) -> None:
             if stop_requested:
                 exit_after_save = preempted(stop, state.step, di.is_main)
                 break
-            if cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0:
+            if cfg.output.checkpoint_every and state.step % cfg.output.checkpoint_every == 0:
                 checkpointer.save(state)
 
     # Every way out of the loop (done, --stop-at-step, preempted, diverged) saves the same way.
@@ -381,21 +382,21 @@ def train(cfg, di) -> None:
     if exit_after_save is not None:
         raise exit_after_save
     if di.is_main:
-        print(closing_line(path, out_dir, finished=state.step == cfg.max_steps,
+        print(closing_line(path, out_dir, finished=state.step == steps,
                            sharded_over=world if shard_frozen else 0), flush=True)
 
 
 # --- Helpers the loop calls --------------------------------------------------------------------
 
-def adamw(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-          device_type: str, eps: float = 1e-8) -> torch.optim.AdamW:
+def adamw(model: torch.nn.Module, config: OptimizerConfig, device_type: str) -> torch.optim.AdamW:
     """Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter). On CUDA
     the fused kernel updates every tensor in one launch instead of several per tensor. Weight decay
     on matrices only, not on biases and norm gains."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=device_type == "cuda")
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                             fused=device_type == "cuda")
 
 
 def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch.Tensor, objectives: Objectives,

@@ -27,7 +27,7 @@ import train  # noqa: E402
 from latentwire.config import load_config  # noqa: E402
 from latentwire.data import Collator, DataSources, PromptDataset, ShardSampler  # noqa: E402
 from latentwire.llm import load_frozen_llms  # noqa: E402
-from latentwire.model import WireConfig, WireEncoder  # noqa: E402
+from latentwire.model import WireEncoder  # noqa: E402
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts  # noqa: E402
 from latentwire.precision import frozen_weight_dtype  # noqa: E402
 
@@ -77,21 +77,21 @@ def cpu_config(*overrides):
 
 def build_model(cfg) -> tuple[dict, WireEncoder]:
     """The two frozen LLMs and the trainable WireEncoder, built as train.py builds them."""
-    torch.manual_seed(cfg.seed)
-    llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), CPU)
-    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
+    torch.manual_seed(cfg.training.seed)
+    llms = load_frozen_llms(cfg.frozen, frozen_weight_dtype(cfg.numerics.precision), CPU)
+    model = WireEncoder.for_llms(cfg.wire, llms)
     return llms, model.train()
 
 
 def make_loader(cfg, llms: dict) -> DataLoader:
     """train.py's DataLoader for a world of one: the same examples, sampler (so the same batch
     order), collate, workers and prefetch; no pinned memory, as on CPU there is no copy to overlap."""
-    dataset = PromptDataset(DataSources.of(cfg).train_examples(cfg.num_examples))
-    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple,
-                               teacher=Objectives.of(cfg).teacher)
-    return train.make_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.seed), collate,
-                             micro_batch_size=cfg.micro_batch_size, num_workers=cfg.num_workers,
-                             prefetch_factor=cfg.prefetch_factor, device_type="cpu", seed=cfg.seed)
+    dataset = PromptDataset(DataSources.of(cfg.data, cfg.training.seed).train_examples(cfg.data.num_examples))
+    collate = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
+                               teacher=cfg.objectives.teacher)
+    return train.make_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.training.seed), collate,
+                             micro_batch_size=cfg.training.micro_batch_size, num_workers=cfg.data.num_workers,
+                             prefetch_factor=cfg.data.prefetch_factor, device_type="cpu", seed=cfg.training.seed)
 
 
 def take(loader: DataLoader, n: int) -> list[dict]:

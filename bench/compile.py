@@ -146,17 +146,17 @@ def run_variant(variant: str, args, s: Settings, backend: str) -> dict:
         cfg = bench_config(args, s, Path(tmp))
         t = time.perf_counter()
         llms, model = build_model(cfg)
-        if cfg.activation_checkpointing:
+        if cfg.frozen.activation_checkpointing:
             for llm in llms.values():
                 apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
         batches = take(make_loader(cfg, llms), s.batches)
         print(f"[{variant}] built in {time.perf_counter() - t:.0f} s; prompt widths "
               f"{sorted({b['bytes'].shape[1] for b in batches})}, micro-batch {s.micro_batch_size}, "
-              f"mode={cfg.compile_mode}, activation checkpointing {cfg.activation_checkpointing}", flush=True)
+              f"mode={cfg.compile.mode}, activation checkpointing {cfg.frozen.activation_checkpointing}", flush=True)
     if variant == "whole":
-        forward = whole_step(cfg.compile_mode, backend)
+        forward = whole_step(cfg.compile.mode, backend)
     else:
-        forward = regional_step(model, llms, cfg.compile_mode, backend)
+        forward = regional_step(model, llms, cfg.compile.mode, backend)
 
     cpu = cpu_seconds()
     first = timed_step(forward, model, llms, batches[0])

@@ -62,29 +62,29 @@ def model_round(model, llms, optimizer, batches: list[dict], accum: int) -> list
 def main() -> None:
     _, s = parse_settings(__doc__.splitlines()[0], QUICK, FULL)
     cfg = cpu_config("--num-examples", s.num_examples)
-    print(f"model step: {cfg.micro_batch_size} x {cfg.grad_accum_steps} micro-batches; loader: " + (
-        f"{cfg.num_workers} worker(s), prefetch {cfg.prefetch_factor}" if cfg.num_workers else
+    print(f"model step: {cfg.training.micro_batch_size} x {cfg.training.grad_accum_steps} micro-batches; loader: " + (
+        f"{cfg.data.num_workers} worker(s), prefetch {cfg.data.prefetch_factor}" if cfg.data.num_workers else
         "no workers (the profile's num_workers is 0): it collates in the training process, in series "
         "with the model, so 1/ratio is the share of each step spent loading"), flush=True)
     llms, model = build_model(cfg)
     loader = make_loader(cfg, llms)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    needed = s.model_steps * cfg.grad_accum_steps
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr)
+    needed = s.model_steps * cfg.training.grad_accum_steps
     # Untimed warm-up: starts the persistent workers and creates the optimizer state.
-    _, first = loader_round(loader, epoch=0, keep=cfg.grad_accum_steps)
-    model_round(model, llms, optimizer, first, cfg.grad_accum_steps)
+    _, first = loader_round(loader, epoch=0, keep=cfg.training.grad_accum_steps)
+    model_round(model, llms, optimizer, first, cfg.training.grad_accum_steps)
 
     loader_rates, model_rates = [], []
     for r in range(s.rounds):
         rate, batches = loader_round(loader, epoch=r + 1, keep=needed)
-        steps = model_round(model, llms, optimizer, batches, cfg.grad_accum_steps)
+        steps = model_round(model, llms, optimizer, batches, cfg.training.grad_accum_steps)
         loader_rates.append(rate)
         model_rates += steps
         print(f"round {r + 1}/{s.rounds}: loader {rate:.0f} samples/s, model {median(steps):.1f} samples/s "
               f"(median of {len(steps)} steps)", flush=True)
     loader_rate, model_rate = median(loader_rates), median(model_rates)
     summary("dataloader", loader_rate / model_rate, loader_samples_per_s=loader_rate,
-            model_samples_per_s=model_rate, num_workers=cfg.num_workers)
+            model_samples_per_s=model_rate, num_workers=cfg.data.num_workers)
 
 
 if __name__ == "__main__":

@@ -129,9 +129,9 @@ def train_run(name: str, flags: list[str], out: Path, log) -> dict:
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                 "train.py", *flags, "--out-dir", str(run_dir), "--overwrite"], log, env={"TORCH_LOGS": "recompiles"})
     cfg = load_config([*flags, "--out-dir", str(run_dir)])
-    entry = {"name": name, "profile": cfg.run.profile, "micro_batch_size": cfg.micro_batch_size,
-             "grad_accum_steps": cfg.grad_accum_steps, "compile": cfg.compile,
-             "activation_checkpointing": cfg.activation_checkpointing, "exit": proc.returncode,
+    entry = {"name": name, "profile": cfg.run.profile, "micro_batch_size": cfg.training.micro_batch_size,
+             "grad_accum_steps": cfg.training.grad_accum_steps, "compile": cfg.compile.enabled,
+             "activation_checkpointing": cfg.frozen.activation_checkpointing, "exit": proc.returncode,
              "recompiles": len(re.findall(r"Recompiling function", proc.stderr)), "run_dir": str(run_dir)}
     metrics = run_dir / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []

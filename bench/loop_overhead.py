@@ -67,10 +67,10 @@ class BareLoop:
         self.cfg = cpu_config(*train_flags(s))
         self.llms, self.model = build_model(self.cfg)
         self.batches = iter(make_loader(self.cfg, self.llms))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.optimizer.lr)
 
     def step(self) -> None:
-        micro_batches = [next(self.batches) for _ in range(self.cfg.grad_accum_steps)]
+        micro_batches = [next(self.batches) for _ in range(self.cfg.training.grad_accum_steps)]
         bare_step(self.model, self.llms, self.optimizer, micro_batches)
 
 

@@ -33,11 +33,21 @@ KV cache) would recompile every region, so it runs under torch.compiler.set_stan
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from .llm import decoder_layers
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    enabled: bool  # torch.compile the regions
+    mode: str  # torch.compile's mode
+    FLAT_NAMES: ClassVar[dict] = {"enabled": "compile", "mode": "compile_mode"}
+
 
 # Variants of CheckpointWrapper.forward the step compiles: 2 LLMs (layer classes and widths differ)
 # x 2 calls (training; with distillation on, the teacher, under no_grad and with a padding mask)
@@ -45,6 +55,7 @@ from .llm import decoder_layers
 # any further variant would silently run every layer of an LLM eagerly. Twice that leaves room for
 # one nobody planned (TORCH_LOGS=recompiles names it) and still stops a guard that fails on every
 # batch. accumulated_recompile_limit (256 in torch 2.13, all entries of a code object) is far above.
+
 DECODER_LAYER_VARIANTS = 2 * 2 * 2
 RECOMPILE_LIMIT = 2 * DECODER_LAYER_VARIANTS
 

@@ -5,6 +5,10 @@ some of its fields. Every field is checked against `FIELDS` (name, type, allowed
 that a typo in the JSON or on the command line is a one-line error naming the field, not a
 KeyError deep inside the loop. Every field is also a command-line flag of the same name with
 dashes (`micro_batch_size` -> `--micro-batch-size`).
+
+The resolved `Config` is typed: one frozen dataclass per concern, each defined by the module that
+uses it (as torchtitan's components own their configs), so a function takes the section it reads
+(`cfg.wire`, `cfg.data`, ...). Profiles, flags and a checkpoint's meta.json keep the flat names.
 """
 from __future__ import annotations
 
@@ -15,11 +19,18 @@ import math
 import os
 import textwrap
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
+from .compiling import CompileConfig
+from .data import DataConfig
 from .errors import UserError
-from .precision import frozen_weight_dtype, sdpa_backends
-from .prompting import DEFAULT_ANCHOR
+from .llm import FrozenConfig
+from .model import WireConfig
+from .objectives import Objectives
+from .precision import Card, Numerics, frozen_weight_dtype, sdpa_backends
+from .profiling import ProfilerConfig
+from .prompting import DEFAULT_ANCHOR, PromptFormat
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
@@ -51,12 +62,12 @@ FIELDS: dict[str, Field] = {
     "peak_tflops_bf16": Field(float, "dense bf16 peak TFLOP/s of one device", nullable=True, positive=True),
     "peak_tflops_fp16": Field(float, "dense fp16 peak TFLOP/s of one device", nullable=True, positive=True),
     "peak_tflops_tf32": Field(float, "dense TF32 tensor-core peak TFLOP/s (Ampere and newer)", nullable=True,
-                              positive=True),
+                              positive=True, default=None),
     "peak_tflops_fp32": Field(float, "dense IEEE fp32 peak TFLOP/s (no tensor cores)", nullable=True, positive=True),
     # --- numerics -------------------------------------------------------------------------
     "precision": Field(str, "autocast dtype", choices=("bf16", "fp16", "fp32")),
     "tf32": Field(bool, "TF32 tensor cores for fp32 matmuls on Ampere and newer (--precision fp32 --tf32 false: "
-                        "the IEEE fp32 reference)"),
+                        "the IEEE fp32 reference)", default=False),
     "compile": Field(bool, "torch.compile the forward pass"),
     "compile_mode": Field(str, "torch.compile mode", choices=("default", "max-autotune-no-cudagraphs"),
                           refused=dict.fromkeys(("reduce-overhead", "max-autotune"),
@@ -167,20 +178,117 @@ class RunFlags:
     new_data: bool = False  # with resume: a fresh epoch of this run's data, not the checkpoint's position
 
 
+# --- the sections the loop reads itself; the others belong to the module that uses them --------
+
+@dataclass(frozen=True)
+class Training:
+    num_gpus: int  # the layout the profile is written for (the plan's default)
+    micro_batch_size: int
+    grad_accum_steps: int
+    max_steps: int
+    seed: int
+    max_grad_norm: float
+    max_nonfinite_steps: int
+    dist_timeout_s: int
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW's (the lr is also OneCycle's peak)."""
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    FLAT_NAMES: ClassVar[dict] = {"beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_eps"}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """OneCycle's shape around the optimizer's lr."""
+    pct_start: float
+    anneal_strategy: str
+    div_factor: float
+    final_div_factor: float
+
+
+@dataclass(frozen=True)
+class Planning:
+    """The memory plan's budget and what --elastic-batch does with it."""
+    target_util: float
+    elastic_batch: bool
+    lr_scaling: str
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    every: int  # steps between evaluations; 0: never
+    examples: int
+    max_new_tokens: int
+    FLAT_NAMES: ClassVar[dict] = {"every": "eval_every", "examples": "eval_examples"}
+
+
+@dataclass(frozen=True)
+class Output:
+    out_dir: str
+    log_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+
+
+# Config's sections, by attribute. A section's fields are read from the profile's flat fields (the
+# keys of hw_profiles.json, the flags, meta.json) of the same name, or of the name its FLAT_NAMES
+# gives; every flat field belongs to exactly one section.
+SECTIONS: dict[str, type] = {
+    "card": Card, "numerics": Numerics, "compile": CompileConfig, "frozen": FrozenConfig, "training": Training,
+    "optimizer": OptimizerConfig, "schedule": Schedule, "wire": WireConfig, "prompt": PromptFormat,
+    "objectives": Objectives, "data": DataConfig, "planning": Planning, "evaluation": Evaluation, "output": Output,
+    "profiler": ProfilerConfig,
+}
+
+
+def flat_names(section: type) -> dict[str, str]:
+    """A section's fields and the flat field each is read from."""
+    renamed = getattr(section, "FLAT_NAMES", {})
+    return {f.name: renamed.get(f.name, f.name) for f in dataclasses.fields(section)}
+
+
 @dataclass(frozen=True)
 class Config:
-    """The resolved configuration: a profile plus command-line overrides, validated."""
-    values: dict
+    """The resolved configuration: a profile plus command-line overrides, validated, in the
+    sections that the modules using them define (a function takes the section it reads)."""
+    card: Card
+    numerics: Numerics
+    compile: CompileConfig
+    frozen: FrozenConfig
+    training: Training
+    optimizer: OptimizerConfig
+    schedule: Schedule
+    wire: WireConfig
+    prompt: PromptFormat
+    objectives: Objectives
+    data: DataConfig
+    planning: Planning
+    evaluation: Evaluation
+    output: Output
+    profiler: ProfilerConfig
     run: RunFlags
 
-    def __getattr__(self, name):
-        try:
-            return self.__dict__["values"][name]
-        except KeyError:
-            raise AttributeError(name) from None
+    @classmethod
+    def of(cls, values: dict, run: RunFlags) -> Config:
+        """From checked flat values (every field of FIELDS)."""
+        return cls(**{attr: section(**{name: values[flat] for name, flat in flat_names(section).items()})
+                      for attr, section in SECTIONS.items()}, run=run)
+
+    def flat(self) -> dict:
+        """The flat fields, in FIELDS order."""
+        values = {flat: getattr(getattr(self, attr), name)
+                  for attr, section in SECTIONS.items() for name, flat in flat_names(section).items()}
+        return {name: values[name] for name in FIELDS}
 
     def to_dict(self) -> dict:
-        return {"profile": self.run.profile, **self.values}
+        """What meta.json records: the profile's key and the flat fields."""
+        return {"profile": self.run.profile, **self.flat()}
 
 
 # --- loading hw_profiles.json -----------------------------------------------------------------
@@ -436,5 +544,5 @@ def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config
         raise UserError("--new-data continues a run on other data: it needs --resume")
     run = RunFlags(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
                    stop_at_step=args.stop_at_step, new_data=args.new_data)
-    return Config(values, run)
+    return Config.of(values, run)
 

@@ -153,6 +153,21 @@ def same_dataset(a: str, b: str) -> bool:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """The profile's data fields: which examples, how they are cut and padded, how they load."""
+    dataset: str
+    eval_dataset: str | None
+    held_out_fraction: float
+    drop_cut_answers: bool
+    num_examples: int
+    max_prompt_bytes: int
+    max_answer_tokens: int
+    pad_multiple: int
+    num_workers: int
+    prefetch_factor: int
+
+
+@dataclass(frozen=True)
 class DataSources:
     """Where a run's training and held-out examples come from. The synthetic set and the hub
     datasets have a held-out split of their own. A local file has none: unless `eval_dataset`
@@ -169,8 +184,8 @@ class DataSources:
                             "seeded held_out_fraction of the file is held out from training")
 
     @classmethod
-    def of(cls, config) -> DataSources:
-        return cls(config.dataset, config.eval_dataset, config.held_out_fraction, config.seed)
+    def of(cls, data: DataConfig, seed: int) -> DataSources:
+        return cls(data.dataset, data.eval_dataset, data.held_out_fraction, seed)
 
     def fraction_held_out(self, source: str) -> float:
         """The part of `source` held out from training: the training file's held_out_fraction when

@@ -48,15 +48,8 @@ from .eval.evaluation import evaluate_examples
 from .eval.report import build_report, markdown, write_report
 from .eval.settings import EvalSettings
 from .llm import build_frozen_llms, fsdp_units, held_per_rank, read_weights
-from .model import WireConfig, WireEncoder
+from .model import WireEncoder
 from .precision import frozen_weight_dtype
-
-# The fields of a checkpoint's meta.json this module reads. Only these are required, so a
-# checkpoint written before a field was added to config.FIELDS still evaluates.
-READ_FIELDS = ("device", "precision", "dist_timeout_s", "llama", "qwen", "num_latents", "d_z", "encoder_dim",
-               "encoder_layers", "encoder_heads", "dropout", "dataset", "seed", "max_prompt_bytes",
-               "max_answer_tokens", "pad_multiple", "micro_batch_size", "max_new_tokens")
-
 
 # --- loading a checkpoint ---------------------------------------------------------------------
 
@@ -90,14 +83,14 @@ def read_meta(ckpt: Path) -> tuple[Config, int | None]:
     config = meta.get("config") if isinstance(meta, dict) else None
     if not isinstance(config, dict):
         raise UserError(f"{where} has no 'config' object")
-    missing = [name for name in READ_FIELDS if name not in config]
-    if missing:
-        raise UserError(f"{where}: config has no field {missing[0]!r}")
     # Fields added after the checkpoint was written take their defaults, as an older profile's do,
     # but for one: a run from before held_out_fraction trained on all of a local file.
     values = field_defaults() | {"held_out_fraction": 0.0}
+    missing = [name for name in FIELDS if name not in config and name not in values]
+    if missing:
+        raise UserError(f"{where}: config has no field {missing[0]!r}")
     values |= {name: check_value(name, value, where=str(where)) for name, value in config.items() if name in FIELDS}
-    return Config(values, RunFlags(profile=str(meta.get("profile")))), meta.get("step")
+    return Config.of(values, RunFlags(profile=str(meta.get("profile")))), meta.get("step")
 
 
 def load_wire_encoder(ckpt: Path, cfg, llms: dict, device: torch.device) -> WireEncoder:
@@ -109,7 +102,7 @@ def load_wire_encoder(ckpt: Path, cfg, llms: dict, device: torch.device) -> Wire
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise UserError(f"cannot read {path}: {e}") from None
-    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
+    model = WireEncoder.for_llms(cfg.wire, llms)
     check_weights(state, model.state_dict(), path, "the model of its meta.json")
     model.load_state_dict(state)
     return model.to(device)
@@ -136,10 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     ckpt = resolve_checkpoint(Path(args.ckpt))
     cfg, step = read_meta(ckpt)
-    device_type = args.device or cfg.device
+    device_type = args.device or cfg.card.device
     if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("the run used CUDA and no GPU is visible; pass --device cpu")
-    with process_group(device_type, cfg.dist_timeout_s) as di:
+    with process_group(device_type, cfg.training.dist_timeout_s) as di:
         run(args, ckpt, cfg, step, di)
 
 
@@ -150,7 +143,7 @@ def report_progress(world: int):
 
 
 def run(args, ckpt: Path, cfg, step, di) -> None:
-    sources = DataSources.of(cfg)
+    sources = DataSources.of(cfg.data, cfg.training.seed)
     dataset = sources.held_out_source(args.dataset)  # --dataset, else the run's eval_dataset or its own split
     out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
     check_can_create(out_dir, "output directory")
@@ -158,8 +151,8 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     # Built, sharded and read as train.py does; no backward here, so nothing to wrap or compile.
     # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
     with torch.device("meta"):
-        llms = build_frozen_llms(cfg, frozen_weight_dtype(cfg.precision))
-    sharded = cfg.frozen_sharding == "fsdp" and di.is_distributed
+        llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
+    sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
     mesh = init_device_mesh(di.device.type, (di.world_size,)) if sharded else None
     for llm in llms.values():
         if sharded:

@@ -48,7 +48,7 @@ from .config import Parser, check_can_create, load_config, positive
 from .errors import UserError, main_guard
 from .distributed import process_group
 from .llm import is_decoder_layer, load_frozen_llms
-from .model import WireConfig, WireEncoder
+from .model import WireEncoder
 from .plan import TRAINING_STEP, write_json
 from .planner.budget import GIB, Fit, fit_line
 from .planner.memtrace import planning_batch
@@ -125,7 +125,7 @@ class Probe:
         self.answers = {name: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)
                         for name, llm in llms.items()}
         # train.py's attention kernels for this card and dtype
-        self.attention_backends, _ = sdpa_backends(cuda_capability(device), frozen_weight_dtype(cfg.precision))
+        self.attention_backends, _ = sdpa_backends(cuda_capability(device), frozen_weight_dtype(cfg.numerics.precision))
         self.resident = resident_bytes(llm.model for llm in llms.values())
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
@@ -152,11 +152,11 @@ class Probe:
         return peak, None
 
     def _run(self, micro_batch: int) -> None:
-        torch.manual_seed(self.cfg.seed)
-        model = WireEncoder.for_llms(WireConfig.of(self.cfg), self.llms)
+        torch.manual_seed(self.cfg.training.seed)
+        model = WireEncoder.for_llms(self.cfg.wire, self.llms)
         model.to(self.device).train()
-        optimizer = TRAINING_STEP.optimizer(self.cfg, model, self.device.type)
-        batch = planning_batch(self.cfg, self.answers, micro_batch, self.device)
+        optimizer = TRAINING_STEP.adamw(model, self.cfg.optimizer, self.device.type)
+        batch = planning_batch(self.cfg.data, self.cfg.objectives.teacher, self.answers, micro_batch, self.device)
         for _ in range(self.steps):
             TRAINING_STEP.run(self.cfg, model, self.llms, optimizer, batch, self.attention_backends)
 
@@ -271,28 +271,28 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args, rest = build_parser().parse_known_args(argv)
     cfg = load_config(rest, prog=PROG)
-    with process_group(cfg.device, cfg.dist_timeout_s) as di:
+    with process_group(cfg.card.device, cfg.training.dist_timeout_s) as di:
         find(cfg, args, di)
 
 
 def find(cfg, args, di) -> None:
-    if cfg.frozen_sharding == "fsdp":
+    if cfg.frozen.sharding == "fsdp":
         raise UserError("find_batch measures with whole frozen LLMs on each rank; for --frozen-sharding fsdp, "
                         f"plan the micro-batch with python -m latentwire.plan --profile {cfg.run.profile}")
-    out = Path(cfg.out_dir)
+    out = Path(cfg.output.out_dir)
     json_path, tb_dir = Path(args.json or out / "find_batch.json"), Path(args.tb_dir or out / "find_batch_tb")
     check_can_create(json_path.parent, "output directory")
     check_can_create(tb_dir, "TensorBoard directory")
-    cap = round((args.cap_gb or cfg.target_util * cfg.memory_gb) * GIB)
-    llms = load_frozen_llms(cfg, frozen_weight_dtype(cfg.precision), di.device)
-    if cfg.activation_checkpointing:
+    cap = round((args.cap_gb or cfg.planning.target_util * cfg.card.memory_gb) * GIB)
+    llms = load_frozen_llms(cfg.frozen, frozen_weight_dtype(cfg.numerics.precision), di.device)
+    if cfg.frozen.activation_checkpointing:
         for llm in llms.values():
             apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
     probe = Probe(cfg, llms, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)
     say(f"find_batch {cfg.run.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "
-        f"{args.steps} steps per trial, starting at micro-batch {cfg.micro_batch_size}", flush=True)
-    best, trials = search(lambda m: run_trial(probe, m, di.device), cfg.micro_batch_size, args.max_micro_batch,
+        f"{args.steps} steps per trial, starting at micro-batch {cfg.training.micro_batch_size}", flush=True)
+    best, trials = search(lambda m: run_trial(probe, m, di.device), cfg.training.micro_batch_size, args.max_micro_batch,
                           report=lambda t: say(format_trial(t), flush=True))
     fit = fit_trials(trials)
     if fit is not None:

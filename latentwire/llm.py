@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -15,6 +16,20 @@ from .attention import causal_attention, padded_causal_mask, positions
 from .errors import UserError
 from .llm_sources import LLM_NAMES, one_line_error, read_source
 from .prompting import PromptContract, PromptFormat
+
+
+@dataclass(frozen=True)
+class FrozenConfig:
+    """Where the two frozen LLMs come from (a source each, see llm_sources) and how a rank holds them."""
+    llama: str
+    qwen: str
+    activation_checkpointing: bool  # recompute each decoder layer in backward
+    sharding: str  # none (whole on every rank) or fsdp
+    FLAT_NAMES: ClassVar[dict] = {"sharding": "frozen_sharding"}
+
+    def source(self, name: str) -> str:
+        return getattr(self, name)
+
 
 # Rows of the embedding table squared in fp32 at a time: the table itself is up to 2 GiB in bf16.
 EMBED_RMS_CHUNK_ELEMENTS = 2 ** 20
@@ -194,15 +209,14 @@ def load_frozen_llm(name: str, source: str, dtype: torch.dtype, device: torch.de
     return llm
 
 
-def build_frozen_llms(cfg, dtype: torch.dtype) -> dict[str, FrozenLLM]:
-    """Both frozen LLMs of a configuration by name, each from its source field (`cfg.llama`,
-    `cfg.qwen`)."""
-    return {name: build_frozen_llm(name, getattr(cfg, name), dtype, PromptFormat.of(cfg)) for name in LLM_NAMES}
+def build_frozen_llms(frozen: FrozenConfig, prompt: PromptFormat, dtype: torch.dtype) -> dict[str, FrozenLLM]:
+    """Both frozen LLMs of a configuration by name, each from its source."""
+    return {name: build_frozen_llm(name, frozen.source(name), dtype, prompt) for name in LLM_NAMES}
 
 
-def load_frozen_llms(cfg, dtype: torch.dtype, device: torch.device) -> dict[str, FrozenLLM]:
+def load_frozen_llms(frozen: FrozenConfig, dtype: torch.dtype, device: torch.device) -> dict[str, FrozenLLM]:
     """Both frozen LLMs of a configuration, built and loaded whole on `device`."""
-    return {name: load_frozen_llm(name, getattr(cfg, name), dtype, device) for name in LLM_NAMES}
+    return {name: load_frozen_llm(name, frozen.source(name), dtype, device) for name in LLM_NAMES}
 
 
 def held_bytes(model: nn.Module) -> int:

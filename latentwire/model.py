@@ -6,7 +6,7 @@ attention (as keys), so a prompt padded to any length gives the same wire.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -178,11 +178,6 @@ class WireConfig:
     encoder_heads: int
     patch_bytes: int  # bytes per encoder position
     dropout: float
-
-    @classmethod
-    def of(cls, config) -> WireConfig:
-        """Its fields, read from a run's configuration (a Config, or anything with these attributes)."""
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 class WireEncoder(nn.Module):

@@ -16,7 +16,7 @@ With every weight 0 only `answer_ce` is computed, the arithmetic of a loop that 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +34,6 @@ class Objectives:
     kd_weight: float = 0.0
     k_tokens: int = 4
     kd_temperature: float = 2.0
-
-    @classmethod
-    def of(cls, config) -> Objectives:
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
     @property
     def weighted(self) -> dict[str, float]:

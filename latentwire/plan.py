@@ -38,7 +38,6 @@ from .errors import UserError, main_guard
 from .known_llms import llm_parameter_count
 from .llm import LLM_NAMES
 from .llm_sources import llm_spec
-from .objectives import Objectives
 from .planner.analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
 from .planner.budget import GIB, Budget, budget_for
 from .planner.memory_plan import Plan, make_plan, trainable_shapes
@@ -71,26 +70,27 @@ def frozen_share(plan: Plan) -> str:
 def format_plan(plan: Plan) -> str:
     cfg, a, fit, budget = plan.cfg, plan.analytic, plan.fit, plan.budget
     size, unit = _unit(plan)
-    compile_note = "torch.compile usually keeps less" if cfg.compile else "no torch.compile"
-    prompt = round_up(cfg.max_prompt_bytes, cfg.pad_multiple)
-    lines = [f"memory plan for profile {cfg.run.profile}: {cfg.description}",
-             f"{plan.world_size} rank(s) x {cfg.device}, {cfg.precision} autocast, frozen LLMs in {cfg.precision}"
+    compile_note = "torch.compile usually keeps less" if cfg.compile.enabled else "no torch.compile"
+    prompt = round_up(cfg.data.max_prompt_bytes, cfg.data.pad_multiple)
+    lines = [f"memory plan for profile {cfg.run.profile}: {cfg.card.description}",
+             f"{plan.world_size} rank(s) x {cfg.card.device}, {cfg.numerics.precision} autocast, frozen LLMs in "
+             f"{cfg.numerics.precision}"
              f"{' sharded by FSDP2 (the all-gathered units computed, not traced)' if plan.gathered_bytes else ''}, "
-             f"activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}, "
+             f"activation checkpointing {'on' if cfg.frozen.activation_checkpointing else 'off'}, "
              f"eager step ({compile_note})"]
     lines += [f"  {name}: {spec.source}, {plan.frozen_params[name]:,} parameters ({spec.origin})"
               for name, spec in plan.specs.items()]
     lines += [f"  trainable: byte encoder + pooler + adapters, {a.trainable_params:,} parameters (fp32)",
-              f"  per sample: {prompt} prompt bytes -> {cfg.num_latents} soft tokens per LLM, after a BOS where the "
-              f"tokenizer has one; then the anchor and answers of {cfg.max_answer_tokens} tokens + EOS"
-              f"{', and the distillation teacher reading the prompt as tokens' if Objectives.of(cfg).teacher else ''} "
+              f"  per sample: {prompt} prompt bytes -> {cfg.wire.num_latents} soft tokens per LLM, after a BOS "
+              f"where the tokenizer has one; then the anchor and answers of {cfg.data.max_answer_tokens} tokens + EOS"
+              f"{', and the distillation teacher reading the prompt as tokens' if cfg.objectives.teacher else ''} "
               "(the longest batch the collator emits)",
               "",
               "traced under FakeTensorMode + MemTracker, nothing allocated: 2 training steps at micro-batch "
-              f"{cfg.micro_batch_size}, then 1 more step of the same model and optimizer at the second size",
+              f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at the second size",
               f"  {'steady state':<40}{'traced ' + unit:>10}{'analytic':>10}{'diff':>10}"]
     for label, traced, analytic in (
-            (f"parameters, frozen ({cfg.precision}{frozen_share(plan)})", plan.params_frozen_bytes, a.frozen),
+            (f"parameters, frozen ({cfg.numerics.precision}{frozen_share(plan)})", plan.params_frozen_bytes, a.frozen),
             ("parameters, trainable (fp32)", plan.params_trainable_bytes, a.trainable),
             ("gradients (trainable only)", plan.gradients, a.gradients),
             ("optimizer state (AdamW)", plan.optimizer, a.optimizer_state)):
@@ -106,7 +106,7 @@ def format_plan(plan: Plan) -> str:
               ""]
     lines += budget.lines()
     lines.append(f"  -> the step's tensors may peak at {budget.allowed_peak(plan.weight_bytes) / GIB:.2f} GiB")
-    asked = next(t for t in plan.traces if t.micro_batch == cfg.micro_batch_size)
+    asked = next(t for t in plan.traces if t.micro_batch == cfg.training.micro_batch_size)
     needed = budget.needed(asked.peak["total"], plan.weight_bytes)
     lines.append(f"micro-batch {asked.micro_batch}: traced peak {asked.peak['total'] / GIB:.2f} GiB, {needed / GIB:.2f} GiB "
                  f"with the reserve: {'fits' if needed <= budget.target_bytes else 'does NOT fit'}")
@@ -180,13 +180,14 @@ def _calculator(args, rest: list[str]) -> tuple[StaticMemory, Budget]:
 
 
 def _profile_analytic(cfg, args) -> tuple[StaticMemory, Budget]:
-    specs = {name: llm_spec(name, getattr(cfg, name)) for name in LLM_NAMES}
-    shapes = trainable_shapes(cfg, specs)
+    specs = {name: llm_spec(name, cfg.frozen.source(name)) for name in LLM_NAMES}
+    shapes = trainable_shapes(cfg.wire, specs)
     frozen = sum(llm_parameter_count(s.config) for s in specs.values())
-    if cfg.frozen_sharding == "fsdp":
+    if cfg.frozen.sharding == "fsdp":
         frozen = math.ceil(frozen / args.num_gpus)
-    memory = static_memory(frozen, shapes, cfg.precision, args.optimizer or "adamw")
-    return memory, budget_for(cfg.device, cfg.memory_gb, cfg.target_util, args.num_gpus, memory.trainable_params)
+    memory = static_memory(frozen, shapes, cfg.numerics.precision, args.optimizer or "adamw")
+    return memory, budget_for(cfg.card.device, cfg.card.memory_gb, cfg.planning.target_util, args.num_gpus,
+                              memory.trainable_params)
 
 
 def analytic_json(memory: StaticMemory, budget: Budget, num_gpus: int) -> dict:
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         if given:
             raise UserError(f"{given[0]} is for --analytic without --profile; a profile sets it")
         cfg = load_config(["--profile", args.profile, *rest], prog=PROG)
-        args.num_gpus = args.num_gpus or cfg.num_gpus
+        args.num_gpus = args.num_gpus or cfg.training.num_gpus
         if args.analytic:
             memory, budget = _profile_analytic(cfg, args)
             print(format_analytic(memory, budget, args.num_gpus))

@@ -6,7 +6,29 @@ of plain inputs (compute capability, dtype), so CPU tests take each branch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Card:
+    """The profile's device: what it is, its memory, and the peaks MFU is measured against."""
+    description: str
+    device: str  # cuda or cpu
+    memory_gb: float
+    supports_bf16: bool  # bf16 tensor cores: sm80 and newer
+    peak_tflops_bf16: float | None
+    peak_tflops_fp16: float | None
+    peak_tflops_tf32: float | None
+    peak_tflops_fp32: float | None
+
+
+@dataclass(frozen=True)
+class Numerics:
+    precision: str  # the autocast dtype: bf16, fp16 or fp32
+    tf32: bool  # TF32 tensor cores for the matmuls left in fp32
+
 
 # The autocast dtype of each --precision; fp32 runs without autocast.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}

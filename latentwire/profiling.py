@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -33,20 +34,19 @@ class NoProfiler:
 
 @dataclass(frozen=True)
 class ProfilerConfig:
-    """The profile's `profiler_*` fields: the schedule in steps, and what each trace records."""
+    """What a run records to be looked at later: a torch.profiler trace (the schedule in steps and
+    what it records) and the CUDA allocator's history."""
+    enabled: bool
     wait: int
     warmup: int
     active: int
     shapes: bool
     memory: bool
     stacks: bool
-
-    @classmethod
-    def of(cls, config) -> ProfilerConfig | None:
-        """None where the profile leaves the profiler off."""
-        if not config.profiler:
-            return None
-        return cls(**{f.name: getattr(config, "profiler_" + f.name) for f in fields(cls)})
+    memory_snapshot: bool
+    FLAT_NAMES: ClassVar[dict] = {"enabled": "profiler", "wait": "profiler_wait", "warmup": "profiler_warmup",
+                                  "active": "profiler_active", "shapes": "profiler_shapes",
+                                  "memory": "profiler_memory", "stacks": "profiler_stacks"}
 
 
 def profiler_options(config: ProfilerConfig, out_dir: Path, rank: int, device: torch.device) -> dict:

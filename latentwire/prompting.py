@@ -17,6 +17,7 @@ in evaluation (or the reverse) leaves the wire trained for a context it never me
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .errors import UserError
 
@@ -30,10 +31,7 @@ class PromptFormat:
     """The run's choice: the anchor text and whether to wrap the middle in the chat template."""
     anchor: str = DEFAULT_ANCHOR
     chat_template: bool = False
-
-    @classmethod
-    def of(cls, config) -> PromptFormat:
-        return cls(config.anchor_text, config.chat_template)
+    FLAT_NAMES: ClassVar[dict] = {"anchor": "anchor_text"}
 
 
 @dataclass(frozen=True)

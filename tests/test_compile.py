@@ -16,7 +16,7 @@ from latentwire.compiling import DECODER_LAYER_VARIANTS, stable_shapes, step_reg
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
 from latentwire.llm import is_decoder_layer, load_frozen_llms
-from latentwire.model import WireConfig, WireEncoder
+from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
 
 CPU = torch.device("cpu")
@@ -32,11 +32,11 @@ def graphs() -> int:
 
 def build():
     cfg = load_config(["--profile", "cpu", "--dropout", "0"])
-    llms = load_frozen_llms(cfg, torch.float32, CPU)
+    llms = load_frozen_llms(cfg.frozen, torch.float32, CPU)
     for llm in llms.values():
         apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
     torch.manual_seed(0)
-    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
+    model = WireEncoder.for_llms(cfg.wire, llms)
     return cfg, model, llms
 
 

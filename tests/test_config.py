@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from latentwire.config import DEFAULT_PROFILES, FIELDS, load_config, read_profiles, resolve_profile
+from latentwire.config import (DEFAULT_PROFILES, FIELDS, SECTIONS, Config, flat_names, load_config, read_profiles,
+                               resolve_profile)
 from latentwire.errors import UserError
 
 from conftest import assert_one_line_error, run_train
@@ -72,7 +73,35 @@ def test_a_profile_file_from_before_the_newer_fields_still_loads(tmp_path):
     defaults (whole LLMs, one GPU) instead of a missing-field error."""
     path = broken(tmp_path, lambda p: [p["cpu"].pop(name) for name in ("frozen_sharding", "num_gpus")])
     cfg = load_config(["--profile", "cpu", "--hw-profiles", path])
-    assert (cfg.frozen_sharding, cfg.num_gpus) == ("none", 1)
+    assert (cfg.frozen.sharding, cfg.training.num_gpus) == ("none", 1)
+
+
+def test_a_profile_file_from_before_tf32_loads_with_ieee_fp32(tmp_path):
+    """tf32 and its peak came after profiles (and checkpoints' meta.json) were written without them."""
+    path = broken(tmp_path, lambda p: [p["cpu"].pop(name) for name in ("tf32", "peak_tflops_tf32")])
+    cfg = load_config(["--profile", "cpu", "--hw-profiles", path])
+    assert (cfg.numerics.tf32, cfg.card.peak_tflops_tf32) == (False, None)
+
+
+def test_every_field_is_read_by_one_section_and_meta_json_keeps_the_flat_names():
+    """The typed sections cover the flat fields (profile keys, flags, meta.json) once each, and
+    the flat record a checkpoint keeps reads back into the same configuration."""
+    owners = {}
+    for attr, section in SECTIONS.items():
+        for name, flat in flat_names(section).items():
+            owners.setdefault(flat, []).append(f"{attr}.{name}")
+    assert {flat: where for flat, where in owners.items() if len(where) > 1} == {}
+    assert set(owners) == set(FIELDS)
+    cfg = load_config(["--profile", "cpu", "--compile", "true", "--compile-mode", "max-autotune-no-cudagraphs",
+                       "--adam-beta1", "0.8", "--anchor-text", " A:", "--eval-every", "7", "--profiler", "true",
+                       "--frozen-sharding", "fsdp"])
+    assert (cfg.compile.enabled, cfg.compile.mode, cfg.optimizer.beta1) == (True, "max-autotune-no-cudagraphs", 0.8)
+    assert (cfg.prompt.anchor, cfg.evaluation.every, cfg.profiler.enabled, cfg.frozen.sharding) == (" A:", 7, True,
+                                                                                                   "fsdp")
+    meta = cfg.to_dict()
+    assert list(meta) == ["profile", *FIELDS] and meta["compile_mode"] == "max-autotune-no-cudagraphs"
+    assert meta["adam_beta1"] == 0.8 and meta["anchor_text"] == " A:" and meta["frozen_sharding"] == "fsdp"
+    assert Config.of(cfg.flat(), cfg.run) == cfg
 
 
 def test_inherited_field_errors_name_the_profile(tmp_path):
@@ -84,8 +113,9 @@ def test_inherited_field_errors_name_the_profile(tmp_path):
 def test_flags_override_profile_fields():
     cfg = load_config(["--profile", "cpu", "--micro-batch-size", "4", "--grad-accum-steps", "8", "--lr", "3e-4",
                        "--compile", "true", "--out-dir", "runs/x", "--precision", "bf16", "--dropout", "0"])
-    assert (cfg.micro_batch_size, cfg.grad_accum_steps, cfg.lr, cfg.compile) == (4, 8, 3e-4, True)
-    assert (cfg.out_dir, cfg.precision, cfg.dropout) == ("runs/x", "bf16", 0.0)
+    assert (cfg.training.micro_batch_size, cfg.training.grad_accum_steps) == (4, 8)
+    assert (cfg.optimizer.lr, cfg.compile.enabled) == (3e-4, True)
+    assert (cfg.output.out_dir, cfg.numerics.precision, cfg.wire.dropout) == ("runs/x", "bf16", 0.0)
 
 
 @pytest.mark.parametrize("flags, fragment", [

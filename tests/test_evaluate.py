@@ -16,7 +16,7 @@ from latentwire.eval.settings import EvalSettings
 from latentwire.config import load_config
 from latentwire.data import ATTRIBUTES, Collator, PromptDataset, answer_text, load_examples, synthetic_examples
 from latentwire.llm import LLM_NAMES, is_decoder_layer, load_frozen_llm
-from latentwire.model import WireConfig, WireEncoder
+from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 from latentwire.precision import AMP_DTYPES
 from latentwire.eval.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
@@ -75,11 +75,11 @@ def llms():
 
 def wire_encoder(cfg, llms, seed=0):
     torch.manual_seed(seed)
-    return WireEncoder.for_llms(WireConfig.of(cfg), llms)
+    return WireEncoder.for_llms(cfg.wire, llms)
 
 
 def collate(cfg, llms, examples):
-    collator = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple)
+    collator = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple)
     dataset = PromptDataset(examples)
     return collator([dataset[i] for i in range(len(examples))])
 
@@ -203,7 +203,7 @@ def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
     # With dropout 0.5 active, two passes would differ; in eval mode they are identical.
     assert ev.evaluate_wire(model, llms, examples, settings, CPU, rank=0, world=1) == first
     for name in LLM_NAMES:
-        assert {f"eval_nll_{k}_{name}" for k in ("wire", *ev.wire_controls(cfg.precision))} <= first.keys()
+        assert {f"eval_nll_{k}_{name}" for k in ("wire", *ev.wire_controls(cfg.numerics.precision))} <= first.keys()
         assert {f"eval_em_wire_{name}", f"eval_f1_wire_{name}"} <= first.keys()
     assert {"eval_em_wire_joint", "eval_f1_wire_joint"} <= first.keys()
 
@@ -295,6 +295,18 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, meta, weights, fragment):
     assert_one_line_error(proc, fragment)
 
 
+def test_meta_json_from_before_the_newer_fields_still_reads(tmp_path):
+    """A checkpoint written before tf32, its peak and held_out_fraction existed: the first two take
+    their defaults, and the run is known to have trained on all of its data."""
+    config = load_config(["--profile", "cpu"]).to_dict()
+    for name in ("tf32", "peak_tflops_tf32", "held_out_fraction"):
+        del config[name]
+    ckpt = write_checkpoint(tmp_path, json.dumps({"profile": "cpu", "step": 3, "config": config}))
+    cfg, step = command.read_meta(ckpt)
+    assert (cfg.numerics.tf32, cfg.card.peak_tflops_tf32, cfg.data.held_out_fraction, step) == (False, None, 0.0, 3)
+    assert cfg.wire == load_config(["--profile", "cpu"]).wire
+
+
 def test_weights_of_another_model_are_a_one_line_error(tmp_path, cfg, llms):
     from safetensors.torch import save_file
     state = {k: v.contiguous() for k, v in wire_encoder(cfg, llms).state_dict().items()}
@@ -342,7 +354,7 @@ def test_the_trained_wire_carries_information_and_content(default_run):
     cfg, _ = command.read_meta(ckpt)
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
     model = command.load_wire_encoder(ckpt, cfg, llms, CPU)
-    examples = load_examples(cfg.dataset, "validation", 256, cfg.seed)
+    examples = load_examples(cfg.data.dataset, "validation", 256, cfg.training.seed)
     settings = EvalSettings.of(cfg, text_baselines=False, batch_size=32)
     records = ev.evaluate_examples(model, llms, examples, settings, CPU, 0, 1)
     m = reporting.summarize(records)
@@ -421,8 +433,8 @@ def test_every_payload_control_changes_what_the_adapters_compute(precision):
     would be the wire itself, a control that cannot differ. Every control kept must differ."""
     cfg = load_config(["--profile", "cpu", "--precision", precision])
     torch.manual_seed(0)
-    model = WireEncoder(WireConfig.of(cfg), {"llama": (32, 1.0)})
-    z = torch.randn(3, cfg.num_latents, cfg.d_z)
+    model = WireEncoder(cfg.wire, {"llama": (32, 1.0)})
+    z = torch.randn(3, cfg.wire.num_latents, cfg.wire.d_z)
     amp_dtype = AMP_DTYPES[precision]
     with torch.no_grad(), torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
         wire = model.adapters["llama"](z)

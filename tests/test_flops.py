@@ -7,7 +7,7 @@ from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.flops import FlopModel, register_cpu_attention_flops
 from latentwire.llm import load_frozen_llm
-from latentwire.model import WireConfig, WireEncoder
+from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
 
 CPU = torch.device("cpu")
@@ -18,7 +18,7 @@ def setup():
     register_cpu_attention_flops()
     cfg = load_config(["--profile", "cpu"])
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
-    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
+    model = WireEncoder.for_llms(cfg.wire, llms)
     return cfg, llms, model
 
 
@@ -33,8 +33,9 @@ def test_analytic_flops_match_flop_counter(setup, batch_size, pad_multiple, kd):
     """With distillation, the teacher's forward over the prompt's tokens is counted too."""
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(64, batch_size))[i] for i in range(batch_size)]
-    batch = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, pad_multiple, teacher=kd)(items)
-    analytic = FlopModel.of(model, {n: l.model for n, l in llms.items()}, WireConfig.of(cfg)).step_flops([batch])
+    data = cfg.data
+    batch = Collator.for_llms(llms, data.max_prompt_bytes, data.max_answer_tokens, pad_multiple, teacher=kd)(items)
+    analytic = FlopModel.of(model, {n: l.model for n, l in llms.items()}, cfg.wire).step_flops([batch])
     measured = counted(model, llms, batch, Objectives(kd_weight=1.0 if kd else 0.0))
     assert analytic == pytest.approx(measured, rel=0.05)
 
@@ -43,7 +44,7 @@ def test_cpu_attention_is_counted(setup):
     """Without the registered formula, FlopCounterMode would miss every CPU attention."""
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(8, 0))[i] for i in range(4)]
-    batch = Collator.for_llms(llms, cfg.max_prompt_bytes, 16, 32)(items)
+    batch = Collator.for_llms(llms, cfg.data.max_prompt_bytes, 16, 32)(items)
     with FlopCounterMode(display=False) as counter:
         forward_loss_sums(model, llms, batch, Objectives()).sum().backward()
     ops = {str(op) for op in counter.get_flop_counts()["Global"]}
@@ -55,7 +56,7 @@ def test_frozen_llms_cost_no_weight_gradients(setup):
     """The frozen-aware count: letting an LLM's weights require grad adds 2 x params per position."""
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(8, 1))[i] for i in range(4)]
-    batch = Collator.for_llms(llms, cfg.max_prompt_bytes, 16, 32)(items)
+    batch = Collator.for_llms(llms, cfg.data.max_prompt_bytes, 16, 32)(items)
     frozen = counted(model, llms, batch, Objectives())
     layers = llms["qwen"].model.get_decoder().layers
     layers.requires_grad_(True)
@@ -64,5 +65,5 @@ def test_frozen_llms_cost_no_weight_gradients(setup):
     finally:
         layers.requires_grad_(False)
     from latentwire.flops import linear_params
-    positions = batch["bytes"].shape[0] * (cfg.num_latents + batch["answers"]["qwen"]["input_ids"].shape[1])
+    positions = batch["bytes"].shape[0] * (cfg.wire.num_latents + batch["answers"]["qwen"]["input_ids"].shape[1])
     assert unfrozen - frozen == pytest.approx(2 * linear_params(layers) * positions, rel=0.01)

@@ -95,7 +95,7 @@ def test_the_pooler_passes_no_mask_where_nothing_is_padded(monkeypatch):
     from latentwire.config import load_config
 
     cfg = load_config(["--profile", "cpu"])
-    pooler = LatentPooler(cfg.num_latents, cfg.d_z, cfg.encoder_dim, cfg.encoder_heads, 0.0)
+    pooler = LatentPooler(cfg.wire.num_latents, cfg.wire.d_z, cfg.wire.encoder_dim, cfg.wire.encoder_heads, 0.0)
     masks, sdpa = [], F.scaled_dot_product_attention
 
     def recording_sdpa(*args, attn_mask=None, **kwargs):
@@ -105,7 +105,7 @@ def test_the_pooler_passes_no_mask_where_nothing_is_padded(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
     byte_mask = torch.ones(2, 32, dtype=torch.bool)
     byte_mask[0, 20:] = False
-    pooler(torch.randn(2, 32, cfg.encoder_dim), byte_mask)
+    pooler(torch.randn(2, 32, cfg.wire.encoder_dim), byte_mask)
     assert [m is None for m in masks] == [False, True, False, True]  # cross (padded bytes), self (latents)
 
 
@@ -123,7 +123,8 @@ def test_process_group_and_profiler_options_follow_the_device_type():
     gpu = torch.device("cuda", 3)
     assert group_options(gpu, 300) == {"backend": "nccl", "timeout": datetime.timedelta(seconds=300), "device_id": gpu}
     assert group_options(CPU, 60) == {"backend": "gloo", "timeout": datetime.timedelta(seconds=60), "device_id": None}
-    config = ProfilerConfig(wait=1, warmup=1, active=2, shapes=True, memory=False, stacks=False)
+    config = ProfilerConfig(enabled=True, wait=1, warmup=1, active=2, shapes=True, memory=False, stacks=False,
+                            memory_snapshot=False)
     assert profiler_options(config, Path("out"), 0, gpu)["activities"] == [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     assert profiler_options(config, Path("out"), 0, CPU)["activities"] == [ProfilerActivity.CPU]
 
@@ -140,11 +141,12 @@ def test_fused_adamw_and_pinned_memory_only_on_cuda(device_type):
     """train.py's optimizer and loader, built for a CUDA device on this CPU: the fused AdamW (one
     launch for the whole update) and pinned host memory (asynchronous copies) are CUDA's only;
     frozen parameters get no state, and only matrices decay."""
+    from latentwire.config import OptimizerConfig
     from train import adamw, make_loader
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
     model[2].weight.requires_grad_(False)
-    optimizer = adamw(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), device_type=device_type)
+    optimizer = adamw(model, OptimizerConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8), device_type)
     assert optimizer.defaults["fused"] is (device_type == "cuda")
     decay, no_decay = optimizer.param_groups
     assert [p.shape for p in decay["params"]] == [(4, 4)] and decay["weight_decay"] == 0.1
@@ -173,15 +175,16 @@ def test_mfu_peak_follows_the_arithmetic_in_use():
     from latentwire.config import load_config
     from latentwire.precision import matmul_arithmetic
 
-    h100 = load_config(["--profile", "h100"])
+    h100 = load_config(["--profile", "h100"]).card
     peak = lambda precision, tf32: getattr(h100, "peak_tflops_" + matmul_arithmetic(precision, tf32))
     assert peak("bf16", True) == 989.4
     assert peak("fp32", False) == 66.9  # IEEE fp32: TF32 is off
     assert peak("fp32", True) == 494.7
-    assert getattr(load_config(["--profile", "a100-80gb"]), "peak_tflops_" + matmul_arithmetic("fp32", False)) == 19.5
-    assert getattr(load_config(["--profile", "rtx6000ada"]), "peak_tflops_fp32") == 91.1
+    a100 = load_config(["--profile", "a100-80gb"]).card
+    assert getattr(a100, "peak_tflops_" + matmul_arithmetic("fp32", False)) == 19.5
+    assert getattr(load_config(["--profile", "rtx6000ada"]).card, "peak_tflops_fp32") == 91.1
     v100 = load_config(["--profile", "v100"])
-    assert v100.peak_tflops_fp16 == 125.0 and not v100.tf32
+    assert v100.card.peak_tflops_fp16 == 125.0 and not v100.numerics.tf32
 
 
 # --- memory per window ------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from conftest import ALL_TERMS
 from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.llm import is_decoder_layer, load_frozen_llm
-from latentwire.model import WireConfig, WireEncoder
+from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 
 CPU = torch.device("cpu")
@@ -23,14 +23,14 @@ def cfg():
 def build(cfg, seed=0, dtype=torch.float32):
     llms = {n: load_frozen_llm(n, "tiny", dtype, CPU) for n in ("llama", "qwen")}
     torch.manual_seed(seed)
-    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
+    model = WireEncoder.for_llms(cfg.wire, llms)
     return model, llms
 
 
 def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None, teacher=False):
     items = [PromptDataset(synthetic_examples(64, 3))[i] for i in range(n)]
-    collate = Collator.for_llms(llms, cfg.max_prompt_bytes, max_answer_tokens or cfg.max_answer_tokens,
-                                pad_multiple or cfg.pad_multiple, teacher=teacher)
+    collate = Collator.for_llms(llms, cfg.data.max_prompt_bytes, max_answer_tokens or cfg.data.max_answer_tokens,
+                                pad_multiple or cfg.data.pad_multiple, teacher=teacher)
     return collate(items)
 
 
@@ -98,7 +98,7 @@ def test_adapters_emit_the_llm_embedding_scale(cfg):
     batch = batch_of(cfg, llms)
     soft = model(batch["bytes"], batch["byte_mask"])
     for name, llm in llms.items():
-        assert soft[name].shape[-2:] == (cfg.num_latents, llm.hidden_size)
+        assert soft[name].shape[-2:] == (cfg.wire.num_latents, llm.hidden_size)
         rms = soft[name].pow(2).mean().sqrt().item()
         assert rms == pytest.approx(llm.embed_rms(), rel=1e-3)
 

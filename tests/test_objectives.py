@@ -4,10 +4,10 @@ import torch
 import torch.nn.functional as F
 
 import train
-from latentwire.config import load_config
+from latentwire.config import OptimizerConfig, load_config
 from latentwire.data import IGNORE_INDEX, Collator, PromptDataset, synthetic_examples
 from latentwire.llm import LLM_NAMES, FrozenLLM, load_frozen_llm
-from latentwire.model import WireConfig, WireEncoder
+from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, first_targets, forward_loss_sums, kd_sum, llm_term_sums, target_counts
 from latentwire.precision import sdpa_backends
 
@@ -85,25 +85,26 @@ def test_terms_at_weight_zero_leave_the_step_bitwise_as_the_answer_loss_alone(ll
     monkeypatch.setattr(FrozenLLM, "teacher_logits", no_teacher)
     cfg = load_config(["--profile", "cpu", "--dropout", "0", "--first-token-weight", "0", "--k-token-weight", "0",
                        "--kd-weight", "0", "--k-tokens", "1", "--kd-temperature", "3"])
-    objectives = Objectives.of(cfg)
+    objectives = cfg.objectives
     assert objectives.terms == ("answer_ce",) and not objectives.teacher
     weights = []
     for step in (reference_step, lambda *a: harness_step(*a, objectives)):
         torch.manual_seed(0)
-        model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
-        optimizer = train.adamw(model, lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95), device_type="cpu")
+        model = WireEncoder.for_llms(cfg.wire, llms)
+        adam = OptimizerConfig(lr=1e-3, weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8)
+        optimizer = train.adamw(model, adam, "cpu")
         for micro_batches in (batches(llms, seed=31), batches(llms, seed=32)):
             step(model, llms, micro_batches, optimizer)
         weights.append(model.state_dict())
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    assert not torch.equal(weights[0]["pooler.queries"], WireEncoder.for_llms(WireConfig.of(cfg), llms).state_dict()[
+    assert not torch.equal(weights[0]["pooler.queries"], WireEncoder.for_llms(cfg.wire, llms).state_dict()[
         "pooler.queries"])  # the steps moved the weights
 
 
 def test_the_teacher_gets_no_gradient_and_its_term_moves_the_wire(llms):
     cfg = load_config(["--profile", "cpu", "--dropout", "0"])
     torch.manual_seed(0)
-    model = WireEncoder.for_llms(WireConfig.of(cfg), llms)
+    model = WireEncoder.for_llms(cfg.wire, llms)
     batch = batches(llms, teacher=True, n=1)[0]
     kd_only = Objectives(kd_weight=1.0)
     sums = forward_loss_sums(model, llms, batch, kd_only)

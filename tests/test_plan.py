@@ -33,14 +33,20 @@ CPU = torch.device("cpu")
 
 
 def specs_and_answers(cfg):
-    specs = {name: llm_spec(name, getattr(cfg, name)) for name in ("llama", "qwen")}
-    return specs, planned_rows(cfg.anchor_text, specs)
+    specs = {name: llm_spec(name, cfg.frozen.source(name)) for name in ("llama", "qwen")}
+    return specs, planned_rows(cfg.prompt.anchor, specs)
+
+
+def profile_fakes(cfg, specs):
+    """The profile's frozen LLMs as the plan builds them (call under a FakeTensorMode)."""
+    return fake_llms(specs, cfg.numerics.precision, cfg.frozen.activation_checkpointing)
 
 
 def traced_peak(cfg, micro_batch: int) -> int:
     specs, answers = specs_and_answers(cfg)
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
-        return StepTracer(cfg, fake_llms(cfg, specs), answers, TRAINING_STEP).trace(micro_batch, steps=2).peak["total"]
+        tracer = StepTracer(cfg, profile_fakes(cfg, specs), answers, TRAINING_STEP)
+        return tracer.trace(micro_batch, steps=2).peak["total"]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +64,7 @@ def test_shipped_configurations_have_the_published_parameter_counts():
         assert llm_parameter_count(spec.config) == count
         cfg = load_config(["--profile", "h100", "--activation-checkpointing", "false"])
         with FakeTensorMode():
-            model = fake_llms(cfg, {"x": spec})["x"].model
+            model = profile_fakes(cfg, {"x": spec})["x"].model
             assert sum(p.numel() for p in model.parameters()) == count
             assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert set(expected) <= set(KNOWN_LLMS)
@@ -72,8 +78,8 @@ def test_the_sharded_70b_pair_holds_an_eighth_per_gpu():
     cfg = load_config(["--profile", "h100x8-70b"])
     specs, _ = specs_and_answers(cfg)
     with FakeTensorMode():
-        held, gathered = fsdp_frozen_memory(fake_llms(cfg, specs), cfg.num_gpus)
-    assert cfg.num_gpus == 8 and cfg.frozen_sharding == "fsdp"
+        held, gathered = fsdp_frozen_memory(profile_fakes(cfg, specs), cfg.training.num_gpus)
+    assert cfg.training.num_gpus == 8 and cfg.frozen.sharding == "fsdp"
     assert held == pytest.approx(2 * (LLAMA_3_1_70B_PARAMS + QWEN_2_5_72B_PARAMS) / 8, rel=0.005)
     assert gathered == 2 * (152064 * 8192 + 8192) * 2
 
@@ -97,10 +103,10 @@ def test_planning_batch_is_the_longest_the_collator_emits():
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
     long_example = {"context": "Maria lives in Paris. " * 20, "question": "Where?",
                     "answers": {"text": ["Paris Tokyo Lima Cairo Oslo Berlin Madrid Toronto"]}}
-    collated = Collator.for_llms(llms, cfg.max_prompt_bytes, cfg.max_answer_tokens, cfg.pad_multiple,
+    collated = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
                                  teacher=True)([PromptDataset([long_example] * 3)[i] for i in range(3)])
-    planned = planning_batch(cfg, {n: (len(l.contract.lead), len(l.contract.tail), len(l.tokenizer))
-                                   for n, l in llms.items()}, 3)
+    planned = planning_batch(cfg.data, True, {n: (len(l.contract.lead), len(l.contract.tail), len(l.tokenizer))
+                                              for n, l in llms.items()}, 3)
     assert planned["bytes"].shape == collated["bytes"].shape
     assert torch.equal(planned["byte_mask"], collated["byte_mask"])
     for name in llms:
@@ -138,12 +144,13 @@ def test_stock_memtracker_fails_on_frozen_parameters_where_the_subclass_counts_o
 
 def measured_and_traced_peaks(cfg) -> tuple[int, int]:
     """The CPU allocator's own count of a real step (find_batch's probe), and the fake trace of it."""
-    llms = {n: load_frozen_llm(n, getattr(cfg, n), frozen_weight_dtype(cfg.precision), CPU) for n in ("llama", "qwen")}
-    if cfg.activation_checkpointing:
+    dtype = frozen_weight_dtype(cfg.numerics.precision)
+    llms = {n: load_frozen_llm(n, cfg.frozen.source(n), dtype, CPU) for n in ("llama", "qwen")}
+    if cfg.frozen.activation_checkpointing:
         for llm in llms.values():
             apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
-    measured, _ = Probe(cfg, llms, CPU, steps=2, cap_bytes=2 ** 62)(cfg.micro_batch_size)
-    return measured, traced_peak(cfg, cfg.micro_batch_size)
+    measured, _ = Probe(cfg, llms, CPU, steps=2, cap_bytes=2 ** 62)(cfg.training.micro_batch_size)
+    return measured, traced_peak(cfg, cfg.training.micro_batch_size)
 
 
 def onednn_runs_bf16_matmuls() -> bool:
@@ -202,10 +209,10 @@ def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
                        "--max-prompt-bytes", "8192"])
     specs, answers = specs_and_answers(cfg)
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
-        tracer = StepTracer(cfg, fake_llms(cfg, specs), answers, TRAINING_STEP)
+        tracer = StepTracer(cfg, profile_fakes(cfg, specs), answers, TRAINING_STEP)
         small, large = tracer.trace(2, steps=2), tracer.trace(4, steps=1)
     per_sample = (large.peak["total"] - small.peak["total"]) / 2
-    one_layer_of_bf16_scores = cfg.encoder_heads * (8192 // cfg.patch_bytes) ** 2 * 2
+    one_layer_of_bf16_scores = cfg.wire.encoder_heads * (8192 // cfg.wire.patch_bytes) ** 2 * 2
     assert 0 < per_sample < one_layer_of_bf16_scores
 
 
@@ -338,7 +345,7 @@ def test_h100_plan_counts_every_byte_of_the_real_configuration(tmp_path):
     for key in ("params_frozen_bytes", "params_trainable_bytes", "grads_bytes", "optimizer_bytes"):
         assert p[key] == pytest.approx(p["analytic"][key], rel=0.01)
     assert p["max_micro_batch"] >= 1 and "largest micro-batch" in proc.stdout
-    assert p["peak_bytes"][str(load_config(["--profile", "h100"]).micro_batch_size)] > p["params_frozen_bytes"]
+    assert p["peak_bytes"][str(load_config(["--profile", "h100"]).training.micro_batch_size)] > p["params_frozen_bytes"]
 
 
 # --- elastic batch --------------------------------------------------------------------------
@@ -348,7 +355,7 @@ def test_elastic_batch_keeps_the_global_batch_when_a_split_fills_the_card():
     for world, plan_max in ((1, 55), (1, 64), (1, 500), (2, 7), (4, 3), (1, 1)):
         micro, accum, lr, message = elastic_batch(cfg, world, plan_max)
         assert micro <= plan_max and micro * accum * world == 64 * world
-        assert lr == cfg.lr and "kept" in message
+        assert lr == cfg.optimizer.lr and "kept" in message
     assert elastic_batch(cfg, 1, 55)[:2] == (32, 2)
 
 
@@ -359,14 +366,14 @@ def test_elastic_batch_changes_the_global_batch_and_the_lr_by_the_rule_when_it_m
     micro, accum, lr, message = elastic_batch(cfg, 2, 40)
     assert (micro, accum) == (31, 2)  # two micro-steps, the fewest that fit; 62 per rank
     ratio = (31 * 2 * 2) / (61 * 2)
-    assert lr == pytest.approx(cfg.lr * (math.sqrt(ratio) if rule == "sqrt" else ratio))
-    assert lr == pytest.approx(scaled_lr(cfg.lr, 122, 124, rule))
+    assert lr == pytest.approx(cfg.optimizer.lr * (math.sqrt(ratio) if rule == "sqrt" else ratio))
+    assert lr == pytest.approx(scaled_lr(cfg.optimizer.lr, 122, 124, rule))
     assert "122 -> 124" in message and rule in message
 
 
 def test_elastic_batch_from_a_real_plan_and_when_nothing_fits(cpu_plan):
     cfg = cpu_plan.cfg
     micro, accum, lr, _ = elastic_batch(cfg, 1, cpu_plan.max_micro_batch)
-    assert micro * accum == cfg.micro_batch_size * cfg.grad_accum_steps and lr == cfg.lr
+    assert micro * accum == cfg.training.micro_batch_size * cfg.training.grad_accum_steps and lr == cfg.optimizer.lr
     with pytest.raises(UserError, match="fits no micro-batch"):
         elastic_batch(cfg, 1, 0)

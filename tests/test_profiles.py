@@ -17,7 +17,8 @@ HW_PROFILES = REPO / "hw_profiles.json"
 def gpu_profiles() -> list[str]:
     """Every key of the shipped hw_profiles.json whose resolved device is cuda."""
     keys = json.loads(HW_PROFILES.read_text())
-    return [key for key in keys if load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)]).device == "cuda"]
+    return [key for key in keys
+            if load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)]).card.device == "cuda"]
 
 
 def test_the_shipped_gpu_profiles_are_the_ones_planned_below():
@@ -35,13 +36,13 @@ def test_a_gpu_profile_fits_its_card_by_the_plan_and_a_single_card_one_fills_it(
     The answer is interpolated: the plan's second trace lands next to it (FSDP's all-gathered units
     do not grow with the batch, and once counted as if they did, sent it to half the answer)."""
     cfg = load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)])
-    plan = make_plan(cfg, cfg.num_gpus, TRAINING_STEP)
+    plan = make_plan(cfg, cfg.training.num_gpus, TRAINING_STEP)
     best = plan.max_micro_batch
     assert max(t.micro_batch for t in plan.traces) >= 0.9 * best
-    micro, accum = cfg.micro_batch_size, cfg.grad_accum_steps
-    where = f"{key}: {micro} x {accum} on {cfg.num_gpus} GPU(s), the plan fits micro-batch <= {best}"
+    micro, accum = cfg.training.micro_batch_size, cfg.training.grad_accum_steps
+    where = f"{key}: {micro} x {accum} on {cfg.training.num_gpus} GPU(s), the plan fits micro-batch <= {best}"
     assert micro <= best, f"{where}: does not fit"
-    if cfg.num_gpus == 1:
+    if cfg.training.num_gpus == 1:
         if micro * accum <= best:
             assert accum == 1, f"{where}: {micro * accum} per step fits as one micro-batch"
         else:

@@ -414,7 +414,7 @@ def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flag
     (["--max-steps", "3"], "--max-steps 3 (the run's: 2)"),
     (["--max-steps", "2", "--stop-at-step", "1"], "--stop-at-step 1 is not after the resumed step 2"),
     # The checkpoint's optimizer and schedule would override these silently.
-    (["--max-steps", "2", "--lr", "0.5"], f"--lr 0.5 (the run's: {load_config(['--profile', 'cpu']).lr})"),
+    (["--max-steps", "2", "--lr", "0.5"], f"--lr 0.5 (the run's: {load_config(['--profile', 'cpu']).optimizer.lr})"),
     (["--max-steps", "2", "--weight-decay", "0.5", "--adam-beta1", "0.5"],
      "--weight-decay 0.5 (the run's: 0.01), --adam-beta1 0.5 (the run's: 0.9)"),
     (["--max-steps", "2", "--num-latents", "3"], "does not fit the configured model: tensor"),

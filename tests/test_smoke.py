@@ -10,7 +10,7 @@ from conftest import ok, read_metrics
 from latentwire.config import load_config
 
 CPU = load_config(["--profile", "cpu"])
-STEPS = CPU.max_steps
+STEPS = CPU.training.max_steps
 
 REQUIRED = ("step", "time", "epoch", "loss", "loss_llama", "loss_qwen", "lr", "grad_norm", "skipped_steps",
             "samples_per_s", "tokens_per_s", "step_time_s", "tflops_per_gpu", "mfu", "data_wait_frac", "mem_gb",
@@ -25,7 +25,8 @@ def cpu_run(default_cpu_run):
 @pytest.mark.slow
 def test_loss_falls_clearly(cpu_run):
     losses = [m["loss"] for m in read_metrics(cpu_run)]
-    assert [m["step"] for m in read_metrics(cpu_run)] == [1, *range(CPU.log_every, STEPS + 1, CPU.log_every)]
+    every = CPU.output.log_every
+    assert [m["step"] for m in read_metrics(cpu_run)] == [1, *range(every, STEPS + 1, every)]
     assert losses[0] > math.log(384)  # a random wire: no better than a uniform guess
     assert sum(losses[-3:]) / 3 < losses[0] - 1.5
 

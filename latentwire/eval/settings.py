@@ -31,10 +31,11 @@ class EvalSettings:
     def of(cls, config, *, text_baselines: bool, batch_size: int | None = None, max_new_tokens: int | None = None,
            progress=None, lockstep: bool = False, stop=None) -> EvalSettings:
         """From a run's configuration; batch size and generation limit default to the run's."""
-        return cls(batch_size=batch_size or config.micro_batch_size,
-                   max_new_tokens=max_new_tokens or config.max_new_tokens, text_baselines=text_baselines,
-                   precision=config.precision, seed=config.seed, num_latents=config.num_latents,
-                   max_prompt_bytes=config.max_prompt_bytes, max_answer_tokens=config.max_answer_tokens,
-                   pad_multiple=config.pad_multiple, progress=progress, lockstep=lockstep, stop=stop)
+        data = config.data
+        return cls(batch_size=batch_size or config.training.micro_batch_size,
+                   max_new_tokens=max_new_tokens or config.evaluation.max_new_tokens, text_baselines=text_baselines,
+                   precision=config.numerics.precision, seed=config.training.seed, num_latents=config.wire.num_latents,
+                   max_prompt_bytes=data.max_prompt_bytes, max_answer_tokens=data.max_answer_tokens,
+                   pad_multiple=data.pad_multiple, progress=progress, lockstep=lockstep, stop=stop)
 
 

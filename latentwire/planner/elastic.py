@@ -33,23 +33,23 @@ def elastic_batch(cfg, world_size: int, fits: int) -> tuple[int, int, float, str
     if fits < 1:
         raise UserError(f"elastic batch: the memory plan of profile {cfg.run.profile!r} fits no micro-batch "
                         "on this card, not even 1")
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world_size
+    global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * world_size
     per_rank = global_batch // world_size
     fewest_steps = math.ceil(per_rank / fits)
     exact = max(d for d in range(1, min(per_rank, fits) + 1) if per_rank % d == 0)
-    was = f"(profile: {cfg.micro_batch_size} x {cfg.grad_accum_steps})"
+    was = f"(profile: {cfg.training.micro_batch_size} x {cfg.training.grad_accum_steps})"
     head = f"elastic batch: the memory plan fits micro-batch <= {fits} per rank {was}; "
     if per_rank // exact <= MAX_MICRO_STEP_FACTOR * fewest_steps:
         accum = per_rank // exact
-        return exact, accum, cfg.lr, (head + f"global batch {global_batch} kept as {exact} x {accum} x "
-                                      f"{world_size} rank(s); lr {cfg.lr:.3g} unchanged")
+        return exact, accum, cfg.optimizer.lr, (head + f"global batch {global_batch} kept as {exact} x {accum} x "
+                                      f"{world_size} rank(s); lr {cfg.optimizer.lr:.3g} unchanged")
     micro = math.ceil(per_rank / fewest_steps)
     new_global = micro * fewest_steps * world_size
-    lr = scaled_lr(cfg.lr, global_batch, new_global, cfg.lr_scaling)
+    lr = scaled_lr(cfg.optimizer.lr, global_batch, new_global, cfg.planning.lr_scaling)
     return micro, fewest_steps, lr, (
         head + f"{per_rank} per rank splits exactly only into micro-batches of {exact} or less, so the global "
         f"batch changes {global_batch} -> {new_global} ({micro} x {fewest_steps} x {world_size} rank(s)) and "
-        f"lr {cfg.lr:.3g} -> {lr:.3g} by the {cfg.lr_scaling} rule")
+        f"lr {cfg.optimizer.lr:.3g} -> {lr:.3g} by the {cfg.planning.lr_scaling} rule")
 
 
 def apply_elastic_batch(cfg, world_size: int, step: TrainingStep):
@@ -59,5 +59,5 @@ def apply_elastic_batch(cfg, world_size: int, step: TrainingStep):
     from .memory_plan import plan_max_micro_batch
 
     micro, accum, lr, message = elastic_batch(cfg, world_size, plan_max_micro_batch(cfg, world_size, step))
-    values = {**cfg.values, "micro_batch_size": micro, "grad_accum_steps": accum, "lr": lr}
-    return dataclasses.replace(cfg, values=values), message
+    training = dataclasses.replace(cfg.training, micro_batch_size=micro, grad_accum_steps=accum)
+    return dataclasses.replace(cfg, training=training, optimizer=dataclasses.replace(cfg.optimizer, lr=lr)), message

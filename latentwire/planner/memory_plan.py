@@ -57,8 +57,8 @@ class Plan:
     def to_json(self) -> dict:
         cfg = self.cfg
         return {
-            "profile": cfg.run.profile, "world_size": self.world_size, "device": cfg.device,
-            "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+            "profile": cfg.run.profile, "world_size": self.world_size, "device": cfg.card.device,
+            "precision": cfg.numerics.precision, "activation_checkpointing": cfg.frozen.activation_checkpointing,
             "frozen_sharding": self.sharding, "fsdp_gathered_bytes": self.gathered_bytes,
             "llms": {name: {"source": spec.source, "config_from": spec.origin, "params": self.frozen_params[name]}
                      for name, spec in self.specs.items()},
@@ -85,10 +85,10 @@ class Plan:
 
 # --- the traced plan --------------------------------------------------------------------------
 
-def trainable_shapes(cfg, specs: dict[str, LLMSpec]) -> list[tuple[int, ...]]:
+def trainable_shapes(wire: WireConfig, specs: dict[str, LLMSpec]) -> list[tuple[int, ...]]:
     """The shapes of the encoder's and adapters' parameters (built on the meta device: no memory)."""
     with torch.device("meta"):
-        model = WireEncoder(WireConfig.of(cfg), {name: (spec.config.hidden_size, 1.0) for name, spec in specs.items()})
+        model = WireEncoder(wire, {name: (spec.config.hidden_size, 1.0) for name, spec in specs.items()})
     return [tuple(p.shape) for p in model.parameters()]
 
 
@@ -147,20 +147,21 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
-    specs = {name: llm_spec(name, getattr(cfg, name)) for name in LLM_NAMES}
-    answers = planned_rows(cfg.anchor_text, specs)
-    shapes = trainable_shapes(cfg, specs)
-    budget = budget_for(cfg.device, cfg.memory_gb, cfg.target_util, world_size, sum(math.prod(s) for s in shapes))
-    sharded = cfg.frozen_sharding == "fsdp" and world_size > 1
+    specs = {name: llm_spec(name, cfg.frozen.source(name)) for name in LLM_NAMES}
+    answers = planned_rows(cfg.prompt.anchor, specs)
+    shapes = trainable_shapes(cfg.wire, specs)
+    budget = budget_for(cfg.card.device, cfg.card.memory_gb, cfg.planning.target_util, world_size,
+                        sum(math.prod(s) for s in shapes))
+    sharded = cfg.frozen.sharding == "fsdp" and world_size > 1
     # fork_rng: building and stepping fake models must not move the caller's random stream
     # (train.py plans before it seeds and builds its real models).
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
-        llms = fake_llms(cfg, specs)
+        llms = fake_llms(specs, cfg.numerics.precision, cfg.frozen.activation_checkpointing)
         frozen_params = {name: sum(p.numel() for p in llm.model.parameters()) for name, llm in llms.items()}
         frozen_bytes = sum(p.numel() * p.element_size() for llm in llms.values() for p in llm.model.parameters())
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
         tracer = StepTracer(cfg, llms, answers, step)
-        first = shard_trace(tracer.trace(cfg.micro_batch_size, steps=2), frozen_bytes, held, gathered)
+        first = shard_trace(tracer.trace(cfg.training.micro_batch_size, steps=2), frozen_bytes, held, gathered)
         trainable_bytes = first.peak["parameters"] - held
         second = tracer.trace(next_micro_batch(first, budget, held + trainable_bytes), steps=1)
         second = shard_trace(second, frozen_bytes, held, gathered)
@@ -168,7 +169,7 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
     fit = fit_line({t.micro_batch: t.peak["total"] for t in traces})
     total_params = sum(llm_parameter_count(spec.config) for spec in specs.values())
     analytic = static_memory(math.ceil(total_params / world_size) if sharded else total_params, shapes,
-                             cfg.precision, "adamw")
+                             cfg.numerics.precision, "adamw")
     return Plan(cfg, world_size, specs, frozen_params, held, gathered, trainable_bytes, traces, fit, budget,
                 largest_fitting(fit, budget, held + trainable_bytes), analytic, time.perf_counter() - start)
 

@@ -27,10 +27,9 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.utils._pytree import tree_leaves
 
-from ..data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, round_up
+from ..data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, round_up
 from ..llm import FrozenLLM, build_model, freeze, is_decoder_layer
-from ..model import WireConfig, WireEncoder
-from ..objectives import Objectives
+from ..model import WireEncoder
 from ..precision import frozen_weight_dtype, sdpa_backends
 from .step import TrainingStep
 
@@ -39,29 +38,28 @@ CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _Mem
             _MemRefType.OTH: "other", _TOTAL_KEY: "total"}
 
 
-def planning_batch(cfg, answers: dict[str, tuple[int, int, int]], micro_batch: int,
+def planning_batch(data: DataConfig, teacher: bool, answers: dict[str, tuple[int, int, int]], micro_batch: int,
                    device: torch.device = torch.device("cpu")) -> dict:
     """The largest batch `data.Collator` can emit for this configuration.
 
     Every prompt is cut at max_prompt_bytes and every answer at max_answer_tokens, padded as the
     collator pads. `answers` maps an LLM's name to (lead tokens, tail tokens, vocabulary size) of its
-    prompt contract. With distillation, the teacher's prompt is as many tokens as it has bytes (a
-    byte-level BPE token is at least one byte): an upper bound.
+    prompt contract. With the distillation `teacher`, the teacher's prompt is as many tokens as it
+    has bytes (a byte-level BPE token is at least one byte): an upper bound.
     """
-    length = round_up(cfg.max_prompt_bytes, cfg.pad_multiple)
+    length = round_up(data.max_prompt_bytes, data.pad_multiple)
     byte_ids = torch.full((micro_batch, length), PAD_BYTE, dtype=torch.long, device=device)
-    byte_ids[:, :cfg.max_prompt_bytes] = torch.randint(0, 256, (micro_batch, cfg.max_prompt_bytes), device=device)
+    byte_ids[:, :data.max_prompt_bytes] = torch.randint(0, 256, (micro_batch, data.max_prompt_bytes), device=device)
     batch = {"bytes": byte_ids, "byte_mask": byte_ids != PAD_BYTE, "answers": {}}
-    targets = cfg.max_answer_tokens + 1  # the answer tokens and the EOS after them
-    teacher = Objectives.of(cfg).teacher
+    targets = data.max_answer_tokens + 1  # the answer tokens and the EOS after them
     for name, (lead, tail, vocab) in answers.items():
-        width = round_up(tail + cfg.max_answer_tokens, ANSWER_PAD_MULTIPLE)
+        width = round_up(tail + data.max_answer_tokens, ANSWER_PAD_MULTIPLE)
         labels = torch.full((micro_batch, width + 1), IGNORE_INDEX, dtype=torch.long, device=device)
         labels[:, tail:tail + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
         rows = {"lead_ids": torch.randint(0, vocab, (micro_batch, lead), device=device),
                 "input_ids": torch.randint(0, vocab, (micro_batch, width), device=device), "labels": labels}
         if teacher:
-            text = round_up(lead + cfg.max_prompt_bytes, ANSWER_PAD_MULTIPLE)
+            text = round_up(lead + data.max_prompt_bytes, ANSWER_PAD_MULTIPLE)
             rows["text_ids"] = torch.randint(0, vocab, (micro_batch, text), device=device)
             rows["text_mask"] = torch.ones((micro_batch, text), dtype=torch.long, device=device)
         batch["answers"][name] = rows
@@ -169,14 +167,14 @@ class StepTrace:
     optimizer: int         # after the optimizer step
 
 
-def fake_llms(cfg, specs: dict) -> dict[str, FrozenLLM]:
+def fake_llms(specs: dict, precision: str, activation_checkpointing: bool) -> dict[str, FrozenLLM]:
     """The profile's frozen LLMs from their configurations, wrapped as train.py wraps them; call under
     an active FakeTensorMode."""
-    dtype = frozen_weight_dtype(cfg.precision)
+    dtype = frozen_weight_dtype(precision)
     llms = {}
     for name, spec in specs.items():
         llms[name] = FrozenLLM(name, freeze(build_model(spec.config, dtype)), tokenizer=None)
-        if cfg.activation_checkpointing:
+        if activation_checkpointing:
             apply_activation_checkpointing(llms[name].model, check_fn=is_decoder_layer(llms[name]))
     return llms
 
@@ -193,11 +191,11 @@ class StepTracer:
     def __init__(self, cfg, llms: dict[str, FrozenLLM], answers: dict[str, tuple[int, int, int]], step: TrainingStep):
         self.cfg, self.llms, self.answers, self.step = cfg, llms, answers, step
         # The adapters' output scale (the LLMs' embedding RMS) changes values, not memory.
-        self.model = WireEncoder(WireConfig.of(cfg), {name: (llm.hidden_size, 1.0) for name, llm in llms.items()})
-        self.optimizer = step.optimizer(cfg, self.model, cfg.device)
+        self.model = WireEncoder(cfg.wire, {name: (llm.hidden_size, 1.0) for name, llm in llms.items()})
+        self.optimizer = step.adamw(self.model, cfg.optimizer, cfg.card.device)
 
     def trace(self, micro_batch: int, steps: int) -> StepTrace:
-        batch = planning_batch(self.cfg, self.answers, micro_batch)
+        batch = planning_batch(self.cfg.data, self.cfg.objectives.teacher, self.answers, micro_batch)
         tracker = FrozenAwareMemTracker()
         tracker.track_external(self.model, self.optimizer, *(llm.model for llm in self.llms.values()), batch)
         seen = {}
@@ -207,8 +205,8 @@ class StepTracer:
                  self.optimizer.register_step_post_hook(
                      lambda *_: seen.update(optimizer=tracker.categories()["optimizer"])))
         # Around backward too: activation checkpointing recomputes the attention there.
-        attention = cuda_attention() if self.cfg.device == "cuda" else nullcontext()
-        every_kernel, _ = sdpa_backends(None, frozen_weight_dtype(self.cfg.precision))  # traced on the CPU
+        attention = cuda_attention() if self.cfg.card.device == "cuda" else nullcontext()
+        every_kernel, _ = sdpa_backends(None, frozen_weight_dtype(self.cfg.numerics.precision))  # traced on the CPU
         with tracker, attention:
             for _ in range(steps):
                 self.step.run(self.cfg, self.model, self.llms, self.optimizer, batch, every_kernel)

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from ..objectives import Objectives, forward_loss_sums, target_counts
+from ..objectives import forward_loss_sums, target_counts
 from ..precision import AMP_DTYPES
 
 
@@ -20,18 +20,14 @@ class TrainingStep:
     adamw: Callable
     train_step: Callable
 
-    def optimizer(self, cfg, model: torch.nn.Module, device_type: str) -> torch.optim.Optimizer:
-        return self.adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                          device_type=device_type, eps=cfg.adam_eps)
-
     def run(self, cfg, model, llms: dict, optimizer, batch: dict, attention_backends: list) -> None:
         """One micro-batch through `train_step` with these SDPA kernels, then the update (no
         GradScaler: its fp16 loss scaling costs a few scalars)."""
-        objectives = Objectives.of(cfg)
+        objectives = cfg.objectives
         scaler = torch.amp.GradScaler(batch["bytes"].device.type, enabled=False)
         self.train_step(model, llms, [batch], n_targets=target_counts(batch, objectives).float(), objectives=objectives,
-                        forward=forward_loss_sums, amp_dtype=AMP_DTYPES[cfg.precision],
+                        forward=forward_loss_sums, amp_dtype=AMP_DTYPES[cfg.numerics.precision],
                         attention_backends=attention_backends, scaler=scaler, optimizer=optimizer,
-                        max_grad_norm=cfg.max_grad_norm, world_size=1, no_sync=nullcontext)
+                        max_grad_norm=cfg.training.max_grad_norm, world_size=1, no_sync=nullcontext)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
