@@ -33,6 +33,7 @@ from latentwire.config import OptimizerConfig, check_can_create, load_config
 from latentwire.data import (Collator, DataSources, PromptDataset, ShardSampler, TrainingSet, describe_data, same_data,
                              to_device)
 from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
+from latentwire.distillation import describe_targets, teacher_targets
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, group_options, leave_together, torchrun_rank
 from latentwire.eval.evaluation import evaluate_wire
 from latentwire.eval.settings import EvalSettings
@@ -121,6 +122,18 @@ def train(cfg, di) -> None:
     if tf32:
         torch.set_float32_matmul_precision("high")
 
+    # --- Fused attention kernels -------------------------------------------------------------
+    # All attention goes through SDPA. On an sm80+ card in bf16/fp16 only flash (the LLMs' causal
+    # attention) and memory-efficient (the encoder's padded attention) are allowed, so a silent
+    # fallback to the O(L^2)-memory math kernel becomes an error instead; cuDNN, which torch tries
+    # first on an H100, has returned NaN gradients for masked attention. Older cards and fp32 have
+    # no fused kernel for the LLMs' grouped-query attention: there math is allowed last, and the
+    # run says so.
+    # train_step enters torch.nn.attention.sdpa_kernel(attention_backends) around each forward.
+    attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.numerics.precision))
+    if why and di.is_main:
+        print(f"note: {why}", file=sys.stderr, flush=True)
+
     # --- Frozen LLMs: built on the meta device, wrapped, compiled, sharded, then read ---------
     # Stored in the autocast dtype: no gradients and no optimizer state means no fp32 master copy
     # (bf16 weights take 16 GB instead of 32 GB for an 8B model). On the meta device a model is
@@ -192,8 +205,27 @@ def train(cfg, di) -> None:
     dataset = PromptDataset(training.examples)
     sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=seed)
     objectives = cfg.objectives
+
+    # --- Distillation: the teacher once per example, not once per step ------------------------
+    # The KD term's teacher (each LLM reading the prompt's text) gives an example the same targets
+    # at every epoch, so they are computed before the first step: each rank a 1/world share, all of
+    # them gathered to every rank (the sampler deals any example to any rank), eagerly (a one-off
+    # pass), in the step's autocast and kernels. The collator adds each batch's rows; a step runs
+    # no teacher. Full rows where they fit (exact), else the top kd_top_k and one bucket.
+    kd_targets = None
+    if objectives.teacher:
+        t_teacher = time.perf_counter()
+        teacher_rows = Collator.for_llms(llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
+                                         teacher=True)
+        with torch.compiler.set_stance("force_eager"), sdpa_kernel(attention_backends), \
+                torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            kd_targets = teacher_targets(llms, dataset, teacher_rows, k=objectives.k_tokens,
+                                         temperature=objectives.kd_temperature, top_k=objectives.kd_top_k,
+                                         batch_size=micro, device=device, rank=rank, world=world)
+        if di.is_main:
+            print(describe_targets(kd_targets, time.perf_counter() - t_teacher), flush=True)
     collate = Collator.for_llms(llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
-                                teacher=objectives.teacher)
+                                kd_targets=kd_targets)
     loader = make_loader(dataset, sampler, collate, micro_batch_size=micro, num_workers=data.num_workers,
                          prefetch_factor=data.prefetch_factor, device_type=device.type, seed=seed + rank)
     global_batch = micro * accum * world
@@ -234,18 +266,6 @@ def train(cfg, di) -> None:
     # Every input has been checked: only now may --overwrite delete the old run.
     if di.is_main:
         prepare_out_dir(out_dir, cfg.run)
-
-    # --- Fused attention kernels -------------------------------------------------------------
-    # All attention goes through SDPA. On an sm80+ card in bf16/fp16 only flash (the LLMs' causal
-    # attention) and memory-efficient (the encoder's padded attention) are allowed, so a silent
-    # fallback to the O(L^2)-memory math kernel becomes an error instead; cuDNN, which torch tries
-    # first on an H100, has returned NaN gradients for masked attention. Older cards and fp32 have
-    # no fused kernel for the LLMs' grouped-query attention: there math is allowed last, and the
-    # run says so.
-    # train_step enters torch.nn.attention.sdpa_kernel(attention_backends) around each forward.
-    attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.numerics.precision))
-    if why and di.is_main:
-        print(f"note: {why}", file=sys.stderr, flush=True)
 
     # --- Memory snapshot: allocation history on request, and always one on out-of-memory -----
     # The caching allocator records the stack of every allocation; the snapshot, written at the
@@ -416,9 +436,8 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
                     sdpa_kernel(attention_backends):
                 sums = forward(model, llms, batch, objectives)
             # --- Objectives: the answer's cross-entropy, plus the weighted terms that are on ---
-            # The KD term's teacher (the LLM reading the prompt's text) ran inside the forward
-            # under no_grad: a target, not a path for gradients. DDP averages gradients over
-            # ranks, hence the factor world_size (see the counts).
+            # The KD term's teacher targets came with the batch (see the distillation block).
+            # DDP averages gradients over ranks, hence the factor world_size (see the counts).
             terms = sums / n_targets
             scaler.scale(objectives.weighted_sum(terms).mean() * world_size).backward()
         step_terms += terms.detach()

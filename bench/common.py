@@ -124,6 +124,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launcher(nproc: int) -> list[str]:
+    """train.py as users start it: plain python for one process, torchrun for more."""
+    if nproc == 1:
+        return [sys.executable, str(REPO / "train.py")]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(REPO / "train.py")]
+
+
 def child_env(threads: int) -> dict:
     """The environment of a train.py subprocess: no inherited torchrun variables, a fixed thread
     count per process, and no tokenizer thread pool competing for the same cores."""

@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import REPO, STEPS_ONLY, child_env, median, parse_settings, summary
+from common import REPO, STEPS_ONLY, child_env, launcher, median, parse_settings, summary
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,6 @@ class Settings:
 
 FULL = Settings(rounds=3, steps=16, warmup=3, micro_batch_size=16, grad_accum_steps=2, num_examples=8192)
 QUICK = Settings(rounds=1, steps=3, warmup=1, micro_batch_size=4, grad_accum_steps=1, num_examples=256)
-
-
-def launcher(nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, str(REPO / "train.py")]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(REPO / "train.py")]
 
 
 def run(nproc: int, s: Settings, out_dir: Path, threads: int) -> float:

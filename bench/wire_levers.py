@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, child_env
+from common import REPO, child_env, launcher
 
 RESULTS = REPO / "bench" / "results" / "wire_levers.jsonl"
 READERS = ("llama", "qwen")
@@ -44,8 +44,7 @@ LEVERS = {
 
 def train_and_evaluate(name: str, flags: str, out_root: Path, examples: int, threads: int) -> dict:
     out_dir = out_root / name.replace(" ", "_")
-    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-             "--profile", "cpu", "--out-dir", str(out_dir), "--overwrite", *shlex.split(flags)]
+    train = [*launcher(2), "--profile", "cpu", "--out-dir", str(out_dir), "--overwrite", *shlex.split(flags)]
     start = time.perf_counter()
     run(train, threads)
     train_s = time.perf_counter() - start

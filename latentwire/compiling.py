@@ -19,10 +19,10 @@ under 2^31 elements), hence at most one recompile per region.
 
 Recompile limit. Dynamo keeps one cache of compiled variants per code object, and every decoder
 layer of both LLMs enters it through the same one, `CheckpointWrapper.forward`; a variant past
-`recompile_limit` entries runs eagerly, with only a log line. See `RECOMPILE_LIMIT`.
+`recompile_limit` entries runs eagerly, with only a log line. See `DECODER_LAYER_VARIANTS`.
 
 These settings are dynamo configuration read while a region is traced, which is lazy: in the first
-step that reaches it, or a recompile (the limit at each cache miss). So they are patched around
+step that reaches it, or a recompile. So they are patched around
 every call of the step (`stable_shapes`) rather than flipped for the whole process. train.py does
 the compiling itself: `region.compile(mode=..., dynamic=True)` for each decoder layer and each of
 `wire_regions`; `step_regions` lists them all (tests and bench/compile.py compile them at once).
@@ -50,14 +50,11 @@ class CompileConfig:
 
 
 # Variants of CheckpointWrapper.forward the step compiles: 2 LLMs (layer classes and widths differ)
-# x 2 calls (training; with distillation on, the teacher, under no_grad and with a padding mask)
-# x 2 (the one recompile an inductor size guard may cost) = 8, exactly dynamo's default limit, so
-# any further variant would silently run every layer of an LLM eagerly. Twice that leaves room for
-# one nobody planned (TORCH_LOGS=recompiles names it) and still stops a guard that fails on every
-# batch. accumulated_recompile_limit (256 in torch 2.13, all entries of a code object) is far above.
-
-DECODER_LAYER_VARIANTS = 2 * 2 * 2
-RECOMPILE_LIMIT = 2 * DECODER_LAYER_VARIANTS
+# x 2 (the one recompile an inductor size guard may cost) = 4, half dynamo's default recompile
+# limit of 8, past which a variant silently runs every layer of an LLM eagerly: room for one nobody
+# planned (TORCH_LOGS=recompiles names it). The LLMs' other calls (distillation's teacher before the
+# first step, evaluation) run under force_eager and compile nothing.
+DECODER_LAYER_VARIANTS = 2 * 2
 
 
 @contextmanager
@@ -69,13 +66,10 @@ def stable_shapes():
     - floats specialised: Python floats (norm eps, attention scale, dropout p) are constants of the
       graph, not symbolic inputs that dynamo traces around and then specialises anyway (without
       it, 2.4x the traced calls and 3.5x the compile time: docs/performance.md).
-    - a recompile limit of RECOMPILE_LIMIT, or the process's own if higher.
     """
     import torch.fx.experimental._config as fx_config
 
-    limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
-    with torch._dynamo.config.patch(specialize_float=True, recompile_limit=limit), \
-            fx_config.patch(use_duck_shape=False):
+    with torch._dynamo.config.patch(specialize_float=True), fx_config.patch(use_duck_shape=False):
         yield
 
 

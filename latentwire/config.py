@@ -122,6 +122,9 @@ FIELDS: dict[str, Field] = {
                               "answer positions (0: off, and no teacher pass)", non_negative=True, default=0.0),
     "k_tokens": Field(int, "answer positions of k_token_weight and kd_weight", positive=True, default=4),
     "kd_temperature": Field(float, "softmax temperature of distillation", positive=True, default=2.0),
+    "kd_top_k": Field(int, "distillation targets kept per answer position where the teacher's full distributions do "
+                           "not fit in 1 GiB per LLM: its k most likely tokens and one bucket for the rest",
+                      positive=True, default=64),
     # --- data -----------------------------------------------------------------------------
     "dataset": Field(str, "'synthetic', 'squad', 'hotpot_qa' or a local .json/.jsonl/.parquet"),
     "eval_dataset": Field(str, "held-out examples: 'synthetic', 'squad', 'hotpot_qa' or a local file (null: the "

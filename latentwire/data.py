@@ -480,7 +480,8 @@ class SpecialIds:
 
 class Collator:
     """Pads prompt bytes for the encoder and, for each LLM, the tokens around the wire with the
-    answer's labels; with `teacher`, also the prompt as that LLM's tokens, for distillation.
+    answer's labels; with `teacher`, also the prompt as that LLM's tokens, for the distillation
+    teacher; with `kd_targets`, the teacher's targets of each example (latentwire.distillation).
 
     Row layout (latentwire.prompting): the LLM reads `[lead ; M soft tokens ; input_ids]` where
     input_ids is the tail (the anchor) then the answer, and keeps the last T+1 logits. The logit
@@ -493,7 +494,7 @@ class Collator:
     """
 
     def __init__(self, tokenizers: dict, contracts: dict, max_prompt_bytes: int, max_answer_tokens: int,
-                 pad_multiple: int, teacher: bool = False):
+                 pad_multiple: int, teacher: bool = False, kd_targets: dict | None = None):
         for name, tok in tokenizers.items():
             if tok.eos_token_id is None:
                 raise UserError(f"the {name} tokenizer has no EOS token")
@@ -505,14 +506,15 @@ class Collator:
         self.max_answer_tokens = max_answer_tokens
         self.pad_multiple = pad_multiple
         self.teacher = teacher
+        self.kd_targets = kd_targets
 
     @classmethod
     def for_llms(cls, llms: dict, max_prompt_bytes: int, max_answer_tokens: int, pad_multiple: int,
-                 teacher: bool = False) -> Collator:
+                 teacher: bool = False, kd_targets: dict | None = None) -> Collator:
         """Rows for each frozen LLM by its own tokenizer and prompt contract."""
         return cls({name: llm.tokenizer for name, llm in llms.items()},
                    {name: llm.contract for name, llm in llms.items()}, max_prompt_bytes, max_answer_tokens,
-                   pad_multiple, teacher)
+                   pad_multiple, teacher, kd_targets)
 
     def __call__(self, items: list[dict]) -> dict:
         prompts = [item["prompt"][:self.max_prompt_bytes] for item in items]
@@ -520,13 +522,12 @@ class Collator:
         # The teacher reads what the encoder reads: the prompt cut at the same byte.
         texts = [p.decode("utf-8", errors="ignore") for p in prompts] if self.teacher else None
         answers = [item["answer"] for item in items]
-        return {
-            "bytes": byte_ids,
-            "byte_mask": byte_mask,
-            "answers": {name: self._collate_llm(tok, self.special_ids[name], answers, texts)
-                        for name, tok in self.tokenizers.items()},
-            "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
-        }
+        index = torch.tensor([item["index"] for item in items], dtype=torch.long)
+        rows = {name: self._collate_llm(tok, self.special_ids[name], answers, texts)
+                for name, tok in self.tokenizers.items()}
+        for name, targets in (self.kd_targets or {}).items():  # distillation's, at the answer positions
+            rows[name] |= targets.rows(index, len(self.special_ids[name].tail), rows[name]["labels"].shape[1])
+        return {"bytes": byte_ids, "byte_mask": byte_mask, "answers": rows, "index": index}
 
     # Every collation builds each output with one tensor constructor over padded rows: per-row
     # tensor writes cost more than the tokenisation itself and would show up as data wait.

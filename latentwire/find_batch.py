@@ -156,7 +156,7 @@ class Probe:
         model = WireEncoder.for_llms(self.cfg.wire, self.llms)
         model.to(self.device).train()
         optimizer = TRAINING_STEP.adamw(model, self.cfg.optimizer, self.device.type)
-        batch = planning_batch(self.cfg.data, self.cfg.objectives.teacher, self.answers, micro_batch, self.device)
+        batch = planning_batch(self.cfg.data, self.cfg.objectives, self.answers, micro_batch, self.device)
         for _ in range(self.steps):
             TRAINING_STEP.run(self.cfg, model, self.llms, optimizer, batch, self.attention_backends)
 

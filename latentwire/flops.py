@@ -73,25 +73,20 @@ class FlopModel:
                    llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()))
 
     @functools.cache  # padding leaves few distinct shapes; the formulas cost ~2 ms per call
-    def micro_batch_flops(self, batch: int, prompt_len: int, llm_lens: tuple[tuple[int, int, int], ...]) -> int:
+    def micro_batch_flops(self, batch: int, prompt_len: int, llm_lens: tuple[tuple[int, int], ...]) -> int:
         """One forward + backward of a micro-batch: `batch` prompts of `prompt_len` bytes (padded);
-        for the i-th LLM, `llm_lens[i]` = (lead tokens, tokens after the wire, teacher prompt tokens:
-        0 without distillation), padded."""
+        for the i-th LLM, `llm_lens[i]` = (lead tokens, tokens after the wire), padded. Distillation
+        adds no teacher: its targets come with the batch (latentwire.distillation)."""
         m, h = self.num_latents, self.encoder_heads
         patches = -(-prompt_len // self.patch_bytes)  # the encoder pads the last patch (model.ByteEncoder)
         flops = 6 * (self.encoder_token_params * batch * patches + self.latent_params * batch * m)
         flops += self.encoder_layers * attention_flops(batch, h, patches, patches, self.encoder_dim // h)
         flops += self.pooler_rounds * (attention_flops(batch, h, m, patches, self.d_z // h)  # latents read patches
                                        + attention_flops(batch, h, m, m, self.d_z // h))  # and each other
-        for (_, shape), (lead, after, text) in zip(self.llms, llm_lens):
+        for (_, shape), (lead, after) in zip(self.llms, llm_lens):
             seq, kept = lead + m + after, after + 1
             flops += 4 * (shape.matmul_params * batch * seq + shape.head_params * batch * kept)
             flops += shape.layers * attention_flops(batch, shape.heads, seq, seq, shape.head_dim)
-            if text:  # the distillation teacher: forward only, the prompt's tokens in place of the wire
-                seq = text + after
-                q = (batch, shape.heads, seq, shape.head_dim)
-                flops += 2 * (shape.matmul_params * batch * seq + shape.head_params * batch * kept)
-                flops += shape.layers * sdpa_flop_count(q, q, q)
         return flops
 
     def step_flops(self, micro_batches: list[dict]) -> int:
@@ -99,9 +94,9 @@ class FlopModel:
                    for b in micro_batches)
 
 
-def llm_lens(rows: dict) -> tuple[int, int, int]:
-    """(lead, after the wire, teacher prompt) widths of one LLM's collated rows."""
-    return rows["lead_ids"].shape[1], rows["input_ids"].shape[1], rows["text_ids"].shape[1] if "text_ids" in rows else 0
+def llm_lens(rows: dict) -> tuple[int, int]:
+    """(lead, after the wire) widths of one LLM's collated rows."""
+    return rows["lead_ids"].shape[1], rows["input_ids"].shape[1]
 
 
 # --- FlopCounterMode on CPU -------------------------------------------------------------------

@@ -7,10 +7,11 @@ by that term's count in the whole global batch, so every term is exact under acc
   from the wire. LatentWire's authors found weights of 12 and more collapse training.
 - `k_token_ce`: the same on the first `k_tokens` targets.
 - `kd`: distillation from a teacher, the same frozen LLM reading the prompt's text where the wire
-  would be (prompting's contract, run without gradients): tau^2 x KL(teacher || wire) of the
-  tau-softened next-token distributions over the first `k_tokens` answer positions. Answer CE
-  alone teaches one token per position; the teacher's distribution says how sure reading makes it,
-  and which near misses are near.
+  would be (prompting's contract): tau^2 x KL(teacher || wire) of the tau-softened next-token
+  distributions over the first `k_tokens` answer positions. Answer CE alone teaches one token per
+  position; the teacher's distribution says how sure reading makes it, and which near misses are
+  near. The teacher's side is computed once per example before training (latentwire.distillation)
+  and comes with the batch.
 
 With every weight 0 only `answer_ce` is computed, the arithmetic of a loop that has no other term.
 """
@@ -34,6 +35,7 @@ class Objectives:
     kd_weight: float = 0.0
     k_tokens: int = 4
     kd_temperature: float = 2.0
+    kd_top_k: int = 64  # distillation targets kept per position where full rows do not fit
 
     @property
     def weighted(self) -> dict[str, float]:
@@ -84,22 +86,28 @@ def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def kd_sum(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """tau^2 x KL(teacher || student) of the tau-softened distributions, summed over `mask`'s positions.
-    Every position is computed and the mask multiplies: indexing by it would sync with the host."""
+def kd_sum(logits: torch.Tensor, rows: dict, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """tau^2 x KL(teacher || student) of the tau-softened distributions, summed over `mask`'s
+    positions, against the teacher's targets in the batch's rows (latentwire.distillation): full
+    log-prob rows, or the top k with one bucket for the rest, where the student's distribution is
+    folded the same way. Every position is computed and the mask multiplies: indexing by it would
+    sync with the host."""
     student = F.log_softmax(logits.float() / temperature, dim=-1)
-    target = F.log_softmax(teacher.float() / temperature, dim=-1)
+    target = rows["kd_logprobs"]
+    if "kd_ids" in rows:
+        rest = student.scatter(-1, rows["kd_ids"], float("-inf")).logsumexp(-1, keepdim=True)
+        student = torch.cat([student.gather(-1, rows["kd_ids"]), rest], dim=-1)
+        target = torch.cat([target, rows["kd_rest"][..., None]], dim=-1)
     kl = (target.exp() * (target - student)).sum(-1)
     return (kl * mask).sum() * temperature ** 2
 
 
-def llm_term_sums(logits: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None,
-                  objectives: Objectives) -> torch.Tensor:
+def llm_term_sums(logits: torch.Tensor, rows: dict, objectives: Objectives) -> torch.Tensor:
     def term_sum(term: str) -> torch.Tensor:
-        mask = objectives.targets(labels, term)
+        mask = objectives.targets(rows["labels"], term)
         if term == "kd":
-            return kd_sum(logits, teacher, mask, objectives.kd_temperature)
-        return ce_sum(logits, keep_only(labels, mask))
+            return kd_sum(logits, rows, mask, objectives.kd_temperature)
+        return ce_sum(logits, keep_only(rows["labels"], mask))
 
     return torch.stack([term_sum(term) for term in objectives.terms])
 
@@ -110,10 +118,6 @@ def forward_loss_sums(wire_encoder: nn.Module, llms: dict, batch: dict, objectiv
     sums = []
     for name, llm in llms.items():
         rows = batch["answers"][name]
-        teacher = None
-        if objectives.teacher:
-            with torch.no_grad():  # the teacher is a target: no activations kept for backward
-                teacher = llm.teacher_logits(rows["text_ids"], rows["text_mask"], rows["input_ids"])
         logits = llm.answer_logits(soft[name], rows["lead_ids"], rows["input_ids"])
-        sums.append(llm_term_sums(logits, rows["labels"], teacher, objectives))
+        sums.append(llm_term_sums(logits, rows, objectives))
     return torch.stack(sums)

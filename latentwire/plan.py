@@ -39,6 +39,7 @@ from .known_llms import llm_parameter_count
 from .llm import LLM_NAMES
 from .llm_sources import llm_spec
 from .planner.analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
+from .distillation import target_width, targets_bytes
 from .planner.budget import GIB, Budget, budget_for
 from .planner.memory_plan import Plan, make_plan, trainable_shapes
 from .planner.step import TrainingStep
@@ -67,6 +68,19 @@ def frozen_share(plan: Plan) -> str:
     return f", 1/{plan.world_size} sharded" if plan.gathered_bytes else ""
 
 
+def distillation_note(plan: Plan) -> str:
+    """The teacher's targets each batch carries, and what their cache holds on every rank's host."""
+    data, obj = plan.cfg.data, plan.cfg.objectives
+    parts = []
+    for name, spec in plan.specs.items():
+        vocab = spec.config.vocab_size
+        width = target_width(data.num_examples, obj.k_tokens, vocab, obj.kd_top_k)
+        kind = "full rows" if width == vocab else f"top {width} + rest"
+        parts.append(f"{name} {kind}, {targets_bytes(data.num_examples, obj.k_tokens, width, vocab) / GIB:.2f} GiB")
+    return (f", with the distillation targets of its first {obj.k_tokens} answer positions (computed once; "
+            f"host memory per rank: {'; '.join(parts)})")
+
+
 def format_plan(plan: Plan) -> str:
     cfg, a, fit, budget = plan.cfg, plan.analytic, plan.fit, plan.budget
     size, unit = _unit(plan)
@@ -83,8 +97,7 @@ def format_plan(plan: Plan) -> str:
     lines += [f"  trainable: byte encoder + pooler + adapters, {a.trainable_params:,} parameters (fp32)",
               f"  per sample: {prompt} prompt bytes -> {cfg.wire.num_latents} soft tokens per LLM, after a BOS "
               f"where the tokenizer has one; then the anchor and answers of {cfg.data.max_answer_tokens} tokens + EOS"
-              f"{', and the distillation teacher reading the prompt as tokens' if cfg.objectives.teacher else ''} "
-              "(the longest batch the collator emits)",
+              f"{distillation_note(plan) if cfg.objectives.teacher else ''} (the longest batch the collator emits)",
               "",
               "traced under FakeTensorMode + MemTracker, nothing allocated: 2 training steps at micro-batch "
               f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at the second size",

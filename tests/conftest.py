@@ -31,6 +31,22 @@ TWENTY = {1: [*RUN, "--max-steps", "20"], 2: [*RUN, "--max-steps", "20", "--micr
 ALL_TERMS_FLAGS = ["--first-token-weight", "0.5", "--k-token-weight", "0.5", "--k-tokens", "2", "--kd-weight", "1"]
 ALL_TERMS = Objectives(first_token_weight=0.5, k_token_weight=0.5, kd_weight=1.0, k_tokens=2)
 
+
+
+def distilled_collator(llms: dict, dataset, objectives: Objectives, max_prompt_bytes: int = 512,
+                       max_answer_tokens: int = 16, pad_multiple: int = 32, batch_size: int | None = None):
+    """A collator whose batches carry the distillation teacher's targets for every example of
+    `dataset`, computed as train.py computes them (one process, teacher batches of `batch_size`)."""
+    from latentwire.data import Collator
+    from latentwire.distillation import teacher_targets
+
+    teacher = Collator.for_llms(llms, max_prompt_bytes, max_answer_tokens, pad_multiple, teacher=True)
+    targets = teacher_targets(llms, dataset, teacher, k=objectives.k_tokens, temperature=objectives.kd_temperature,
+                              top_k=objectives.kd_top_k, batch_size=batch_size or len(dataset),
+                              device=torch.device("cpu"), rank=0, world=1)
+    return Collator.for_llms(llms, max_prompt_bytes, max_answer_tokens, pad_multiple, kd_targets=targets)
+
+
 # A Llama architecture small enough to draw in a test, for `random:`.
 SMALL_LLAMA = dict(model_type="llama", vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-from conftest import ALL_TERMS
+from conftest import ALL_TERMS, distilled_collator
 from latentwire.config import load_config
 from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.llm import is_decoder_layer, load_frozen_llm
@@ -27,15 +27,20 @@ def build(cfg, seed=0, dtype=torch.float32):
     return model, llms
 
 
-def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None, teacher=False):
-    items = [PromptDataset(synthetic_examples(64, 3))[i] for i in range(n)]
-    collate = Collator.for_llms(llms, cfg.data.max_prompt_bytes, max_answer_tokens or cfg.data.max_answer_tokens,
-                                pad_multiple or cfg.data.pad_multiple, teacher=teacher)
-    return collate(items)
+def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None, distilled=False):
+    """`distilled`: with the distillation targets of ALL_TERMS."""
+    dataset = PromptDataset(synthetic_examples(64, 3))
+    settings = (cfg.data.max_prompt_bytes, max_answer_tokens or cfg.data.max_answer_tokens,
+                pad_multiple or cfg.data.pad_multiple)
+    if distilled:
+        collate = distilled_collator(llms, dataset, ALL_TERMS, *settings)
+    else:
+        collate = Collator.for_llms(llms, *settings)
+    return collate([dataset[i] for i in range(n)])
 
 
 def pad_more(batch, extra_bytes, extra_tokens):
-    """The same examples with more padding on every padded axis (the teacher's prompt: on the left)."""
+    """The same examples with more padding on every padded axis."""
     from latentwire.data import PAD_BYTE
     pad = torch.nn.functional.pad
     bytes_ = pad(batch["bytes"], (0, extra_bytes), value=PAD_BYTE)
@@ -43,17 +48,16 @@ def pad_more(batch, extra_bytes, extra_tokens):
     for name, a in batch["answers"].items():
         out["answers"][name] = {"lead_ids": a["lead_ids"], "input_ids": pad(a["input_ids"], (0, extra_tokens), value=0),
                                 "labels": pad(a["labels"], (0, extra_tokens), value=-100),
-                                "text_ids": pad(a["text_ids"], (extra_tokens, 0), value=0),
-                                "text_mask": pad(a["text_mask"], (extra_tokens, 0), value=0)}
+                                "kd_logprobs": pad(a["kd_logprobs"], (0, 0, 0, extra_tokens))}
     return out
 
 
 @pytest.mark.parametrize("extra_bytes", [96, 5])  # whole byte patches, and a part of one
 def test_padding_never_changes_the_loss(cfg, extra_bytes):
-    """Every term, the teacher's included: more padding, on the right of the rows and on the left
-    of the teacher's prompts, changes neither a count nor a sum."""
+    """Every term, distillation's included: more padding on the right of the rows changes neither a
+    count nor a sum (the teacher's own padding: test_distillation)."""
     model, llms = build(cfg)
-    batch = batch_of(cfg, llms, teacher=True)
+    batch = batch_of(cfg, llms, distilled=True)
     longer = pad_more(batch, extra_bytes=extra_bytes, extra_tokens=11)
     assert torch.equal(target_counts(batch, ALL_TERMS), target_counts(longer, ALL_TERMS))
     short, long_ = forward_loss_sums(model, llms, batch, ALL_TERMS), forward_loss_sums(model, llms, longer, ALL_TERMS)
@@ -63,7 +67,7 @@ def test_padding_never_changes_the_loss(cfg, extra_bytes):
 def test_each_example_is_independent_of_its_batch_mates(cfg):
     """Padding to the longest example of a batch must not change a short example's loss terms."""
     model, llms = build(cfg)
-    batch = batch_of(cfg, llms, teacher=True)
+    batch = batch_of(cfg, llms, distilled=True)
     together = forward_loss_sums(model, llms, batch, ALL_TERMS)
     alone = sum(forward_loss_sums(model, llms, slice_batch(batch, i), ALL_TERMS) for i in range(6))
     torch.testing.assert_close(alone, together, rtol=1e-5, atol=1e-4)
@@ -76,17 +80,15 @@ def slice_batch(batch, i):
     b = {"bytes": batch["bytes"][i:i + 1, :n], "byte_mask": batch["byte_mask"][i:i + 1, :n], "answers": {}}
     for name, a in batch["answers"].items():
         t = int((a["labels"][i] != -100).nonzero().max()) + 1  # up to and including the EOS target
-        real = a["text_mask"][i].bool()
         b["answers"][name] = {"lead_ids": a["lead_ids"][i:i + 1], "input_ids": a["input_ids"][i:i + 1, :t - 1],
-                              "labels": a["labels"][i:i + 1, :t], "text_ids": a["text_ids"][i:i + 1, real],
-                              "text_mask": a["text_mask"][i:i + 1, real]}
+                              "labels": a["labels"][i:i + 1, :t], "kd_logprobs": a["kd_logprobs"][i:i + 1, :t]}
     assert PAD_BYTE not in b["bytes"]
     return b
 
 
 def test_frozen_llms_get_no_grads_but_pass_them_to_the_wire(cfg):
     model, llms = build(cfg)
-    forward_loss_sums(model, llms, batch_of(cfg, llms, teacher=True), ALL_TERMS).sum().backward()
+    forward_loss_sums(model, llms, batch_of(cfg, llms, distilled=True), ALL_TERMS).sum().backward()
     for llm in llms.values():
         assert not llm.model.training
         assert all(not p.requires_grad and p.grad is None for p in llm.model.parameters())

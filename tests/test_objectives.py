@@ -11,6 +11,8 @@ from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, first_targets, forward_loss_sums, kd_sum, llm_term_sums, target_counts
 from latentwire.precision import sdpa_backends
 
+from conftest import distilled_collator
+
 CPU = torch.device("cpu")
 
 
@@ -19,9 +21,10 @@ def llms():
     return {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
 
 
-def batches(llms, teacher=False, n=2, size=4, seed=31):
+def batches(llms, distilled=None, n=2, size=4, seed=31):
+    """`distilled`: the Objectives whose distillation targets the batches carry."""
     examples = PromptDataset(synthetic_examples(n * size, seed))
-    collate = Collator.for_llms(llms, 512, 16, 32, teacher=teacher)
+    collate = distilled_collator(llms, examples, distilled) if distilled else Collator.for_llms(llms, 512, 16, 32)
     return [collate([examples[i] for i in range(b * size, (b + 1) * size)]) for b in range(n)]
 
 
@@ -39,7 +42,8 @@ def test_each_term_sums_what_it_names():
     logits, teacher = torch.randn(2, 7, 11), torch.randn(2, 7, 11)
     labels = torch.tensor([[-100, -100, 5, 6, 7, 2, -100], [-100, 9, 2, -100, -100, -100, -100]])
     obj = Objectives(first_token_weight=1, k_token_weight=1, kd_weight=1, k_tokens=2, kd_temperature=2.0)
-    answer, first, k, kd = llm_term_sums(logits, labels, teacher, obj).tolist()
+    rows = {"labels": labels, "kd_logprobs": F.log_softmax(teacher / 2, -1)}
+    answer, first, k, kd = llm_term_sums(logits, rows, obj).tolist()
     nll = -F.log_softmax(logits, -1)
     assert answer == pytest.approx(sum(nll[r, t, labels[r, t]].item() for r, t in (labels != -100).nonzero().tolist()))
     assert first == pytest.approx(nll[0, 2, 5].item() + nll[1, 1, 9].item())
@@ -47,7 +51,7 @@ def test_each_term_sums_what_it_names():
     p = F.softmax(teacher / 2, -1)
     kl = (p * (p.log() - F.log_softmax(logits / 2, -1))).sum(-1)
     assert kd == pytest.approx(4 * (kl[0, 2] + kl[0, 3] + kl[1, 1] + kl[1, 2]).item(), rel=1e-5)
-    assert kd_sum(teacher, teacher, labels != IGNORE_INDEX, 2.0).item() == pytest.approx(0, abs=1e-5)
+    assert kd_sum(teacher, rows, labels != IGNORE_INDEX, 2.0).item() == pytest.approx(0, abs=1e-5)
 
 
 def reference_step(model, llms, micro_batches, optimizer):
@@ -105,8 +109,8 @@ def test_the_teacher_gets_no_gradient_and_its_term_moves_the_wire(llms):
     cfg = load_config(["--profile", "cpu", "--dropout", "0"])
     torch.manual_seed(0)
     model = WireEncoder.for_llms(cfg.wire, llms)
-    batch = batches(llms, teacher=True, n=1)[0]
     kd_only = Objectives(kd_weight=1.0)
+    batch = batches(llms, distilled=kd_only, n=1)[0]
     sums = forward_loss_sums(model, llms, batch, kd_only)
     assert sums.shape == (2, 2) and (sums[:, 1] > 0).all()
     sums[:, 1].sum().backward()

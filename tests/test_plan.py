@@ -12,7 +12,7 @@ from latentwire.planner.analytic import optimizer_state_bytes, static_memory
 from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
 from latentwire.config import load_config
 from latentwire.errors import UserError, main_guard
-from latentwire.data import Collator, IGNORE_INDEX, PromptDataset
+from latentwire.data import IGNORE_INDEX, PromptDataset
 from latentwire.planner.elastic import elastic_batch, scaled_lr
 from latentwire.find_batch import Probe
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
@@ -23,7 +23,7 @@ from latentwire.plan import TRAINING_STEP, main as plan_main
 from latentwire.planner.memory_plan import make_plan, planned_rows
 from latentwire.precision import frozen_weight_dtype
 
-from conftest import assert_one_line_error, ok, run_module
+from conftest import assert_one_line_error, distilled_collator, ok, run_module
 
 LLAMA_3_1_8B_PARAMS = 8_030_261_248  # the published counts
 QWEN_2_5_7B_PARAMS = 7_615_616_512
@@ -103,19 +103,19 @@ def test_planning_batch_is_the_longest_the_collator_emits():
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
     long_example = {"context": "Maria lives in Paris. " * 20, "question": "Where?",
                     "answers": {"text": ["Paris Tokyo Lima Cairo Oslo Berlin Madrid Toronto"]}}
-    collated = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
-                                 teacher=True)([PromptDataset([long_example] * 3)[i] for i in range(3)])
-    planned = planning_batch(cfg.data, True, {n: (len(l.contract.lead), len(l.contract.tail), len(l.tokenizer))
-                                              for n, l in llms.items()}, 3)
+    dataset = PromptDataset([long_example] * 3)
+    collated = distilled_collator(llms, dataset, cfg.objectives, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens,
+                                  cfg.data.pad_multiple)([dataset[i] for i in range(3)])
+    planned = planning_batch(cfg.data, cfg.objectives, {n: (len(l.contract.lead), len(l.contract.tail),
+                                                            len(l.tokenizer)) for n, l in llms.items()}, 3)
     assert planned["bytes"].shape == collated["bytes"].shape
     assert torch.equal(planned["byte_mask"], collated["byte_mask"])
     for name in llms:
-        for key in ("lead_ids", "input_ids", "labels"):
+        assert planned["answers"][name].keys() == collated["answers"][name].keys()
+        for key in ("lead_ids", "input_ids", "labels", "kd_logprobs"):  # the distillation targets: full rows
             assert planned["answers"][name][key].shape == collated["answers"][name][key].shape, (name, key)
         targets = (collated["answers"][name]["labels"] != IGNORE_INDEX).sum().item()
         assert (planned["answers"][name]["labels"] != IGNORE_INDEX).sum().item() == targets
-        # The distillation teacher's prompt: a token per byte bounds it from above.
-        assert planned["answers"][name]["text_ids"].shape[1] >= collated["answers"][name]["text_ids"].shape[1]
 
 
 # --- the tracer -----------------------------------------------------------------------------
@@ -216,24 +216,11 @@ def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
     assert 0 < per_sample < one_layer_of_bf16_scores
 
 
-def test_a_cuda_trace_with_distillation_runs_the_teacher_and_holds_more():
-    """The teacher's padded prompts take masked attention through the CUDA kernels, and the LLMs
-    run twice in one step (teacher, then the wire), which stock MemTracker would refuse."""
+def test_a_cuda_trace_with_distillation_holds_its_targets_and_their_softmax():
+    """The distillation targets each batch carries, and the KL over the student's softened rows."""
     args = ["--profile", "cpu", "--device", "cuda", "--precision", "bf16", "--max-prompt-bytes", "256"]
     peaks = {kd: traced_peak(load_config([*args, "--kd-weight", kd]), 2) for kd in ("0", "1")}
     assert peaks["1"] > peaks["0"]
-
-
-def test_cuda_sdpa_repeats_grouped_heads_under_a_mask_as_cuda_does():
-    """Masked grouped-query attention (transformers versions that pass enable_gqa with a mask):
-    the CUDA kernels have no grouped form, so the K/V heads are repeated to the query's."""
-    from latentwire.planner.memtrace import cuda_sdpa
-
-    with FakeTensorMode():
-        q, kv = torch.empty(2, 4, 8, 16), torch.empty(2, 2, 8, 16)  # the plan traces CUDA on CPU fake tensors
-        mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
-        out = cuda_sdpa(q, kv, kv, attn_mask=mask, enable_gqa=True)
-    assert out.shape == q.shape
 
 
 # --- the plan, the calculator and the budget ------------------------------------------------

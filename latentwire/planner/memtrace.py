@@ -28,8 +28,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 from torch.utils._pytree import tree_leaves
 
 from ..data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, round_up
+from ..distillation import target_width
 from ..llm import FrozenLLM, build_model, freeze, is_decoder_layer
 from ..model import WireEncoder
+from ..objectives import Objectives
 from ..precision import frozen_weight_dtype, sdpa_backends
 from .step import TrainingStep
 
@@ -38,14 +40,14 @@ CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _Mem
             _MemRefType.OTH: "other", _TOTAL_KEY: "total"}
 
 
-def planning_batch(data: DataConfig, teacher: bool, answers: dict[str, tuple[int, int, int]], micro_batch: int,
-                   device: torch.device = torch.device("cpu")) -> dict:
+def planning_batch(data: DataConfig, objectives: Objectives, answers: dict[str, tuple[int, int, int]],
+                   micro_batch: int, device: torch.device = torch.device("cpu")) -> dict:
     """The largest batch `data.Collator` can emit for this configuration.
 
     Every prompt is cut at max_prompt_bytes and every answer at max_answer_tokens, padded as the
     collator pads. `answers` maps an LLM's name to (lead tokens, tail tokens, vocabulary size) of its
-    prompt contract. With the distillation `teacher`, the teacher's prompt is as many tokens as it
-    has bytes (a byte-level BPE token is at least one byte): an upper bound.
+    prompt contract. With distillation, the rows carry the teacher's targets as the collator places
+    them (latentwire.distillation): full rows or the top kd_top_k with the rest's bucket.
     """
     length = round_up(data.max_prompt_bytes, data.pad_multiple)
     byte_ids = torch.full((micro_batch, length), PAD_BYTE, dtype=torch.long, device=device)
@@ -58,10 +60,13 @@ def planning_batch(data: DataConfig, teacher: bool, answers: dict[str, tuple[int
         labels[:, tail:tail + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
         rows = {"lead_ids": torch.randint(0, vocab, (micro_batch, lead), device=device),
                 "input_ids": torch.randint(0, vocab, (micro_batch, width), device=device), "labels": labels}
-        if teacher:
-            text = round_up(lead + data.max_prompt_bytes, ANSWER_PAD_MULTIPLE)
-            rows["text_ids"] = torch.randint(0, vocab, (micro_batch, text), device=device)
-            rows["text_mask"] = torch.ones((micro_batch, text), dtype=torch.long, device=device)
+        if objectives.teacher:
+            kept = (micro_batch, width + 1)
+            per_position = target_width(data.num_examples, objectives.k_tokens, vocab, objectives.kd_top_k)
+            rows["kd_logprobs"] = torch.randn((*kept, per_position), device=device)
+            if per_position < vocab:
+                rows["kd_ids"] = torch.randint(0, vocab, (*kept, per_position), device=device)
+                rows["kd_rest"] = torch.randn(kept, device=device)
         batch["answers"][name] = rows
     return batch
 
@@ -82,9 +87,7 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if attn_mask is None:  # the LLMs: causal, no mask; flash reads grouped K/V heads as they are
         return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
                                                                   scale=scale)[0]
-    if enable_gqa:  # the distillation teacher's padded prompts: on CUDA transformers repeats the K/V heads
-        key, value = (t.repeat_interleave(query.shape[1] // t.shape[1], dim=1) for t in (key, value))
-    # As on CUDA: the boolean mask becomes an additive bias in the query's dtype, broadcast (a view).
+    # The encoder's padded attention (a step runs no masked LLM attention, so no grouped heads). As on CUDA: the boolean mask becomes an additive bias in the query's dtype, broadcast (a view).
     bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~attn_mask, float("-inf"))
     bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p,
@@ -120,16 +123,6 @@ class FrozenAwareMemTracker(MemTracker):
                 self._track(kind, t)
         self._update_peak_stats()
         return out
-
-    def _pre_fw_hook(self, module, inputs) -> None:
-        # An LLM run twice in one step (as the distillation teacher, then reading the wire) is a
-        # top-level module called again in forward, which MemTracker takes for the next step and
-        # refuses. The plan keeps no per-module statistics: start that module's record afresh.
-        name = self._mod_tracker.get_known_fqn(module)
-        if (module in self.memory_tracking and not self._mod_tracker.is_bw
-                and set(self._mod_tracker.parents) - {name} == {"Global"}):
-            del self.memory_tracking[module]
-        super()._pre_fw_hook(module, inputs)
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
         sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
@@ -195,7 +188,7 @@ class StepTracer:
         self.optimizer = step.adamw(self.model, cfg.optimizer, cfg.card.device)
 
     def trace(self, micro_batch: int, steps: int) -> StepTrace:
-        batch = planning_batch(self.cfg.data, self.cfg.objectives.teacher, self.answers, micro_batch)
+        batch = planning_batch(self.cfg.data, self.cfg.objectives, self.answers, micro_batch)
         tracker = FrozenAwareMemTracker()
         tracker.track_external(self.model, self.optimizer, *(llm.model for llm in self.llms.values()), batch)
         seen = {}

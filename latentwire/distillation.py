@@ -1,0 +1,131 @@
+"""Distillation targets, computed once per example instead of once per step.
+
+The KD term's teacher is the frozen LLM reading the prompt as text (latentwire.objectives). Its
+tau-softened next-token distribution at an example's first `k_tokens` answer positions is the
+same at every epoch, so `teacher_targets` computes it for every training example before the first
+step (each rank a 1/world share, gathered to all ranks, since any rank may draw any example in a
+later epoch), and the collator hands each batch its examples' rows. A step then runs no teacher.
+
+Full rows (every token's log-probability) are exact. A large vocabulary (128k tokens for Llama-3)
+makes them too big to keep for a dataset: there each position keeps the teacher's `top_k` most
+likely tokens and one bucket for all the others, and the KL is taken over those top_k + 1
+outcomes (the student's own mass of the other tokens in the bucket). `target_width` says which.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# The host memory full rows may take, per LLM and rank; above it, top_k + 1 buckets.
+FULL_ROWS_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class TeacherTargets:
+    """One LLM's targets for every training example, at its first k answer positions:
+    `logprobs` [N, k, K] (fp32, tau-softened); `ids` [N, k, K] the tokens they belong to, or None
+    for full rows (K = the vocabulary, in its order); `rest` [N, k] the log-probability of every
+    other token together, or None for full rows."""
+    logprobs: torch.Tensor
+    ids: torch.Tensor | None
+    rest: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.logprobs, self.ids, self.rest) if t is not None)
+
+    def rows(self, indices: torch.Tensor, tail: int, width: int) -> dict[str, torch.Tensor]:
+        """The targets of examples `indices` placed at their rows' kept logit positions (width of
+        them; the first answer position comes after the `tail`), zeros elsewhere: the KD term's
+        mask picks the first k targets out of the same positions."""
+        k = self.logprobs.shape[1]
+        span = slice(tail, min(tail + k, width))
+        out = {}
+        for key, table in (("kd_logprobs", self.logprobs), ("kd_ids", self.ids), ("kd_rest", self.rest)):
+            if table is not None:
+                placed = table.new_zeros((len(indices), width, *table.shape[2:]))
+                placed[:, span] = table[indices, :span.stop - span.start]
+                out[key] = placed
+        return out
+
+
+def targets_bytes(examples: int, k: int, width: int, vocab: int) -> int:
+    """What TeacherTargets of `width` log-probs per position hold (with ids and the rest where
+    width < vocab)."""
+    per_position = 4 * width + (8 * width + 4 if width < vocab else 0)
+    return examples * k * per_position
+
+
+def describe_targets(targets: dict[str, TeacherTargets], seconds: float) -> str:
+    parts = [f"{name} {'full rows' if t.ids is None else f'top {t.ids.shape[-1]} + rest'} "
+             f"({t.nbytes / 2 ** 20:.0f} MiB)" for name, t in targets.items()]
+    n, k = next(iter(targets.values())).logprobs.shape[:2]
+    return (f"distillation targets of {n} examples x {k} answer positions, computed once in {seconds:.1f} s: "
+            f"{', '.join(parts)}")
+
+
+def target_width(examples: int, k: int, vocab: int, top_k: int) -> int:
+    """Log-probs kept per position: the whole vocabulary (exact) where every example's full rows
+    fit FULL_ROWS_BYTES in fp32, else the top_k (and the rest's bucket beside them)."""
+    return vocab if examples * k * vocab * 4 <= FULL_ROWS_BYTES else min(top_k, vocab)
+
+
+def softened(teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The distillation target: log-probabilities of the tau-softened teacher distribution."""
+    return F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+
+
+def top_k_buckets(logprobs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, ids, rest) of full log-prob rows [..., V]: the top_k, and the log of the rest's
+    mass, summed in log space so that a rest far below the top stays exact. A rest of no mass at
+    all is the lowest finite log instead of -inf, whose KL term would be 0 x inf."""
+    values, ids = logprobs.topk(top_k, dim=-1)
+    rest = logprobs.scatter(-1, ids, float("-inf")).logsumexp(-1)
+    return values, ids, rest.clamp_min(torch.finfo(rest.dtype).min)
+
+
+@torch.no_grad()
+def teacher_targets(llms: dict, dataset, collate, *, k: int, temperature: float, top_k: int, batch_size: int,
+                    device: torch.device, rank: int, world: int) -> dict[str, TeacherTargets]:
+    """Every example's targets for each LLM. `collate` must give the teacher's rows (a
+    data.Collator with teacher=True); the caller sets autocast and the attention kernels as the
+    step does. Rank r computes examples r, r + world, ...; the shares are gathered."""
+    from .data import to_device
+
+    n = len(dataset)
+    mine = list(range(rank, n, world))
+    per_rank = -(-n // world)
+    mine += mine[-1:] * (per_rank - len(mine))  # equal shares for the gather; the repeats are dropped
+    vocab = {name: llm.model.config.vocab_size for name, llm in llms.items()}
+    width = {name: target_width(n, k, vocab[name], top_k) for name in llms}
+    shares = {name: [] for name in llms}
+    for start in range(0, per_rank, batch_size):
+        batch = to_device(collate([dataset[i] for i in mine[start:start + batch_size]]), device)
+        for name, llm in llms.items():
+            rows = batch["answers"][name]
+            logits = llm.teacher_logits(rows["text_ids"], rows["text_mask"], rows["input_ids"])
+            tail = len(llm.contract.tail)
+            window = softened(logits[:, tail:tail + k], temperature)
+            window = F.pad(window, (0, 0, 0, k - window.shape[1]))  # rows shorter than k: never targets
+            shares[name].append((window,) if width[name] == vocab[name] else top_k_buckets(window, width[name]))
+    targets = {}
+    for name, parts in shares.items():
+        pieces = [_gather(torch.cat(piece), n, rank, world) for piece in zip(*parts)]
+        targets[name] = TeacherTargets(*pieces) if len(pieces) == 3 else TeacherTargets(pieces[0], None, None)
+    return targets
+
+
+def _gather(share: torch.Tensor, n: int, rank: int, world: int) -> torch.Tensor:
+    """Every rank's share, in example order (rank r held examples r, r + world, ...), on the CPU."""
+    if world == 1:
+        return share.cpu()
+    parts = [torch.empty_like(share) for _ in range(world)]
+    dist.all_gather(parts, share.contiguous())
+    whole = torch.empty((n, *share.shape[1:]), dtype=share.dtype)
+    for r, part in enumerate(parts):
+        count = len(range(r, n, world))
+        whole[r::world] = part[:count].cpu()
+    return whole
