@@ -7,8 +7,10 @@ wall time of its training, each reader's wire EM with its standard error and the
 the text's F1. Runs are serial (two ranks already fill two cores), so the wall times compare.
 
     python bench/wire_levers.py                                 # every lever in LEVERS
-    python bench/wire_levers.py --lever deep "--encoder-layers 4"  # one lever of your own
-    python bench/wire_levers.py --only default deep             # some of LEVERS
+    python bench/wire_levers.py --lever deep "--encoder-layers 4"   # one lever of your own
+    python bench/wire_levers.py --only default "M 16"           # some of LEVERS
+    python bench/wire_levers.py --table                         # every run recorded so far
+    python bench/wire_levers.py --by-attribute runs/levers/default  # EM per attribute asked
 
 Results append to bench/results/wire_levers.jsonl (one JSON object per run, with its command),
 and the table of this invocation's runs is printed in Markdown.
@@ -86,6 +88,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def by_attribute(run: Path) -> str:
+    """Each reader's wire and text EM per attribute the synthetic set asks about, from the run's
+    evaluation report (its answers, matched to the held-out examples it evaluated)."""
+    sys.path.insert(0, str(REPO))
+    from latentwire.data import ATTRIBUTES, DataSources, answer_text
+    from latentwire.evaluate import read_meta, resolve_checkpoint
+
+    cfg, _ = read_meta(resolve_checkpoint(run))
+    report = json.loads(next((run / "eval").glob("*.json")).read_text())
+    sources = DataSources.of(cfg.data, cfg.training.seed)
+    examples = sources.held_out_examples(report["examples"], sources.held_out_source())
+    lines = ["| question | values | examples | " + " | ".join(f"{who}: wire / text EM" for who in READERS) + " |",
+             "|---|---:|---:|" + "---:|" * len(READERS)]
+    for attr in ATTRIBUTES:
+        before, after = attr.question.split("{name}")
+        asked = [a for a in report["answers"] if examples[a["index"]]["question"].startswith(before)
+                 and examples[a["index"]]["question"].endswith(after)]
+        em = lambda key: 100 * sum(a[key] == answer_text(examples[a["index"]]) for a in asked) / len(asked)
+        cells = [f"{em(f'wire_{who}'):.0f} / {em(f'text_{who}'):.0f}" for who in READERS]
+        lines.append(f"| {attr.question.format(name='X')} | {len(attr.values)} | {len(asked)} | " + " | ".join(cells)
+                     + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lever", nargs=2, action="append", metavar=("NAME", "FLAGS"), default=[],
@@ -94,7 +120,16 @@ def main() -> None:
     p.add_argument("--eval-examples", type=int, default=300)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out-root", type=Path, default=REPO / "runs" / "levers")
+    p.add_argument("--table", action="store_true", help="print the table of every recorded run, and run nothing")
+    p.add_argument("--by-attribute", type=Path, metavar="RUN",
+                   help="print a lever run's EM per attribute asked (the synthetic set), and run nothing")
     args = p.parse_args()
+    if args.table:
+        print(table([json.loads(line) for line in RESULTS.read_text().splitlines()]))
+        return
+    if args.by_attribute:
+        print(by_attribute(args.by_attribute))
+        return
     levers = [(name, LEVERS[name]) for name in args.only] if args.only else [] if args.lever else list(LEVERS.items())
     rows = []
     for name, flags in [*levers, *map(tuple, args.lever)]:

@@ -70,7 +70,7 @@ def describe_targets(targets: dict[str, TeacherTargets], seconds: float) -> str:
 def target_width(examples: int, k: int, vocab: int, top_k: int) -> int:
     """Log-probs kept per position: the whole vocabulary (exact) where every example's full rows
     fit FULL_ROWS_BYTES in fp32, else the top_k (and the rest's bucket beside them)."""
-    return vocab if examples * k * vocab * 4 <= FULL_ROWS_BYTES else min(top_k, vocab)
+    return vocab if targets_bytes(examples, k, vocab, vocab) <= FULL_ROWS_BYTES else min(top_k, vocab)
 
 
 def softened(teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:

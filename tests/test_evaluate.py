@@ -344,12 +344,21 @@ def context_free_em(examples: list[dict]) -> float:
     return sum(1 / choices[answer_text(e)] for e in examples) / len(examples)
 
 
+# The default run's wire EM, at least: half the readers' 84% from the text. Measured on 300 held-out
+# examples: 62.3 / 62.0% (llama / qwen), and 55.7 / 57.7% for the same run at micro-batch 32 x 1
+# (equal in exact arithmetic; the rounding alone takes another path), so a run on another CPU may
+# land anywhere near either. 42% is 4 standard errors of a 256-example EM (3.1 points) below the
+# lower, and 20 points above the previous defaults' 18%, which the bound is there to catch.
+WIRE_EM_BOUND = 0.42
+
+
 @pytest.mark.slow
 def test_the_trained_wire_carries_information_and_content(default_run):
     """Answer NLL: the trained wire beats a zeroed wire and other examples' wires, for both LLMs,
     by more than noise (the paired difference over 256 held-out examples). And it carries more than
     the kind of answer the question wants: each reader's exact match from the wire beats the best a
-    context-free wire could expect, by more than 3 standard errors of that guess."""
+    context-free wire could expect, by more than 3 standard errors of that guess. And it carries at
+    least half of what the readers get from the text (WIRE_EM_BOUND)."""
     ckpt = command.resolve_checkpoint(default_run)
     cfg, _ = command.read_meta(ckpt)
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
@@ -367,6 +376,7 @@ def test_the_trained_wire_carries_information_and_content(default_run):
             assert margin["margin"] > 2 * margin["se"], (control, name, margin)
         em = m[f"em_wire_{name}"] / 100
         assert em > guess + 3 * (guess * (1 - guess) / len(examples)) ** 0.5, (name, em, guess)
+        assert em > WIRE_EM_BOUND, (name, em)
 
 
 @pytest.mark.slow
@@ -388,11 +398,11 @@ def test_report_has_baselines_compression_and_payload(one_process_report):
     for key in ("wire", "text", "text_cut"):
         for who in (*LLM_NAMES, "joint"):
             assert 0 <= report["metrics"][f"em_{key}_{who}"] <= report["metrics"][f"f1_{key}_{who}"] <= 100
-    # M = 8 wire tokens of d_z = 64 values.
-    assert report["payload_bytes"] == {"fp32": 8 * 64 * 4, "bf16": 8 * 64 * 2, "int8": 8 * 64 + 8 * 4}
+    # M = 16 wire tokens of d_z = 64 values.
+    assert report["payload_bytes"] == {"fp32": 16 * 64 * 4, "bf16": 16 * 64 * 2, "int8": 16 * 64 + 16 * 4}
     c = report["compression"]
     for name in LLM_NAMES:
-        assert c[f"compression_{name}"] == pytest.approx(c[f"prompt_tokens_{name}"] / 8) and c[f"compression_{name}"] > 1
+        assert c[f"compression_{name}"] == pytest.approx(c[f"prompt_tokens_{name}"] / 16) and c[f"compression_{name}"] > 1
         assert f"| {name} | {report['metrics'][f'nll_wire_{name}']:.3f} |" in md
     assert "## Answers" in md and "## Does the wire carry information?" in md and "wire in int8" in md
     m, share = report["metrics"], report["wire_share_of_text"]

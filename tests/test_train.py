@@ -15,7 +15,8 @@ def train(tmp_path, name, *args, nproc=1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("terms", [["--first-token-weight", "0"], ALL_TERMS_FLAGS], ids=["answer_ce", "all_terms"])
+@pytest.mark.parametrize("terms", [["--first-token-weight", "0", "--kd-weight", "0"], ALL_TERMS_FLAGS],
+                         ids=["answer_ce", "all_terms"])
 def test_gradient_accumulation_and_ddp_are_exact(tmp_path, terms):
     """mbs 8 x 1, mbs 2 x accum 4, and mbs 2 x accum 2 x 2 ranks end with the same weights, and log
     the same value of every loss term of every LLM: each is normalised by its global count."""
