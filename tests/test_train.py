@@ -118,7 +118,9 @@ def test_clipping_logs_the_pre_clip_norm_and_applies_the_clipped_gradient(tmp_pa
     assert read_metrics(clipped)[0]["grad_norm"] == pytest.approx(norm, rel=1e-6)  # logged: pre-clip
 
     def applied(out):
-        return torch.cat([m.flatten() for m in first_moment(out)]) / (1 - 0.9)
+        # In float64: an fp32 norm over the 379k elements is itself off by 1e-5 of the default run's
+        # norm of about 270 (distillation's large first gradients); torch's clipping norm is not.
+        return torch.cat([m.flatten() for m in first_moment(out)]).double() / (1 - 0.9)
 
     assert applied(free).norm().item() == pytest.approx(norm, rel=1e-5)
     assert applied(clipped).norm().item() == pytest.approx(0.5, rel=1e-5)  # applied: clipped
