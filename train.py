@@ -205,6 +205,10 @@ def train(cfg, di) -> None:
     dataset = PromptDataset(training.examples)
     sampler = ShardSampler(dataset, num_replicas=world, rank=rank, seed=seed)
     objectives = cfg.objectives
+    global_batch = micro * accum * world
+    if len(dataset) < global_batch:  # the loader's drop_last would leave no whole step
+        raise UserError(f"dataset of {len(dataset)} examples is smaller than one global batch "
+                        f"({micro} x {accum} x {world} ranks)")
 
     # --- Distillation: the teacher once per example, not once per step ------------------------
     # The KD term's teacher (each LLM reading the prompt's text) gives an example the same targets
@@ -228,10 +232,6 @@ def train(cfg, di) -> None:
                                 kd_targets=kd_targets)
     loader = make_loader(dataset, sampler, collate, micro_batch_size=micro, num_workers=data.num_workers,
                          prefetch_factor=data.prefetch_factor, device_type=device.type, seed=seed + rank)
-    global_batch = micro * accum * world
-    if len(loader) < accum:
-        raise UserError(f"dataset of {len(dataset)} examples is smaller than one global batch "
-                        f"({micro} x {accum} x {world} ranks)")
 
     # --- Optimizer: AdamW over the trainable parameters only, fused on CUDA (see adamw) ------
     optimizer = adamw(model, cfg.optimizer, device.type)

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 from common import REPO, child_env, launcher
+from latentwire.data import ATTRIBUTES, DataSources, answer_text
+from latentwire.evaluate import read_meta, resolve_checkpoint
 
 RESULTS = REPO / "bench" / "results" / "wire_levers.jsonl"
 READERS = ("llama", "qwen")
@@ -91,10 +93,6 @@ def table(rows: list[dict]) -> str:
 def by_attribute(run: Path) -> str:
     """Each reader's wire and text EM per attribute the synthetic set asks about, from the run's
     evaluation report (its answers, matched to the held-out examples it evaluated)."""
-    sys.path.insert(0, str(REPO))
-    from latentwire.data import ATTRIBUTES, DataSources, answer_text
-    from latentwire.evaluate import read_meta, resolve_checkpoint
-
     cfg, _ = read_meta(resolve_checkpoint(run))
     report = json.loads(next((run / "eval").glob("*.json")).read_text())
     sources = DataSources.of(cfg.data, cfg.training.seed)

@@ -19,8 +19,8 @@ import math
 import os
 import textwrap
 from dataclasses import dataclass
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 from .compiling import CompileConfig
 from .data import DataConfig

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .data import to_device
+
 # The host memory full rows may take, per LLM and rank; above it, top_k + 1 buckets.
 FULL_ROWS_BYTES = 1 << 30
 
@@ -93,8 +95,6 @@ def teacher_targets(llms: dict, dataset, collate, *, k: int, temperature: float,
     """Every example's targets for each LLM. `collate` must give the teacher's rows (a
     data.Collator with teacher=True); the caller sets autocast and the attention kernels as the
     step does. Rank r computes examples r, r + world, ...; the shares are gathered."""
-    from .data import to_device
-
     n = len(dataset)
     mine = list(range(rank, n, world))
     per_rank = -(-n // world)

@@ -278,6 +278,10 @@ CASES = {
     "train-data-wrong-suffix": ("train", dataset("d.csv", "context,question\n")),
     "evaluate-data-missing-context": ("evaluate", lambda c: ["--dataset", c.jsonl("d.jsonl", [NO_CONTEXT] * 8)]),
     "launch2-data-smaller-than-global-batch-overwrite": ("launch2", dataset("d.jsonl", [GOOD] * 6)),
+    # Fewer examples than ranks: refused before distillation's teacher pass deals them out.
+    "launch2-data-fewer-examples-than-ranks": ("launch2", lambda c: {"says": "smaller than one global batch",
+                                                                     "args": [OW, "--num-examples", "1",
+                                                                              "--kd-weight", "1"]}),
     "train-data-every-answer-past-the-cut": ("train", lambda c: {"says": "lies past max_prompt_bytes=512 (36 of 36)",
                                                                  "args": dataset("d.jsonl", [CUT_ANSWER] * 40)(c)}),
     "train-eval-dataset-is-the-training-file": ("train", lambda c: {"says": "is the training file itself", "args": [

@@ -42,7 +42,7 @@ def elastic_batch(cfg, world_size: int, fits: int) -> tuple[int, int, float, str
     if per_rank // exact <= MAX_MICRO_STEP_FACTOR * fewest_steps:
         accum = per_rank // exact
         return exact, accum, cfg.optimizer.lr, (head + f"global batch {global_batch} kept as {exact} x {accum} x "
-                                      f"{world_size} rank(s); lr {cfg.optimizer.lr:.3g} unchanged")
+                                                f"{world_size} rank(s); lr {cfg.optimizer.lr:.3g} unchanged")
     micro = math.ceil(per_rank / fewest_steps)
     new_global = micro * fewest_steps * world_size
     lr = scaled_lr(cfg.optimizer.lr, global_batch, new_global, cfg.planning.lr_scaling)
