@@ -37,8 +37,8 @@ from latentwire.distillation import describe_targets, teacher_targets
 from latentwire.distributed import all_reduce_sum, ddp_buffer_options, group_options, leave_together, torchrun_rank
 from latentwire.eval.evaluation import evaluate_wire
 from latentwire.eval.settings import EvalSettings
-from latentwire.llm import (build_frozen_llms, decoder_layers, fsdp_units, held_per_rank, is_decoder_layer,
-                            read_weights, skip_unused_backward_gathers)
+from latentwire.llm import (build_frozen_llms, decoder_layers, describe_prompts, fsdp_units, held_per_rank,
+                            is_decoder_layer, read_weights, skip_unused_backward_gathers)
 from latentwire.flops import FlopModel
 from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireEncoder, count_parameters
@@ -156,6 +156,8 @@ def train(cfg, di) -> None:
     mesh = init_device_mesh(device.type, (world,)) if shard_frozen else None  # NCCL's all-gathers on a GPU
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
+    if di.is_main:  # what each reader reads around the wire: its chat template, or the bare anchor
+        print(f"prompt: {describe_prompts(llms)}", flush=True)
     for llm in llms.values():
         if cfg.frozen.activation_checkpointing:  # non-reentrant: takes frozen weights, keyword arguments, compile
             apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,

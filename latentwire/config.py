@@ -30,7 +30,7 @@ from .model import WireConfig
 from .objectives import Objectives
 from .precision import Card, Numerics, frozen_weight_dtype, sdpa_backends
 from .profiling import ProfilerConfig
-from .prompting import DEFAULT_ANCHOR, PromptFormat
+from .prompting import CHAT_TEMPLATE_CHOICES, DEFAULT_ANCHOR, DEFAULT_INSTRUCTION, PromptFormat
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
@@ -111,8 +111,11 @@ FIELDS: dict[str, Field] = {
     # --- prompt contract (latentwire.prompting) ---------------------------------------------
     "anchor_text": Field(str, "text after the wire and after a text prompt, before the answer (training, teacher "
                               "and evaluation alike; '' for none)", default=DEFAULT_ANCHOR),
-    "chat_template": Field(bool, "wrap the wire and text prompts in the tokenizers' chat template (instruct models)",
-                           default=False),
+    "chat_template": Field(str, "wrap the wire and text prompts in a reader's chat template: auto (each reader whose "
+                                "tokenizer has one: instruct models), true (both, or an error), false (neither)",
+                           choices=CHAT_TEMPLATE_CHOICES, default="auto"),
+    "answer_instruction": Field(str, "inside a chat template, after the prompt: the instruction asking for the short "
+                                     "answer ('' for none)", default=DEFAULT_INSTRUCTION),
     # --- objectives (latentwire.objectives); the answer cross-entropy always has weight 1 --------------
     "first_token_weight": Field(float, "weight of the cross-entropy of the first answer token (0: off)",
                                 non_negative=True, default=0.0),
@@ -351,6 +354,8 @@ def check_value(field: str, value, where: str):
         raise UserError(f"{where}: field {field!r} must not be null")
     if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if spec.kind is str and isinstance(value, bool) and "true" in spec.choices:
+        value = str(value).lower()  # chat_template was a bool before 'auto': older profiles and meta.json still read
     if type(value) is not spec.kind:
         raise UserError(f"{where}: field {field!r} must be {spec.kind.__name__}, got {value!r}")
     if spec.kind is float and not math.isfinite(value):  # JSON's Infinity/NaN, or --lr inf

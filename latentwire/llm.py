@@ -219,6 +219,11 @@ def load_frozen_llms(frozen: FrozenConfig, dtype: torch.dtype, device: torch.dev
     return {name: load_frozen_llm(name, frozen.source(name), dtype, device) for name in LLM_NAMES}
 
 
+def describe_prompts(llms: dict[str, FrozenLLM]) -> str:
+    """'llama: its chat template, 24 + 20 tokens around the prompt; qwen: ...': the contract each reader got."""
+    return "; ".join(f"{name}: {llm.contract.describe()}" for name, llm in llms.items())
+
+
 def held_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters that this rank holds: its shards where FSDP sharded them."""
     from torch.distributed.tensor import DTensor

@@ -264,6 +264,7 @@ class LLMSpec:
     source: str          # as the profile names it
     config: object       # a transformers PretrainedConfig
     has_bos: bool        # a BOS leads every prompt (latentwire.prompting)
+    chat_template: bool  # its tokenizer ships a chat template (latentwire.prompting)
     origin: str          # where the configuration came from, for the report
 
 
@@ -276,12 +277,14 @@ def llm_spec(name: str, source: str) -> LLMSpec:
         return _local_spec(tiny_reader(name))
     if source.startswith(RANDOM):
         has_bos = tiny_tokenizer(name).bos_token_id is not None  # the tokenizer random_architecture reads it with
-        return LLMSpec(source, random_config(source), has_bos, "random weights, configuration of " + source[len(RANDOM):])
+        return LLMSpec(source, random_config(source), has_bos, False,
+                       "random weights, configuration of " + source[len(RANDOM):])
     if os.path.isdir(os.path.expanduser(source)):
         return _local_spec(source)
     if source in KNOWN_LLMS:
         values, has_bos = KNOWN_LLMS[source]
-        return LLMSpec(source, _config_from_values(values), has_bos, "configuration shipped in latentwire.known_llms")
+        # Their hub tokenizers, base and instruct alike, ship a chat template.
+        return LLMSpec(source, _config_from_values(values), has_bos, True, "configuration shipped in latentwire.known_llms")
     raise UserError(f"no configuration for {source!r}: name a local model directory (with config.json) "
                     f"or one of {', '.join(KNOWN_LLMS)}")
 
@@ -325,7 +328,8 @@ def _tiny_spec(name: str) -> LLMSpec:
     tokenizer = tiny_tokenizer(name)
     with FakeTensorMode():  # its configuration is built with it; the weights are never allocated
         config = tiny_model(name, tokenizer).config
-    return LLMSpec("tiny-random", config, tokenizer.bos_token_id is not None, "configuration built offline by latentwire.llm_sources")
+    return LLMSpec("tiny-random", config, tokenizer.bos_token_id is not None, False,
+                   "configuration built offline by latentwire.llm_sources")
 
 
 def _local_spec(directory: str) -> LLMSpec:
@@ -336,16 +340,20 @@ def _local_spec(directory: str) -> LLMSpec:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read the model configuration in {directory}: {str(e).splitlines()[0]}") from None
-    return LLMSpec(directory, config, _local_has_bos(path), f"configuration read from {directory}/config.json")
+    return LLMSpec(directory, config, *_local_tokenizer_facts(path), f"configuration read from {directory}/config.json")
 
 
-def _local_has_bos(path: str) -> bool:
-    """From tokenizer_config.json; without one, assume a BOS: one more position is the worst case."""
+def _local_tokenizer_facts(path: str) -> tuple[bool, bool]:
+    """Whether the tokenizer starts with a BOS and ships a chat template, from tokenizer_config.json
+    (and chat_template.jinja, where newer transformers write the template). Without a
+    tokenizer_config.json, assume a BOS: one more position is the worst case."""
     tokenizer_config = os.path.join(path, "tokenizer_config.json")
+    template_file = os.path.isfile(os.path.join(path, "chat_template.jinja"))
     try:
         with open(tokenizer_config) as f:
-            return json.load(f).get("bos_token") is not None
+            values = json.load(f)
     except FileNotFoundError:
-        return True
+        return True, template_file
     except json.JSONDecodeError as e:
         raise UserError(f"{tokenizer_config} is not valid JSON: {e.msg}") from None
+    return values.get("bos_token") is not None, template_file or bool(values.get("chat_template"))

@@ -30,6 +30,23 @@ TWENTY = {1: [*RUN, "--max-steps", "20"], 2: [*RUN, "--max-steps", "20", "--micr
 # is fewer than most answers' targets.
 ALL_TERMS_FLAGS = ["--first-token-weight", "0.5", "--k-token-weight", "0.5", "--k-tokens", "2", "--kd-weight", "1"]
 ALL_TERMS = Objectives(first_token_weight=0.5, k_token_weight=0.5, kd_weight=1.0, k_tokens=2)
+# A minimal chat template, as an instruct model's tokenizer ships one: BOS, a user turn, the
+# assistant's header.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def instruct_reader(tmp_path: Path) -> Path:
+    """The tiny Llama reader's directory with CHAT_TEMPLATE beside its tokenizer: to the product,
+    a local instruct model."""
+    import shutil
+
+    from latentwire.llm_sources import tiny_reader
+
+    reader = tmp_path / "instruct_llama"
+    shutil.copytree(tiny_reader("llama"), reader)
+    (reader / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return reader
 
 
 

@@ -17,13 +17,14 @@ from latentwire.planner.elastic import elastic_batch, scaled_lr
 from latentwire.find_batch import Probe
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
 from latentwire.llm_sources import llm_spec
-from latentwire.llm import is_decoder_layer, load_frozen_llm
+from latentwire.llm import build_frozen_llm, is_decoder_layer, load_frozen_llm
 from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, fake_llms, planning_batch
 from latentwire.plan import TRAINING_STEP, main as plan_main
 from latentwire.planner.memory_plan import make_plan, planned_rows
 from latentwire.precision import frozen_weight_dtype
+from latentwire.prompting import CHAT_FRAMING_TOKENS, DEFAULT_ANCHOR, PromptFormat
 
-from conftest import assert_one_line_error, distilled_collator, ok, run_module
+from conftest import assert_one_line_error, distilled_collator, instruct_reader, ok, run_module
 
 LLAMA_3_1_8B_PARAMS = 8_030_261_248  # the published counts
 QWEN_2_5_7B_PARAMS = 7_615_616_512
@@ -34,7 +35,7 @@ CPU = torch.device("cpu")
 
 def specs_and_answers(cfg):
     specs = {name: llm_spec(name, cfg.frozen.source(name)) for name in ("llama", "qwen")}
-    return specs, planned_rows(cfg.prompt.anchor, specs)
+    return specs, planned_rows(cfg.prompt, specs)
 
 
 def profile_fakes(cfg, specs):
@@ -116,6 +117,25 @@ def test_planning_batch_is_the_longest_the_collator_emits():
             assert planned["answers"][name][key].shape == collated["answers"][name][key].shape, (name, key)
         targets = (collated["answers"][name]["labels"] != IGNORE_INDEX).sum().item()
         assert (planned["answers"][name]["labels"] != IGNORE_INDEX).sum().item() == targets
+
+
+def test_planned_rows_hold_each_readers_prompt_contract(tmp_path):
+    """A local instruct reader's contract (its chat template read from its directory) fits in the
+    rows the plan counts before it has the tokenizer; a known hub model is planned with a template
+    unless --chat-template false."""
+    reader = instruct_reader(tmp_path)
+    for prompt in (PromptFormat(), PromptFormat(anchor="", instruction=""), PromptFormat(chat_template="false")):
+        specs = {"llama": llm_spec("llama", str(reader)), "qwen": llm_spec("qwen", "tiny")}
+        rows = planned_rows(prompt, specs)
+        for name, source in (("llama", str(reader)), ("qwen", "tiny")):
+            with torch.device("meta"):
+                contract = build_frozen_llm(name, source, torch.float32, prompt).contract
+            lead, tail, _ = rows[name]
+            assert contract.chat == (name == "llama" and prompt.chat_template == "auto")
+            assert lead + tail >= len(contract.lead) + len(contract.tail)
+    hub = {"llama": llm_spec("llama", "meta-llama/Llama-3.1-8B-Instruct")}
+    assert planned_rows(PromptFormat(), hub)["llama"][0] == CHAT_FRAMING_TOKENS
+    assert planned_rows(PromptFormat(chat_template="false"), hub)["llama"][:2] == (1, len(DEFAULT_ANCHOR))
 
 
 # --- the tracer -----------------------------------------------------------------------------

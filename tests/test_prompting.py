@@ -1,31 +1,39 @@
 """One prompt contract: training's wire rows, the distillation teacher's rows and evaluation's wire
 and text prompts put the same tokens around the middle (the wire or the prompt's tokens)."""
+import json
+
 import pytest
 import torch
 
-from conftest import assert_one_line_error, run_train
+from conftest import CHAT_TEMPLATE, FAST, assert_one_line_error, instruct_reader, ok, run_module, run_train
+from latentwire.config import check_value
 from latentwire.eval import generation as gen
 from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.llm import LLM_NAMES, load_frozen_llm
-from latentwire.prompting import PromptContract, PromptFormat
+from latentwire.prompting import DEFAULT_ANCHOR, DEFAULT_INSTRUCTION, PromptContract, PromptFormat
 
 CPU = torch.device("cpu")
 WIRE = "<wire>"  # stands for the M soft tokens in a row written out as tokens
-# A minimal chat template, as an instruct model's tokenizer ships one: BOS, a user turn, the
-# assistant's header.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-FORMATS = {"default anchor": PromptFormat(), "no anchor": PromptFormat(anchor=""),
-           "chat template": PromptFormat(anchor="Answer:", chat_template=True)}
+# name -> (the run's format, the readers whose tokenizer gets CHAT_TEMPLATE)
+FORMATS = {"default anchor": (PromptFormat(), ()), "no anchor": (PromptFormat(anchor=""), ()),
+           "chat template": (PromptFormat(anchor="Answer:", chat_template="true"), LLM_NAMES),
+           "auto, one instruct reader": (PromptFormat(), ("llama",))}
+
+
+def with_template(llm):
+    llm.tokenizer.chat_template = CHAT_TEMPLATE
+    return llm
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
 def llms(request):
+    prompt, instruct = FORMATS[request.param]
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
-    for llm in llms.values():
-        if FORMATS[request.param].chat_template:
-            llm.tokenizer.chat_template = CHAT_TEMPLATE
-        llm.contract = PromptContract.of(llm.tokenizer, FORMATS[request.param])
+    for name, llm in llms.items():
+        if name in instruct:
+            with_template(llm)
+        llm.contract = PromptContract.of(llm.tokenizer, prompt)
+        assert llm.contract.chat == (name in instruct)
     return llms
 
 
@@ -76,14 +84,29 @@ def test_the_teacher_logits_are_the_readers_own_on_each_unpadded_text_prompt(llm
             torch.testing.assert_close(teacher[r, start:start + len(answer) + 1], logits, rtol=1e-4, atol=1e-4)
 
 
-def test_the_chat_template_frames_the_middle():
-    llm = load_frozen_llm("llama", "tiny", torch.float32, CPU)
-    llm.tokenizer.chat_template = CHAT_TEMPLATE
-    contract = PromptContract.of(llm.tokenizer, PromptFormat(anchor="Answer:", chat_template=True))
+def test_the_chat_template_frames_the_middle_and_the_instruction_follows_it():
+    llm = with_template(load_frozen_llm("llama", "tiny", torch.float32, CPU))
     tok = llm.tokenizer
-    assert contract.lead[0] == tok.bos_token_id
-    assert tok.decode(contract.lead[1:]) == "<|user|>\n"
-    assert tok.decode(contract.tail) == "<|end|>\n<|assistant|>\nAnswer:"
+    for instruction, after in ((DEFAULT_INSTRUCTION, f"\n\n{DEFAULT_INSTRUCTION}"), ("", "")):
+        contract = PromptContract.of(tok, PromptFormat(anchor="Answer:", instruction=instruction))
+        assert contract.chat and contract.lead[0] == tok.bos_token_id
+        assert tok.decode(contract.lead[1:]) == "<|user|>\n"
+        assert tok.decode(contract.tail) == f"{after}<|end|>\n<|assistant|>\nAnswer:"
+
+
+def test_auto_gives_each_reader_its_own_contract_and_false_the_bare_anchor():
+    instruct, plain = (load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES)
+    with_template(instruct)
+    bare = PromptContract.of(plain.tokenizer, PromptFormat())
+    assert PromptContract.of(instruct.tokenizer, PromptFormat()).chat and not bare.chat
+    assert bare.tail == tuple(plain.tokenizer(DEFAULT_ANCHOR, add_special_tokens=False)["input_ids"])
+    anchored = PromptContract.of(instruct.tokenizer, PromptFormat(chat_template="false"))
+    assert not anchored.chat and anchored.lead == (instruct.tokenizer.bos_token_id,)
+
+
+@pytest.mark.parametrize("profile_value, reads_as", [(True, "true"), (False, "false")])
+def test_a_boolean_chat_template_from_before_auto_still_reads(profile_value, reads_as):
+    assert check_value("chat_template", profile_value, where="meta.json") == reads_as
 
 
 def test_a_chat_template_the_tokenizer_lacks_is_a_one_line_error(tmp_path):
@@ -91,3 +114,20 @@ def test_a_chat_template_the_tokenizer_lacks_is_a_one_line_error(tmp_path):
                        nproc=1)
     assert_one_line_error(result, "--chat-template true: the llama (tiny) tokenizer has no chat template")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_an_instruct_llama_beside_a_base_qwen_trains_and_evaluates_each_in_its_own_contract(tmp_path):
+    """The opening line, the run's record and evaluation's report say which contract each reader
+    got: the Llama (a tokenizer with a chat template) chat, the Qwen (none) the bare anchor."""
+    reader = instruct_reader(tmp_path)
+    out = tmp_path / "run"
+    proc = ok(run_train(["--profile", "cpu", *FAST, "--llama", str(reader), "--max-steps", "2", "--kd-weight", "0",
+                         "--micro-batch-size", "4", "--grad-accum-steps", "1", "--out-dir", str(out)]))
+    opening = next(line for line in proc.stdout.splitlines() if line.startswith("prompt: "))
+    assert opening.startswith("prompt: llama: its chat template") and "qwen: no chat template" in opening
+    evaluation = ok(run_module("latentwire.evaluate", ["--ckpt", str(out), "--eval-examples", "4", "--batch-size", "4",
+                                                     "--out-dir", str(tmp_path / "eval")]))
+    report = json.loads(next((tmp_path / "eval").glob("*.json")).read_text())
+    assert report["settings"]["chat_template"] == "auto" and report["settings"]["prompts"] == opening[len("prompt: "):]
+    assert "Prompt contracts: llama: its chat template" in evaluation.stdout

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from ..data import answers_past_cut, prompt_text
+from ..llm import describe_prompts
 
 from .settings import EvalSettings
 
@@ -76,7 +77,8 @@ def build_report(ckpt: Path, step, cfg, dataset: str, held_out: str, examples: l
         "max_prompt_bytes": cfg.data.max_prompt_bytes, "world_size": world,
         "settings": {"num_latents": cfg.wire.num_latents, "d_z": cfg.wire.d_z, "batch_size": settings.batch_size,
                      "max_new_tokens": settings.max_new_tokens, "anchor_text": cfg.prompt.anchor,
-                     "chat_template": cfg.prompt.chat_template},
+                     "chat_template": cfg.prompt.chat_template, "answer_instruction": cfg.prompt.instruction,
+                     "prompts": describe_prompts(llms)},
         "metrics": metrics,
         "wire_vs_controls": margins,
         "wire_carries_information": {name: all(m["margin"] > SIGNIFICANT_SE * m["se"] for m in by_control.values())
@@ -102,7 +104,8 @@ def markdown(report: dict) -> str:
         "",
         f"Checkpoint `{report['checkpoint']}`, {report['examples']} examples: {report['held_out']}; M = {M} wire "
         f"tokens. {report['answers_past_cut']} of them have their answer past max_prompt_bytes="
-        f"{report['max_prompt_bytes']}, where the encoder cannot read it.",
+        f"{report['max_prompt_bytes']}, where the encoder cannot read it. Prompt contracts: "
+        f"{report['settings']['prompts']}.",
         "",
         "## Answers",
         "",

@@ -15,6 +15,7 @@ from ..known_llms import llm_parameter_count
 from ..llm import LLM_NAMES, fsdp_units
 from ..llm_sources import LLMSpec, llm_spec
 from ..model import WireConfig, WireEncoder
+from ..prompting import CHAT_FRAMING_TOKENS, PromptFormat, own_tail_text, uses_chat_template
 from .analytic import StaticMemory, static_memory
 from .budget import Budget, Fit, budget_for, fit_line, largest_fitting
 from .memtrace import StepTrace, StepTracer, fake_llms
@@ -134,12 +135,18 @@ def shard_trace(trace: StepTrace, frozen_bytes: int, held_bytes: int, gathered_b
     return replace(trace, peak=peak)
 
 
-def planned_rows(anchor_text: str, specs: dict[str, LLMSpec]) -> dict[str, tuple[int, int, int]]:
+def planned_rows(prompt: PromptFormat, specs: dict[str, LLMSpec]) -> dict[str, tuple[int, int, int]]:
     """Each LLM's (lead tokens, tail tokens, vocabulary size) for memtrace.planning_batch. No
-    tokenizer here (a hub model is planned before it is downloaded): the anchor is counted at a
-    token per byte, an upper bound for byte-level BPE; a chat template's framing is not counted."""
-    return {name: (int(spec.has_bos), len(anchor_text.encode()), spec.config.vocab_size)
-            for name, spec in specs.items()}
+    tokenizer here (a hub model is planned before it is downloaded): the anchor, and inside a chat
+    template the instruction, are counted at a token per byte, an upper bound for byte-level BPE,
+    and the template's own framing at CHAT_FRAMING_TOKENS."""
+    rows = {}
+    for name, spec in specs.items():
+        if uses_chat_template(prompt.chat_template, spec.chat_template, who=f"the {name} ({spec.source})"):
+            rows[name] = (CHAT_FRAMING_TOKENS, len(own_tail_text(prompt).encode()), spec.config.vocab_size)
+        else:
+            rows[name] = (int(spec.has_bos), len(prompt.anchor.encode()), spec.config.vocab_size)
+    return rows
 
 
 def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
@@ -148,7 +155,7 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
 
     start = time.perf_counter()
     specs = {name: llm_spec(name, cfg.frozen.source(name)) for name in LLM_NAMES}
-    answers = planned_rows(cfg.prompt.anchor, specs)
+    answers = planned_rows(cfg.prompt, specs)
     shapes = trainable_shapes(cfg.wire, specs)
     budget = budget_for(cfg.card.device, cfg.card.memory_gb, cfg.planning.target_util, world_size,
                         sum(math.prod(s) for s in shapes))
