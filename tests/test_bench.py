@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, child_env, ok
+from conftest import REPO, child_env, instruct_reader, ok
 
 # The last whitespace-separated field of the last line is `ratio=<number>`.
 RATIO = re.compile(r"(?:^|\s)ratio=(\S+)$")
@@ -46,3 +46,18 @@ def test_gpu_validation_runs_every_part_and_records_what_issue_21_asks(tmp_path)
     assert main["planned_peak_gb"] > 0 and main["plan_max_micro_batch"] > 0 and main["find_batch_max"] > 0
     assert set(results["levers"]) == {"eager", "no_recompute"}
     assert results["checks"]["evaluate"]["answers"] > 0 and not results["checks"]["evaluate"]["nan_metrics"]
+
+
+def test_instruct_reader_scores_the_text_under_each_contract(tmp_path):
+    """bench/instruct_reader.py on the tiny Llama with a chat template: one row per contract, the
+    bare anchor's without the template, the other two inside it."""
+    import json
+
+    results = tmp_path / "instruct.json"
+    ok(subprocess.run([sys.executable, str(REPO / "bench" / "instruct_reader.py"), "--model", str(instruct_reader(tmp_path)),
+                       "--examples", "4", "--threads", "1", "--results", str(results)],
+                      cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300))
+    contracts = json.loads(results.read_text())["contracts"]
+    assert list(contracts) == ["bare anchor", "chat template", "chat template + instruction"]
+    assert [c["contract"].startswith("its chat template") for c in contracts.values()] == [False, True, True]
+    assert all(0 <= c["em"] <= c["f1"] <= 100 and len(c["answers"]) == 4 for c in contracts.values())
