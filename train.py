@@ -231,7 +231,7 @@ def train(cfg, di) -> None:
         if di.is_main:
             print(describe_targets(kd_targets, time.perf_counter() - t_teacher), flush=True)
     collate = Collator.for_llms(llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
-                                kd_targets=kd_targets)
+                                kd_targets=kd_targets, word_patch=cfg.wire.word_patch)
     loader = make_loader(dataset, sampler, collate, micro_batch_size=micro, num_workers=data.num_workers,
                          prefetch_factor=data.prefetch_factor, device_type=device.type, seed=seed + rank)
 

@@ -88,7 +88,7 @@ def make_loader(cfg, llms: dict) -> DataLoader:
     order), collate, workers and prefetch; no pinned memory, as on CPU there is no copy to overlap."""
     dataset = PromptDataset(DataSources.of(cfg.data, cfg.training.seed).train_examples(cfg.data.num_examples))
     collate = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
-                               teacher=cfg.objectives.teacher)
+                               teacher=cfg.objectives.teacher, word_patch=cfg.wire.word_patch)
     return train.make_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.training.seed), collate,
                              micro_batch_size=cfg.training.micro_batch_size, num_workers=cfg.data.num_workers,
                              prefetch_factor=cfg.data.prefetch_factor, device_type="cpu", seed=cfg.training.seed)

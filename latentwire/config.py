@@ -107,6 +107,11 @@ FIELDS: dict[str, Field] = {
     "encoder_heads": Field(int, "attention heads of the byte encoder", positive=True),
     "patch_bytes": Field(int, "bytes per position of the byte encoder (its attention is patch_bytes^2 cheaper)",
                          positive=True, default=4),
+    "word_patches": Field(bool, "start every word (a space or newline and the bytes up to the next) at a patch of "
+                                "the byte encoder, padding the patch before it, so a word is patched the same wherever "
+                                "it sits", default=False),
+    "patch_mlp": Field(bool, "the byte encoder reads a patch's bytes jointly (a GELU MLP) instead of as a sum of "
+                             "per-slot codes (linear)", default=False),
     "dropout": Field(float, "dropout in the encoder and adapters", non_negative=True),
     # --- prompt contract (latentwire.prompting) ---------------------------------------------
     "anchor_text": Field(str, "text after the wire and after a text prompt, before the answer (training, teacher "

@@ -494,7 +494,7 @@ class Collator:
     """
 
     def __init__(self, tokenizers: dict, contracts: dict, max_prompt_bytes: int, max_answer_tokens: int,
-                 pad_multiple: int, teacher: bool = False, kd_targets: dict | None = None):
+                 pad_multiple: int, teacher: bool = False, kd_targets: dict | None = None, word_patch: int = 0):
         for name, tok in tokenizers.items():
             if tok.eos_token_id is None:
                 raise UserError(f"the {name} tokenizer has no EOS token")
@@ -507,14 +507,15 @@ class Collator:
         self.pad_multiple = pad_multiple
         self.teacher = teacher
         self.kd_targets = kd_targets
+        self.word_patch = word_patch
 
     @classmethod
     def for_llms(cls, llms: dict, max_prompt_bytes: int, max_answer_tokens: int, pad_multiple: int,
-                 teacher: bool = False, kd_targets: dict | None = None) -> Collator:
+                 teacher: bool = False, kd_targets: dict | None = None, word_patch: int = 0) -> Collator:
         """Rows for each frozen LLM by its own tokenizer and prompt contract."""
         return cls({name: llm.tokenizer for name, llm in llms.items()},
                    {name: llm.contract for name, llm in llms.items()}, max_prompt_bytes, max_answer_tokens,
-                   pad_multiple, teacher, kd_targets)
+                   pad_multiple, teacher, kd_targets, word_patch)
 
     def __call__(self, items: list[dict]) -> dict:
         prompts = [item["prompt"][:self.max_prompt_bytes] for item in items]
@@ -534,11 +535,29 @@ class Collator:
 
     def _collate_bytes(self, prompts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         # prompt_text is never empty, so every row has at least one real byte to attend to.
+        if self.word_patch:
+            return self._collate_word_patches(prompts)
         length = round_up(max(len(p) for p in prompts), self.pad_multiple)
         raw = torch.frombuffer(bytearray(b"".join(p.ljust(length, b"\0") for p in prompts)), dtype=torch.uint8)
         byte_mask = torch.arange(length) < torch.tensor([len(p) for p in prompts])[:, None]
         byte_ids = raw.view(len(prompts), length).long().masked_fill_(~byte_mask, PAD_BYTE)
         return byte_ids, byte_mask
+
+    def _collate_word_patches(self, prompts: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bytes with every word starting a patch of `word_patch` bytes: each word (a space or
+        newline and the bytes up to the next) is padded to whole patches. On a fixed grid the same
+        word lands in any of patch_bytes alignments, and a short one like an age ("23") in patches
+        that share it with its neighbours or split it; aligned, a word is always the same patches.
+        The padding inside a row is masked like the padding after it; every patch starts with a
+        real byte, so the encoder's patch mask (a patch is real when its first byte is) holds."""
+        words = [[w for w in re.split(rb"(?=[ \n])", prompt) if w] for prompt in prompts]
+        ids = [b"".join(w.ljust(round_up(len(w), self.word_patch), b"\0") for w in row) for row in words]
+        real = [b"".join((b"\1" * len(w)).ljust(round_up(len(w), self.word_patch), b"\0") for w in row) for row in words]
+        length = round_up(max(map(len, ids)), self.pad_multiple)
+        byte_ids, byte_mask = (torch.frombuffer(bytearray(b"".join(r.ljust(length, b"\0") for r in rows)), dtype=torch.uint8)
+                               .view(len(prompts), length) for rows in (ids, real))
+        byte_mask = byte_mask.bool()
+        return byte_ids.long().masked_fill_(~byte_mask, PAD_BYTE), byte_mask
 
     def _collate_llm(self, tok, special: SpecialIds, answers: list[str], texts: list[str] | None) -> dict:
         tail, eos, pad = special.tail, [special.eos], special.pad

@@ -156,7 +156,8 @@ class Probe:
         model = WireEncoder.for_llms(self.cfg.wire, self.llms)
         model.to(self.device).train()
         optimizer = TRAINING_STEP.adamw(model, self.cfg.optimizer, self.device.type)
-        batch = planning_batch(self.cfg.data, self.cfg.objectives, self.answers, micro_batch, self.device)
+        batch = planning_batch(self.cfg.data, self.cfg.objectives, self.answers, micro_batch, self.device,
+                               self.cfg.wire.word_patch)
         for _ in range(self.steps):
             TRAINING_STEP.run(self.cfg, model, self.llms, optimizer, batch, self.attention_backends)
 

@@ -100,13 +100,25 @@ class ByteEncoder(nn.Module):
     score depends on how far apart two patches are, not on where they sit, which is what finding
     the rest of a word or sentence needs; a learned table trains one row per position, from the
     prompts long enough to reach it, and caps the prompt length.
+
+    With word patches (WireConfig.word_patches; data.Collator pads each word to whole patches) a
+    word is always the same patches, wherever it sits: on the fixed grid a short word such as an
+    age lands in any of `patch` alignments, sharing a patch with its neighbours or split over two.
+    With the patch MLP a patch's bytes are read jointly, so " 23" and " 24" can get codes of
+    their own. On the cpu profile the two together made ages cross the wire (docs/evaluation.md);
+    either alone did not.
     """
 
-    def __init__(self, dim: int, layers: int, heads: int, patch: int, dropout: float):
+    def __init__(self, dim: int, layers: int, heads: int, patch: int, dropout: float, patch_mlp: bool = False):
         super().__init__()
         self.patch, self.head_dim = patch, dim // heads
         self.byte_embed = nn.Embedding(NUM_BYTE_IDS, dim)
-        self.patch_embed = nn.Linear(patch * dim, dim)
+        # Linear, a patch's code is the sum of its bytes' slot codes, so two patches that differ in
+        # one byte (" 23" and " 24") differ by one summand and every patch that shares a byte
+        # shares its summand. With patch_mlp, a patch's bytes are read jointly (a GELU MLP), and a
+        # word that differs in one byte can have a code of its own.
+        self.patch_embed = (nn.Sequential(nn.Linear(patch * dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+                            if patch_mlp else nn.Linear(patch * dim, dim))
         self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
 
@@ -178,6 +190,15 @@ class WireConfig:
     encoder_heads: int
     patch_bytes: int  # bytes per encoder position
     dropout: float
+    # Each word starts a patch (data.Collator pads the patch before it): a word's bytes fill the
+    # same slots of the same patches wherever it sits in the prompt.
+    word_patches: bool = False
+    patch_mlp: bool = False  # the byte encoder's patch embedding is a GELU MLP, not linear
+
+    @property
+    def word_patch(self) -> int:
+        """The collator's word alignment: patch_bytes with word_patches, else 0 (none)."""
+        return self.patch_bytes if self.word_patches and self.patch_bytes > 1 else 0
 
 
 class WireEncoder(nn.Module):
@@ -187,7 +208,7 @@ class WireEncoder(nn.Module):
         """`llm_dims` maps an LLM's name to (hidden size, input-embedding RMS)."""
         super().__init__()
         self.encoder = ByteEncoder(wire.encoder_dim, wire.encoder_layers, wire.encoder_heads, wire.patch_bytes,
-                                   wire.dropout)
+                                   wire.dropout, wire.patch_mlp)
         self.pooler = LatentPooler(wire.num_latents, wire.d_z, wire.encoder_dim, wire.encoder_heads, wire.dropout)
         self.adapters = nn.ModuleDict({name: Adapter(wire.d_z, hidden, rms, wire.dropout)
                                        for name, (hidden, rms) in llm_dims.items()})

@@ -51,7 +51,8 @@ def instruct_reader(tmp_path: Path) -> Path:
 
 
 def distilled_collator(llms: dict, dataset, objectives: Objectives, max_prompt_bytes: int = 512,
-                       max_answer_tokens: int = 16, pad_multiple: int = 32, batch_size: int | None = None):
+                       max_answer_tokens: int = 16, pad_multiple: int = 32, batch_size: int | None = None,
+                       word_patch: int = 0):
     """A collator whose batches carry the distillation teacher's targets for every example of
     `dataset`, computed as train.py computes them (one process, teacher batches of `batch_size`)."""
     from latentwire.data import Collator
@@ -61,7 +62,8 @@ def distilled_collator(llms: dict, dataset, objectives: Objectives, max_prompt_b
     targets = teacher_targets(llms, dataset, teacher, k=objectives.k_tokens, temperature=objectives.kd_temperature,
                               top_k=objectives.kd_top_k, batch_size=batch_size or len(dataset),
                               device=torch.device("cpu"), rank=0, world=1)
-    return Collator.for_llms(llms, max_prompt_bytes, max_answer_tokens, pad_multiple, kd_targets=targets)
+    return Collator.for_llms(llms, max_prompt_bytes, max_answer_tokens, pad_multiple, kd_targets=targets,
+                             word_patch=word_patch)
 
 
 # A Llama architecture small enough to draw in a test, for `random:`.

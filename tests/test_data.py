@@ -8,7 +8,7 @@ from transformers import PreTrainedTokenizerFast
 from latentwire.errors import UserError
 from latentwire.data import (
     PAD_BYTE, Collator, DataSources, PromptDataset, TrainingSet, answer_end_byte, answer_text, answers_past_cut,
-    fingerprint, hotpot_to_squad, load_examples, prompt_text, synthetic_corpus_text, synthetic_examples,
+    fingerprint, hotpot_to_squad, load_examples, prompt_text, round_up, synthetic_corpus_text, synthetic_examples,
 )
 from latentwire.objectives import Objectives, target_counts
 from latentwire.prompting import PromptContract, PromptFormat
@@ -324,6 +324,27 @@ def test_collate_bytes_are_padded_to_a_multiple(tokenizers):
     assert (batch["bytes"][~batch["byte_mask"]] == PAD_BYTE).all()
     assert bytes(batch["bytes"][0, :lengths[0]].tolist()) == ds[0]["prompt"]
     assert batch["index"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_word_patches_start_every_word_at_a_patch_and_keep_its_bytes(tokenizers):
+    """Each word (a space or newline and the bytes up to the next) starts at a multiple of the
+    patch, padded (and masked) after; the real bytes in order are the cut prompt; a word's patches
+    are the same wherever it sits."""
+    batch, ds = collate(tokenizers, synthetic_examples(4, seed=2), max_prompt_bytes=200, word_patch=4)
+    patches = {}
+    for row in range(4):
+        ids, mask = batch["bytes"][row], batch["byte_mask"][row]
+        assert bytes(ids[mask].tolist()) == ds[row]["prompt"][:200]
+        assert (ids[~mask] == PAD_BYTE).all()
+        starts = [k for k in mask.nonzero().flatten().tolist() if ids[k] in (ord(" "), ord("\n"))]
+        assert starts and all(k % 4 == 0 for k in starts)
+        for k in starts:
+            end = next((j for j in starts if j > k), int(mask.nonzero().max()) + 1)
+            word = bytes(ids[k:end][mask[k:end]].tolist())
+            padded = round_up(end - k, 4)
+            patches.setdefault(word, set()).add(tuple(ids[k:k + padded].tolist()))
+    assert all(len(seen) == 1 for seen in patches.values())
+    assert any(word.strip().isdigit() for word in patches)  # an age among them
 
 
 def test_collate_truncates_prompts(tokenizers):

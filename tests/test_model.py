@@ -20,6 +20,15 @@ def cfg():
     return load_config(["--profile", "cpu", "--dropout", "0"])
 
 
+# The byte encoder's two patchings: a fixed grid, and each word starting a patch read by an MLP.
+PATCHINGS = {"grid": [], "word patches": ["--word-patches", "true", "--patch-mlp", "true"]}
+
+
+@pytest.fixture(scope="module", params=list(PATCHINGS))
+def patched_cfg(request):
+    return load_config(["--profile", "cpu", "--dropout", "0", *PATCHINGS[request.param]])
+
+
 def build(cfg, seed=0, dtype=torch.float32):
     llms = {n: load_frozen_llm(n, "tiny", dtype, CPU) for n in ("llama", "qwen")}
     torch.manual_seed(seed)
@@ -33,9 +42,9 @@ def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None, distille
     settings = (cfg.data.max_prompt_bytes, max_answer_tokens or cfg.data.max_answer_tokens,
                 pad_multiple or cfg.data.pad_multiple)
     if distilled:
-        collate = distilled_collator(llms, dataset, ALL_TERMS, *settings)
+        collate = distilled_collator(llms, dataset, ALL_TERMS, *settings, word_patch=cfg.wire.word_patch)
     else:
-        collate = Collator.for_llms(llms, *settings)
+        collate = Collator.for_llms(llms, *settings, word_patch=cfg.wire.word_patch)
     return collate([dataset[i] for i in range(n)])
 
 
@@ -53,9 +62,10 @@ def pad_more(batch, extra_bytes, extra_tokens):
 
 
 @pytest.mark.parametrize("extra_bytes", [96, 5])  # whole byte patches, and a part of one
-def test_padding_never_changes_the_loss(cfg, extra_bytes):
+def test_padding_never_changes_the_loss(patched_cfg, extra_bytes):
     """Every term, distillation's included: more padding on the right of the rows changes neither a
     count nor a sum (the teacher's own padding: test_distillation)."""
+    cfg = patched_cfg
     model, llms = build(cfg)
     batch = batch_of(cfg, llms, distilled=True)
     longer = pad_more(batch, extra_bytes=extra_bytes, extra_tokens=11)
@@ -64,8 +74,9 @@ def test_padding_never_changes_the_loss(cfg, extra_bytes):
     torch.testing.assert_close(long_, short, rtol=1e-5, atol=1e-5)
 
 
-def test_each_example_is_independent_of_its_batch_mates(cfg):
+def test_each_example_is_independent_of_its_batch_mates(patched_cfg):
     """Padding to the longest example of a batch must not change a short example's loss terms."""
+    cfg = patched_cfg
     model, llms = build(cfg)
     batch = batch_of(cfg, llms, distilled=True)
     together = forward_loss_sums(model, llms, batch, ALL_TERMS)
@@ -74,15 +85,15 @@ def test_each_example_is_independent_of_its_batch_mates(cfg):
 
 
 def slice_batch(batch, i):
-    """Example i alone, with no padding anywhere."""
+    """Example i alone, with no padding after it (word patches keep theirs between words)."""
     from latentwire.data import PAD_BYTE
-    n = int(batch["byte_mask"][i].sum())
+    n = int(batch["byte_mask"][i].nonzero().max()) + 1
     b = {"bytes": batch["bytes"][i:i + 1, :n], "byte_mask": batch["byte_mask"][i:i + 1, :n], "answers": {}}
     for name, a in batch["answers"].items():
         t = int((a["labels"][i] != -100).nonzero().max()) + 1  # up to and including the EOS target
         b["answers"][name] = {"lead_ids": a["lead_ids"][i:i + 1], "input_ids": a["input_ids"][i:i + 1, :t - 1],
                               "labels": a["labels"][i:i + 1, :t], "kd_logprobs": a["kd_logprobs"][i:i + 1, :t]}
-    assert PAD_BYTE not in b["bytes"]
+    assert b["byte_mask"][0, -1] and torch.equal(b["bytes"] == PAD_BYTE, ~b["byte_mask"])
     return b
 
 

@@ -12,7 +12,7 @@ from latentwire.planner.analytic import optimizer_state_bytes, static_memory
 from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
 from latentwire.config import load_config
 from latentwire.errors import UserError, main_guard
-from latentwire.data import IGNORE_INDEX, PromptDataset
+from latentwire.data import IGNORE_INDEX, Collator, PromptDataset
 from latentwire.planner.elastic import elastic_batch, scaled_lr
 from latentwire.find_batch import Probe
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
@@ -117,6 +117,17 @@ def test_planning_batch_is_the_longest_the_collator_emits():
             assert planned["answers"][name][key].shape == collated["answers"][name][key].shape, (name, key)
         targets = (collated["answers"][name]["labels"] != IGNORE_INDEX).sum().item()
         assert (planned["answers"][name]["labels"] != IGNORE_INDEX).sum().item() == targets
+
+
+def test_the_planning_batch_holds_word_patched_prompts():
+    """With word patches a prompt's row outgrows its bytes: one-letter words double it here."""
+    cfg = load_config(["--profile", "cpu", "--max-prompt-bytes", "300", "--word-patches", "true"])
+    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
+    dataset = PromptDataset([{"context": "a " * 200, "question": "Which?", "answers": {"text": ["a"]}}])
+    collated = Collator.for_llms(llms, 300, 16, 32, word_patch=cfg.wire.word_patch)([dataset[0]])
+    rows = {n: (len(l.contract.lead), len(l.contract.tail), len(l.tokenizer)) for n, l in llms.items()}
+    planned = planning_batch(cfg.data, cfg.objectives, rows, 1, word_patch=cfg.wire.word_patch)
+    assert collated["bytes"].shape[1] > 2 * 280 and planned["bytes"].shape[1] >= collated["bytes"].shape[1]
 
 
 def test_planned_rows_hold_each_readers_prompt_contract(tmp_path):
@@ -226,7 +237,7 @@ def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
     would take the math kernel (masked, with dropout), which keeps [heads, patches, patches] scores
     per layer."""
     cfg = load_config(["--profile", "cpu", "--device", "cuda", "--precision", "bf16", "--dropout", "0.1",
-                       "--max-prompt-bytes", "8192"])
+                       "--max-prompt-bytes", "8192", "--word-patches", "false"])  # 8192 bytes, 8192 / 4 patches
     specs, answers = specs_and_answers(cfg)
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         tracer = StepTracer(cfg, profile_fakes(cfg, specs), answers, TRAINING_STEP)

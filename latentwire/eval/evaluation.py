@@ -132,7 +132,8 @@ def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], sett
                       rank: int, world: int) -> list[dict] | None:
     """Per-example records of all `examples`, on every rank, or None when `settings.stop` stopped it. A
     collective when distributed."""
-    collate = Collator.for_llms(llms, settings.max_prompt_bytes, settings.max_answer_tokens, settings.pad_multiple)
+    collate = Collator.for_llms(llms, settings.max_prompt_bytes, settings.max_answer_tokens, settings.pad_multiple,
+                                word_patch=settings.word_patch)
     partners = cyclic_derangement(len(examples), settings.seed)
     amp_dtype = AMP_DTYPES[settings.precision]
     was_training = model.training

@@ -18,6 +18,7 @@ class EvalSettings:
     max_prompt_bytes: int  # the collator's cuts and padding, as in training
     max_answer_tokens: int
     pad_multiple: int
+    word_patch: int  # the collator's word alignment, as in training (WireConfig.word_patch)
     progress: Callable[[int, int], object] | None = None  # (examples done, of) on this rank, after each chunk
     # Asked before each chunk, on every rank at every chunk position (a collective when distributed):
     # True drops the unfinished evaluation (a preemption signal, heard within one chunk).
@@ -36,6 +37,7 @@ class EvalSettings:
                    max_new_tokens=max_new_tokens or config.evaluation.max_new_tokens, text_baselines=text_baselines,
                    precision=config.numerics.precision, seed=config.training.seed, num_latents=config.wire.num_latents,
                    max_prompt_bytes=data.max_prompt_bytes, max_answer_tokens=data.max_answer_tokens,
-                   pad_multiple=data.pad_multiple, progress=progress, lockstep=lockstep, stop=stop)
+                   pad_multiple=data.pad_multiple, word_patch=config.wire.word_patch, progress=progress,
+                   lockstep=lockstep, stop=stop)
 
 

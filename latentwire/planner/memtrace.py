@@ -41,17 +41,20 @@ CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _Mem
 
 
 def planning_batch(data: DataConfig, objectives: Objectives, answers: dict[str, tuple[int, int, int]],
-                   micro_batch: int, device: torch.device = torch.device("cpu")) -> dict:
+                   micro_batch: int, device: torch.device = torch.device("cpu"), word_patch: int = 0) -> dict:
     """The largest batch `data.Collator` can emit for this configuration.
 
     Every prompt is cut at max_prompt_bytes and every answer at max_answer_tokens, padded as the
     collator pads. `answers` maps an LLM's name to (lead tokens, tail tokens, vocabulary size) of its
     prompt contract. With distillation, the rows carry the teacher's targets as the collator places
-    them (latentwire.distillation): full rows or the top kd_top_k with the rest's bucket.
+    them (latentwire.distillation): full rows or the top kd_top_k with the rest's bucket. With word
+    patches (`word_patch` bytes, WireConfig.word_patch) a prompt's row is longer than its bytes:
+    counted at the worst case, every byte a word of its own.
     """
-    length = round_up(data.max_prompt_bytes, data.pad_multiple)
+    real = data.max_prompt_bytes * max(word_patch, 1)
+    length = round_up(real, data.pad_multiple)
     byte_ids = torch.full((micro_batch, length), PAD_BYTE, dtype=torch.long, device=device)
-    byte_ids[:, :data.max_prompt_bytes] = torch.randint(0, 256, (micro_batch, data.max_prompt_bytes), device=device)
+    byte_ids[:, :real] = torch.randint(0, 256, (micro_batch, real), device=device)
     batch = {"bytes": byte_ids, "byte_mask": byte_ids != PAD_BYTE, "answers": {}}
     targets = data.max_answer_tokens + 1  # the answer tokens and the EOS after them
     for name, (lead, tail, vocab) in answers.items():
@@ -188,7 +191,8 @@ class StepTracer:
         self.optimizer = step.adamw(self.model, cfg.optimizer, cfg.card.device)
 
     def trace(self, micro_batch: int, steps: int) -> StepTrace:
-        batch = planning_batch(self.cfg.data, self.cfg.objectives, self.answers, micro_batch)
+        batch = planning_batch(self.cfg.data, self.cfg.objectives, self.answers, micro_batch,
+                               word_patch=self.cfg.wire.word_patch)
         tracker = FrozenAwareMemTracker()
         tracker.track_external(self.model, self.optimizer, *(llm.model for llm in self.llms.values()), batch)
         seen = {}
