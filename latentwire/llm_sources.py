@@ -284,7 +284,8 @@ def llm_spec(name: str, source: str) -> LLMSpec:
     if source in KNOWN_LLMS:
         values, has_bos = KNOWN_LLMS[source]
         # Their hub tokenizers, base and instruct alike, ship a chat template.
-        return LLMSpec(source, _config_from_values(values), has_bos, True, "configuration shipped in latentwire.known_llms")
+        return LLMSpec(source, _config_from_values(values), has_bos, True,
+                       "configuration shipped in latentwire.known_llms")
     raise UserError(f"no configuration for {source!r}: name a local model directory (with config.json) "
                     f"or one of {', '.join(KNOWN_LLMS)}")
 

@@ -113,10 +113,8 @@ class ByteEncoder(nn.Module):
         super().__init__()
         self.patch, self.head_dim = patch, dim // heads
         self.byte_embed = nn.Embedding(NUM_BYTE_IDS, dim)
-        # Linear, a patch's code is the sum of its bytes' slot codes, so two patches that differ in
-        # one byte (" 23" and " 24") differ by one summand and every patch that shares a byte
-        # shares its summand. With patch_mlp, a patch's bytes are read jointly (a GELU MLP), and a
-        # word that differs in one byte can have a code of its own.
+        # Linear, a patch's code is a sum of one code per (slot, byte): " 23" and " 24" differ by one
+        # summand. The MLP reads the bytes jointly (see the docstring).
         self.patch_embed = (nn.Sequential(nn.Linear(patch * dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
                             if patch_mlp else nn.Linear(patch * dim, dim))
         self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
@@ -125,9 +123,9 @@ class ByteEncoder(nn.Module):
     def forward(self, byte_ids: torch.Tensor, byte_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Features [B, ceil(L/patch), dim] and their padding mask."""
         # Rows pad to whole patches (a no-op when pad_multiple is a multiple of patch). Real bytes
-        # are a prefix of each row, so a patch is real when its first byte is, and a last patch
-        # that is part padding reads the same padding ids at any padded length: padding still
-        # never changes the wire.
+        # are a prefix of each row (with word patches, of each patch), so a patch is real when its
+        # first byte is, and a last patch that is part padding reads the same padding ids at any
+        # padded length: padding still never changes the wire.
         extra = -byte_ids.shape[1] % self.patch
         if extra:
             byte_ids = F.pad(byte_ids, (0, extra), value=PAD_BYTE)

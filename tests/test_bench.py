@@ -54,7 +54,8 @@ def test_instruct_reader_scores_the_text_under_each_contract(tmp_path):
     import json
 
     results = tmp_path / "instruct.json"
-    ok(subprocess.run([sys.executable, str(REPO / "bench" / "instruct_reader.py"), "--model", str(instruct_reader(tmp_path)),
+    script = REPO / "bench" / "instruct_reader.py"
+    ok(subprocess.run([sys.executable, str(script), "--model", str(instruct_reader(tmp_path)),
                        "--examples", "4", "--threads", "1", "--results", str(results)],
                       cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300))
     contracts = json.loads(results.read_text())["contracts"]
