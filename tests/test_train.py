@@ -160,7 +160,11 @@ def test_bf16_autocast_tracks_fp32_and_needs_no_scaler(tmp_path):
     runs train different weights (on an AVX512-BF16 CPU the losses differ by 1.7% at step 2 and
     3.7% at step 3). What must hold there is that bf16 trains: its loss falls at every step, as
     fp32's does."""
-    common = ["--profile", "cpu", *FAST, "--dropout", "0", "--max-steps", "3", "--micro-batch-size", "4"]
+    # On the grid patching: with word patches these three steps' batches give losses that do not
+    # fall at every step in fp32 either (22.1, 23.8, 20.5), so "trains as fp32 does" would need more
+    # steps; the matmul path counted above is the same.
+    common = ["--profile", "cpu", *FAST, "--dropout", "0", "--max-steps", "3", "--micro-batch-size", "4",
+              "--word-patches", "false"]
     runs = {p: train(tmp_path, p, *common, "--precision", p) for p in ("fp32", "bf16")}
     fp32, bf16 = read_metrics(runs["fp32"]), read_metrics(runs["bf16"])
     assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2 ** -8 * math.sqrt(3 * 58))
