@@ -2,8 +2,11 @@
 card at its num_gpus, and a single-card profile fills the card. A change to the model, the
 profiles or the planner that breaks either fails here, before anyone rents the card."""
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
+import torch
 
 from latentwire.config import load_config
 from latentwire.plan import TRAINING_STEP
@@ -26,19 +29,35 @@ def test_the_shipped_gpu_profiles_are_the_ones_planned_below():
             "v100"} <= set(gpu_profiles())
 
 
-@pytest.mark.slow  # one traced plan per profile, 6-21 s each: about 100 s for the nine on one core
-@pytest.mark.parametrize("key", gpu_profiles())
-def test_a_gpu_profile_fits_its_card_by_the_plan_and_a_single_card_one_fills_it(key):
-    """One plan per profile, at the profile's micro-batch and num_gpus (what `python -m
-    latentwire.plan --profile KEY` prints). Fits: the micro-batch is at most the plan's largest.
-    Fills (one card): a rank's share of the global batch (micro-batch x accumulation) that fits is
-    one micro-batch; one that does not is split into micro-batches of at least half the largest.
-    The answer is interpolated: the plan's second trace lands next to it (FSDP's all-gathered units
-    do not grow with the batch, and once counted as if they did, sent it to half the answer)."""
+def planned(key: str) -> tuple[int, int]:
+    """The plan of a profile at its micro-batch and num_gpus (what `python -m latentwire.plan
+    --profile KEY` prints): its largest micro-batch and the largest one it traced."""
+    torch.set_num_threads(1)  # a fresh worker process: the suite's thread count
     cfg = load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)])
     plan = make_plan(cfg, cfg.training.num_gpus, TRAINING_STEP)
-    best = plan.max_micro_batch
-    assert max(t.micro_batch for t in plan.traces) >= 0.9 * best
+    return plan.max_micro_batch, max(t.micro_batch for t in plan.traces)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, tuple[int, int]]:
+    """Every GPU profile's plan, two at a time: a trace is single-threaded Python over fake tensors
+    (6-21 s a profile), so on CI's two cores that nearly halves the nine plans' wall time."""
+    keys = gpu_profiles()
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return dict(zip(keys, pool.map(planned, keys)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", gpu_profiles())
+def test_a_gpu_profile_fits_its_card_by_the_plan_and_a_single_card_one_fills_it(key, plans):
+    """Fits: the profile's micro-batch is at most the plan's largest. Fills (one card): a rank's
+    share of the global batch (micro-batch x accumulation) that fits is one micro-batch; one that
+    does not is split into micro-batches of at least half the largest. The answer is interpolated:
+    the plan's second trace lands next to it (FSDP's all-gathered units do not grow with the batch,
+    and once counted as if they did, sent it to half the answer)."""
+    best, traced = plans[key]
+    assert traced >= 0.9 * best
+    cfg = load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)])
     micro, accum = cfg.training.micro_batch_size, cfg.training.grad_accum_steps
     where = f"{key}: {micro} x {accum} on {cfg.training.num_gpus} GPU(s), the plan fits micro-batch <= {best}"
     assert micro <= best, f"{where}: does not fit"
