@@ -49,7 +49,6 @@ def instruct_reader(tmp_path: Path) -> Path:
     return reader
 
 
-
 def distilled_collator(llms: dict, dataset, objectives: Objectives, max_prompt_bytes: int = 512,
                        max_answer_tokens: int = 16, pad_multiple: int = 32, batch_size: int | None = None,
                        word_patch: int = 0):
