@@ -78,7 +78,11 @@ class MemoryMeter:
 
 class GpuMonitor:
     """GPU utilisation and power through NVML when the optional `nvidia-ml-py` is installed and
-    the device is a GPU; null fields otherwise."""
+    the device is a GPU; null fields otherwise. Monitoring never ends a run: an NVML error (no
+    driver library in a container, a device it cannot see, a query the card refuses), at the start
+    or at any read, leaves the fields null from then on, said once on stderr."""
+
+    NULL = {"gpu_util_pct": None, "gpu_power_w": None}
 
     def __init__(self, device: torch.device):
         self.handle = None
@@ -88,16 +92,28 @@ class GpuMonitor:
             import pynvml
         except ImportError:
             return
-        pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        try:
+            pynvml.nvmlInit()
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        except Exception as e:  # pynvml.NVMLError and its many subclasses, or a broken install
+            self.give_up(e)
         self.nvml = pynvml
-        self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+
+    def give_up(self, error: Exception) -> None:
+        self.handle = None
+        print(f"note: no GPU utilisation or power in the metrics (NVML: {type(error).__name__}: {error})",
+              file=sys.stderr, flush=True)
 
     def read(self) -> dict:
         if self.handle is None:
-            return {"gpu_util_pct": None, "gpu_power_w": None}
-        return {"gpu_util_pct": float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu),
-                "gpu_power_w": self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0}
+            return dict(self.NULL)
+        try:
+            return {"gpu_util_pct": float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu),
+                    "gpu_power_w": self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0}
+        except Exception as e:
+            self.give_up(e)
+            return dict(self.NULL)
 
 
 @dataclass

@@ -67,6 +67,28 @@ def test_nvml_is_skipped_without_a_gpu_and_read_with_one(monkeypatch):
     assert monitor.read() == {"gpu_util_pct": 87.0, "gpu_power_w": 612.5}
 
 
+@pytest.mark.parametrize("fails_at", ["init", "handle", "read"])
+def test_an_nvml_error_leaves_gpu_fields_null_and_says_so_once(monkeypatch, capsys, fails_at):
+    """NVML that fails (no driver library in a container, a device it cannot see) must not end a
+    run at its first log line, after minutes of compiling."""
+    class NVMLError(Exception):
+        pass
+
+    def fail(*args):
+        raise NVMLError("Driver Not Loaded")
+
+    fake = types.SimpleNamespace(
+        nvmlInit=fail if fails_at == "init" else lambda: None,
+        nvmlDeviceGetHandleByUUID=fail if fails_at == "handle" else lambda uuid: "handle",
+        nvmlDeviceGetUtilizationRates=fail, nvmlDeviceGetPowerUsage=fail)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="abc-123"))
+    monitor = GpuMonitor(torch.device("cuda", 0))
+    assert [monitor.read() for _ in range(3)] == [{"gpu_util_pct": None, "gpu_power_w": None}] * 3
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and "NVMLError: Driver Not Loaded" in said[0], said
+
+
 def test_memory_snapshot_selection(monkeypatch, tmp_path):
     cpu = MemorySnapshots(requested=True, device=torch.device("cpu"), out_dir=tmp_path, rank=0)
     assert not cpu.recording and cpu.dump() is None and not (tmp_path / "memory").exists()
