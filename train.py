@@ -429,20 +429,24 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
     the pre-clip gradient norm; the update is the caller's, once it has read whether the norm is
     finite. The memory plan and find_batch trace and measure this same function."""
     step_terms = torch.zeros_like(n_targets)
-    for i, batch in enumerate(micro_batches):
-        # --- One gradient all-reduce per optimizer step: no_sync on all but the last ---------
-        with nullcontext() if i == len(micro_batches) - 1 else no_sync():
-            # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32;
-            # attention in the SDPA kernels the card allows (see the fused attention block) ---
-            with torch.autocast(batch["bytes"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None), \
-                    sdpa_kernel(attention_backends):
-                sums = forward(model, llms, batch, objectives)
-            # --- Objectives: the answer's cross-entropy, plus the weighted terms that are on ---
-            # The KD term's teacher targets came with the batch (see the distillation block).
-            # DDP averages gradients over ranks, hence the factor world_size (see the counts).
-            terms = sums / n_targets
-            scaler.scale(objectives.weighted_sum(terms).mean() * world_size).backward()
-        step_terms += terms.detach()
+    # --- Attention in the SDPA kernels the card allows (see the fused attention block) -------
+    # Around backward too: activation checkpointing recomputes each frozen layer there, and a
+    # recompute in another kernel saves other tensors (CheckpointError; on an H100 cuDNN, torch's
+    # first choice, in place of the forward's flash) or brings back the kernel kept out.
+    with sdpa_kernel(attention_backends):
+        for i, batch in enumerate(micro_batches):
+            # --- One gradient all-reduce per optimizer step: no_sync on all but the last -----
+            with nullcontext() if i == len(micro_batches) - 1 else no_sync():
+                # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss
+                # in fp32 (checkpointing's recompute restores the forward's autocast itself) ---
+                with torch.autocast(batch["bytes"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    sums = forward(model, llms, batch, objectives)
+                # --- Objectives: the answer's cross-entropy, plus the weighted terms that are on
+                # The KD term's teacher targets came with the batch (see the distillation block).
+                # DDP averages gradients over ranks, hence the factor world_size (see the counts).
+                terms = sums / n_targets
+                scaler.scale(objectives.weighted_sum(terms).mean() * world_size).backward()
+            step_terms += terms.detach()
 
     # --- Gradient clipping (the logged norm is the pre-clip norm) ----------------------------
     scaler.unscale_(optimizer)

@@ -57,8 +57,10 @@ class Attention(nn.Module):
         if rotary is not None:
             q, k = rotate(q, rotary), rotate(k, rotary)
         # key_mask [B, Lk] -> [B, 1, 1, Lk]: True keys are attended to, padding never is. None: no
-        # key is padding, and without a mask SDPA may pick the flash kernel.
-        mask = None if key_mask is None else key_mask[:, None, None, :]
+        # key is padding, and without a mask SDPA may pick the flash kernel. CUDA's fused kernels
+        # take only a mask whose last dimension has stride 1, which a mask sliced every patch_bytes
+        # has not: without the copy no kernel is left (seen on an H100), while the CPU runs anyway.
+        mask = None if key_mask is None else key_mask.contiguous()[:, None, None, :]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                            dropout_p=self.dropout if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(b, lq, d))

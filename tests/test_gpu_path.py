@@ -109,6 +109,33 @@ def test_the_pooler_passes_no_mask_where_nothing_is_padded(monkeypatch):
     assert [m is None for m in masks] == [False, True, False, True]  # cross (padded bytes), self (latents)
 
 
+@pytest.mark.parametrize("flags", [[], ["--word-patches", "false", "--patch-bytes", "4"]])
+def test_every_attention_mask_has_a_unit_stride_last_dimension(monkeypatch, flags):
+    """CUDA's fused kernels refuse a mask whose last dimension is strided, and with math kept out no
+    kernel is left: the first H100 run failed so at its first step, on the patch mask that slicing
+    the byte mask every patch_bytes makes. The CPU kernels take it, so only the stride shows it."""
+    import torch.nn.functional as F
+
+    from latentwire.config import load_config
+    from latentwire.model import WireEncoder
+
+    cfg = load_config(["--profile", "cpu", *flags])
+    model = WireEncoder(cfg.wire, {"llama": (48, 1.0), "qwen": (40, 1.0)})
+    strides, sdpa = [], F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, attn_mask=None, **kwargs):
+        if attn_mask is not None:
+            strides.append(attn_mask.stride(-1))
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    byte_ids = torch.randint(1, 256, (2, 64))
+    byte_mask = torch.ones(2, 64, dtype=torch.bool)
+    byte_mask[1, 40:] = False
+    model(byte_ids, byte_mask)
+    assert strides and set(strides) == {1}, strides
+
+
 def test_process_group_and_profiler_options_follow_the_device_type():
     """train.py's dist.init_process_group and torch.profiler.profile arguments, for a GPU rank and
     a CPU one: NCCL bound to the rank's GPU, gloo on CPU, the explicit timeout either way; CUDA
@@ -367,3 +394,40 @@ def test_train_runs_with_a_random_llm_from_a_config_file(tmp_path):
     assert all(r["loss"] > 0 for r in records)
     meta = json.loads(next((out / "checkpoints").iterdir()).joinpath("meta.json").read_text())
     assert meta["config"]["llama"] == f"random:{config}"
+
+
+def test_recomputed_layers_run_in_the_steps_attention_kernels():
+    """Activation checkpointing recomputes each frozen decoder layer inside backward, so the step's
+    SDPA allowlist must hold there too: on an H100 the recompute picked cuDNN (torch's first choice
+    there) where the forward had run flash, saved other tensors, and every eager step with
+    checkpointing raised CheckpointError. On CPU the same happens with the math kernel alone in the
+    forward and the flash kernel, the CPU's first choice, in the recompute. Through train_step with
+    one kernel allowed, the gradients equal those of the step without recompute."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.nn.attention import SDPBackend
+
+    import train
+    from latentwire.config import load_config
+    from latentwire.llm import is_decoder_layer, load_frozen_llms
+    from latentwire.model import WireEncoder
+    from latentwire.planner.memtrace import planning_batch
+    from latentwire.planner.step import TrainingStep
+
+    cfg = load_config(["--profile", "cpu", "--precision", "fp32", "--dropout", "0", "--kd-weight", "0",
+                       "--max-prompt-bytes", "64"])
+    grads = []
+    for recompute in (False, True):
+        llms = load_frozen_llms(cfg.frozen, torch.float32, CPU)
+        if recompute:
+            for llm in llms.values():
+                apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
+        torch.manual_seed(0)
+        model = WireEncoder.for_llms(cfg.wire, llms)
+        answers = {n: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)
+                   for n, llm in llms.items()}
+        batch = planning_batch(cfg.data, cfg.objectives, answers, 2, CPU, cfg.wire.word_patch)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the step's gradients, kept by zero_grad below
+        optimizer.zero_grad = lambda set_to_none=True: None
+        TrainingStep(train.adamw, train.train_step).run(cfg, model, llms, optimizer, batch, [SDPBackend.MATH])
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
