@@ -429,7 +429,7 @@ def main() -> None:
     args = p.parse_args()
     if args.kernel_facts:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        print(json.dumps({**versions(), **kernel_facts(device)}))
+        print(json.dumps(kernel_facts(device)))
         return
     if args.prepare:
         return prepare(args.profile)
@@ -457,10 +457,11 @@ def main() -> None:
     record, parts = results.record, results.record["parts"]
 
     # (0) preflight: versions, the card as nvidia-smi sees it, the attention kernels' facts
+    record["versions"] = versions()
     child = run([sys.executable, str(Path(__file__).resolve()), "--kernel-facts"], budgets["preflight"])
     parts["preflight"] = child.entry()
     if child.status == "done":
-        record["preflight"] = json.loads(child.output.strip().splitlines()[-1])
+        record["kernel_facts"] = json.loads(child.output.strip().splitlines()[-1])
     record["nvidia_smi"] = None
     if torch.cuda.is_available():  # the card's state as found (clocks, power, other processes) goes to the log
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
@@ -468,8 +469,7 @@ def main() -> None:
         record["nvidia_smi"] = smi.stdout.strip()
         with open(log, "a") as f:
             f.write(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
-    device = record.get("preflight", {}).get("device", "cpu")
-    stamp = {"device": device, "torch": torch.__version__, "date": record["date"]}
+    stamp = {"device": record["versions"]["device"], "torch": torch.__version__, "date": record["date"]}
     results.write()
 
     data = squad_length_examples(work / "squad_length.json", 128 if args.cpu_check else 4096)
