@@ -55,9 +55,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(argv)
     # --- Process group: one rank per process torchrun starts ---------------------------------
     # NCCL on CUDA, gloo on CPU, with an explicit timeout so a dead rank fails the job instead of
-    # hanging it (group_options). Plain `python train.py` is a world of one, without a group.
+    # hanging it (group_options). A world of one (plain `python train.py`, or torchrun with one
+    # process) has no group: no DDP, no collectives.
     di = torchrun_rank(cfg.card.device)
-    if di.launched:
+    if di.joins_group:
         if di.device.type == "cuda":
             torch.cuda.set_device(di.device)
         dist.init_process_group(**group_options(di.device, cfg.training.dist_timeout_s))

@@ -23,7 +23,7 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
-    launched: bool  # started by torchrun (RANK in the environment): joins a process group
+    joins_group: bool  # one of several ranks torchrun started: joins their process group
 
     @property
     def is_main(self) -> bool:
@@ -44,12 +44,15 @@ def select_device(device_type: str, local_rank: int) -> torch.device:
 
 def torchrun_rank(device_type: str) -> DistInfo:
     """This process's place in the world torchrun describes in RANK / LOCAL_RANK / WORLD_SIZE, and
-    its device; plain `python` is a world of one."""
+    its device; plain `python` is a world of one. A world of one joins no group, whatever started
+    it: `torchrun --nproc_per_node=1` is a common way to start one GPU, and a group would wrap the
+    model in DDP (its buckets, an all-reduce of every gradient with itself, dynamo's graph split at
+    every bucket) and run every collective for nothing."""
     if "RANK" not in os.environ:
-        return DistInfo(0, 0, 1, select_device(device_type, 0), launched=False)
-    local_rank = int(os.environ["LOCAL_RANK"])
-    return DistInfo(int(os.environ["RANK"]), local_rank, int(os.environ["WORLD_SIZE"]),
-                    select_device(device_type, local_rank), launched=True)
+        return DistInfo(0, 0, 1, select_device(device_type, 0), joins_group=False)
+    local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    return DistInfo(int(os.environ["RANK"]), local_rank, world, select_device(device_type, local_rank),
+                    joins_group=world > 1)
 
 
 def group_options(device: torch.device, timeout_s: int) -> dict:
@@ -83,7 +86,7 @@ def leave_together() -> Iterator[None]:
 def process_group(device_type: str, timeout_s: int) -> Iterator[DistInfo]:
     """The commands' process group, joined as train.py joins it, for the body of the command."""
     info = torchrun_rank(device_type)
-    if info.launched:
+    if info.joins_group:
         if info.device.type == "cuda":
             torch.cuda.set_device(info.device)
         dist.init_process_group(**group_options(info.device, timeout_s))

@@ -139,9 +139,11 @@ def child_env(**extra) -> dict:
     return env
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    """train.py as users run it: `python train.py` for one process, `torchrun` for more."""
-    if nproc == 1:
+def run_train(args: list[str], nproc: int = 1, timeout: int = 600, torchrun: bool | None = None,
+              **env) -> subprocess.CompletedProcess:
+    """train.py as users run it: `python train.py` for one process, `torchrun` for more (or for one,
+    with `torchrun`)."""
+    if not (nproc > 1 if torchrun is None else torchrun):
         cmd = [sys.executable, str(REPO / "train.py")]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

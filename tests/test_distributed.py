@@ -41,9 +41,18 @@ def test_ranks_leave_the_group_together(tmp_path):
     assert ranks[1]["left"] >= ranks[0]["body_end"]
 
 
-def test_without_torchrun_there_is_no_group():
+@pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])
+def test_a_world_of_one_has_no_group_whatever_started_it(monkeypatch, torchrun):
+    """`torchrun --nproc_per_node=1` sets RANK, LOCAL_RANK and WORLD_SIZE=1: still no group, so no
+    DDP and no collectives (train.py wraps the model in DDP only in a group)."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    if torchrun:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
     with process_group("cpu", 60) as info:
-        assert (info.rank, info.world_size, info.device.type) == (0, 1, "cpu")
+        assert (info.rank, info.world_size, info.device.type, info.joins_group) == (0, 1, "cpu", False)
         assert not info.is_distributed and not dist.is_initialized()
 
 
@@ -51,14 +60,16 @@ def test_without_torchrun_there_is_no_group():
 # may fail with a bad input; an exit handler marks whether the interpreter finalized.
 COMMAND = """
 import atexit, pathlib, sys
+import torch.distributed as dist
 sys.path.insert(0, {repo!r})
-from latentwire.distributed import process_group
+from latentwire.distributed import leave_together
 from latentwire.errors import UserError, main_guard
 atexit.register(lambda: pathlib.Path("finalized").touch())
 def main():
     if {group}:
-        with process_group("cpu", 60) as info:
-            assert info.is_distributed
+        dist.init_process_group("gloo")  # train.py joins no group in a world of one; this one is made
+        with leave_together():
+            assert dist.is_initialized()
     print("done")
     if {bad}:
         raise UserError("bad input")

@@ -8,9 +8,9 @@ import torch
 from conftest import ALL_TERMS_FLAGS, EXACT, FAST, final_weights, max_rel_diff, ok, read_metrics, run_train
 
 
-def train(tmp_path, name, *args, nproc=1):
+def train(tmp_path, name, *args, nproc=1, torchrun=None):
     out = tmp_path / name
-    ok(run_train([*args, "--out-dir", str(out)], nproc=nproc))
+    ok(run_train([*args, "--out-dir", str(out)], nproc=nproc, torchrun=torchrun))
     return out
 
 
@@ -212,6 +212,20 @@ def test_one_gradient_all_reduce_per_optimizer_step(tmp_path):
     assert {p.name.split(".")[0] for p in (single / "traces").iterdir()} == {"rank0", "rank1"}  # one per rank
     assert all_reduces_per_step(single) >= 2  # the token count and at least one gradient bucket
     assert all_reduces_per_step(accum) == all_reduces_per_step(single)
+
+
+@pytest.mark.slow
+def test_one_process_under_torchrun_runs_no_collective(tmp_path):
+    """`torchrun --nproc_per_node=1`, one GPU's usual launch, trains as `python train.py` does: no
+    DDP, no all-reduce (before, a world of one joined a group and all-reduced every gradient with
+    itself)."""
+    run = train(tmp_path, "torchrun1", "--profile", "cpu", *FAST, "--max-steps", "3", "--micro-batch-size", "2",
+                "--profiler", "true", "--profiler-wait", "1", "--profiler-warmup", "0", "--profiler-active", "2",
+                torchrun=True)
+    names = {e.get("name", "") for e in json.loads(next((run / "traces").glob("rank0*.pt.trace.json")).read_text())
+             ["traceEvents"]}
+    assert any(n.startswith("ProfilerStep#") for n in names)
+    assert not any("all_reduce" in n or "DistributedDataParallel" in n for n in names), sorted(names)[:50]
 
 
 @pytest.mark.slow
