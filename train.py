@@ -9,6 +9,7 @@ One loop, top to bottom. Each optimization is a labelled block saying why it is 
 """
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import sys
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from latentwire.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
-from latentwire.compiling import stable_shapes, wire_regions
+from latentwire.compiling import inductor_cache_dir, stable_shapes, wire_regions
 from latentwire.config import OptimizerConfig, check_can_create, load_config
 from latentwire.data import (Collator, DataSources, PromptDataset, ShardSampler, TrainingSet, describe_data, same_data,
                              to_device)
@@ -78,6 +79,9 @@ def train(cfg, di) -> None:
     # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads. Nothing on
     # disk changes until every input (models, batch sizes, a checkpoint to resume) has passed.
     check_out_dir(out_dir, cfg.run)
+    compile_cache = inductor_cache_dir(cfg.compile.cache)
+    if cfg.compile.enabled:
+        check_can_create(compile_cache, "compile_cache")
     # What the data is, said up front: the answers the prompt's cut hides from the encoder (they
     # teach the wire to guess), and where the held-out examples come from (a local file holds
     # out a seeded part that training never sees).
@@ -185,8 +189,14 @@ def train(cfg, di) -> None:
     # symbolic (dynamic=True), so varying prompt and answer widths do not recompile;
     # stable_shapes() adds the dynamo settings that make this hold, patched around each call of
     # the step because dynamo reads them whenever it traces (docs/performance.md).
+    # What inductor compiles is cached where the next run, or this one requeued on a fresh machine,
+    # finds it (inductor_cache_dir; torch's default is under /tmp): a warm start reads the kernels
+    # instead of compiling them.
     forward = forward_loss_sums
     if cfg.compile.enabled:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache)
+        if di.is_main:
+            print(f"compile: mode {cfg.compile.mode}, cache {compile_cache}", flush=True)
         for region in wire_regions(model):
             region.compile(mode=cfg.compile.mode, dynamic=True)
         forward = stable_shapes()(forward_loss_sums)

@@ -32,8 +32,10 @@ KV cache) would recompile every region, so it runs under torch.compiler.set_stan
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -46,7 +48,22 @@ from .llm import decoder_layers
 class CompileConfig:
     enabled: bool  # torch.compile the regions
     mode: str  # torch.compile's mode
-    FLAT_NAMES: ClassVar[dict] = {"enabled": "compile", "mode": "compile_mode"}
+    cache: str  # inductor's cache directory, '' for inductor_cache_dir's choice
+    FLAT_NAMES: ClassVar[dict] = {"enabled": "compile", "mode": "compile_mode", "cache": "compile_cache"}
+
+
+def inductor_cache_dir(requested: str) -> Path:
+    """Where inductor keeps what it compiled (its FX-graph, AOTAutograd and Triton caches, which the
+    next compile of the same graph reads instead of compiling): `requested`, else the user's own
+    TORCHINDUCTOR_CACHE_DIR, else ~/.cache/latentwire/inductor (under XDG_CACHE_HOME if set).
+    Torch's default is under /tmp, which a requeued or resumed job on a fresh machine does not
+    have; a home directory is on every node of a cluster, and shared by the user's runs, as
+    Triton's own ~/.triton cache is."""
+    if requested:
+        return Path(requested).expanduser()
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "latentwire" / "inductor"
 
 
 # Variants of CheckpointWrapper.forward the step compiles: 2 LLMs (layer classes and widths differ)

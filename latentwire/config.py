@@ -73,6 +73,9 @@ FIELDS: dict[str, Field] = {
                           refused=dict.fromkeys(("reduce-overhead", "max-autotune"),
                                                 "captures CUDA graphs, which no GPU run has yet tried with this "
                                                 "loop's dynamic shapes, per-layer compiled regions and FSDP hooks")),
+    "compile_cache": Field(str, "where inductor keeps the compiled regions for the next run, a requeued or resumed "
+                                "job on another machine included ('': $TORCHINDUCTOR_CACHE_DIR if set, else "
+                                "~/.cache/latentwire/inductor; torch's own default is under /tmp)", default=""),
     "activation_checkpointing": Field(bool, "recompute the frozen LLMs' decoder layers in backward"),
     "frozen_sharding": Field(str, "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded "
                                   "over the ranks by FSDP2, a decoder layer gathered only while it runs)",

@@ -316,6 +316,8 @@ CASES = {
 
     # --- out_dir ---------------------------------------------------------------------------------
     "train-out-dir-is-a-file": ("train", lambda c: [OW, "--out-dir", str(c.run / "metrics.jsonl")]),
+    "train-compile-cache-is-a-file": ("train", lambda c: [OW, "--compile", "true", "--compile-cache",
+                                                          str(c.run / "metrics.jsonl" / "cache")]),
     "train-out-dir-parent-not-writable": ("train", locked_parent(searchable=True)),
     "train-out-dir-parent-not-searchable": ("train", locked_parent(searchable=False)),
     "evaluate-out-dir-parent-not-searchable": ("evaluate", locked_parent(searchable=False)),

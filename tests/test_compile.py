@@ -208,3 +208,20 @@ def test_stable_shapes_is_scoped():
         assert settings() == (True, False)
     assert settings() == outside
 
+
+
+def test_the_compile_cache_outlives_tmp(monkeypatch, tmp_path):
+    """Inductor's own default is under /tmp, gone on a requeued job's fresh machine: the run's
+    cache is --compile-cache, else the user's TORCHINDUCTOR_CACHE_DIR, else the home directory's
+    cache (docs/performance.md measures a warm start)."""
+    from latentwire.compiling import inductor_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert inductor_cache_dir("") == tmp_path / "home" / ".cache" / "latentwire" / "inductor"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert inductor_cache_dir("") == tmp_path / "xdg" / "latentwire" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert inductor_cache_dir("") == tmp_path / "mine"
+    assert inductor_cache_dir(str(tmp_path / "asked")) == tmp_path / "asked"

@@ -237,7 +237,8 @@ def test_compiled_loss_equals_eager_under_ddp_with_checkpointing(tmp_path):
     DDP optimizer may split a compiled region at gradient-bucket boundaries: each region here holds
     less than one bucket (25 MiB), so every graph stays whole, and the regions compile as the
     single-process run does: no graph break, one recompile for the encoder block (the pooler's
-    latents call it without a mask) and one for the decoder layer (the two LLMs' widths)."""
+    latents call it without a mask) and one for the decoder layer (the two LLMs' widths). What
+    inductor compiled is cached where --compile-cache says, for the next run to read."""
     # As in the accumulation test: Adam at its default epsilon turns the reordered reductions'
     # rounding into different weights from step 2 (the step-3 loss differed by 1.06e-5 on an
     # AVX-512 CPU); at 1e-3 the two runs stay within 7e-7 on every CPU path tried.
@@ -246,8 +247,11 @@ def test_compiled_loss_equals_eager_under_ddp_with_checkpointing(tmp_path):
               "--activation-checkpointing", "true"]
     eager = train(tmp_path, "eager", *common, "--compile", "false", nproc=2)
     compiled_dir = tmp_path / "compiled"
-    proc = ok(run_train([*common, "--compile", "true", "--out-dir", str(compiled_dir)], nproc=2,
-                        TORCH_LOGS="recompiles,graph_breaks,torch._dynamo.backends.distributed"))
+    cache = tmp_path / "compile_cache"
+    proc = ok(run_train([*common, "--compile", "true", "--compile-cache", str(cache), "--out-dir", str(compiled_dir)],
+                        nproc=2, TORCH_LOGS="recompiles,graph_breaks,torch._dynamo.backends.distributed"))
+    assert f"compile: mode default, cache {cache}" in proc.stdout
+    assert any((cache / "fxgraph").rglob("*")) and any((cache / "aotautograd").rglob("*"))  # for the next run
     for a, b in zip(read_metrics(eager), read_metrics(compiled_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     a, b = read_metrics(eager)[-1], read_metrics(compiled_dir)[-1]
