@@ -1,10 +1,14 @@
-"""A lent GPU's measurements in one command that fits its lease: the card's attention-kernel facts,
-the profile end to end (step time, tokens/s, MFU, memory, compile time, recompiles), an evaluation
-with text baselines, the eager lever, find_batch against the memory plan, then what time is left.
+"""A lent GPU's measurements in one command that fits its lease.
+
+The card's attention-kernel facts, the profile end to end (step time, tokens/s, MFU, memory,
+compile time, recompiles), an evaluation with text baselines, the eager lever, find_batch against
+the memory plan, then what time is left: no recompute, the plan's largest micro-batch.
 
     python bench/gpu_validation.py --out $OUT --deadline 530      # on the GPU machine (one command, 570 s limit)
     python bench/gpu_validation.py --out /tmp/v --cpu-check        # here: the cpu profile, the same code path
     python bench/gpu_validation.py --prepare                       # here, before a GPU: the plans it compares with
+    python bench/gpu_validation.py --out $OUT --deadline 530 --compile-mode max-autotune-no-cudagraphs \
+        --budget preflight=0 --budget main=400                     # a second command: max-autotune's cost and gain
 
 A lent GPU gives minutes, and a command stopped at its limit returns only the files it had already
 written, so nothing waits for the end: each part runs in its own process group, under
@@ -424,6 +428,8 @@ def main() -> None:
     p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
                    help=f"a part's most seconds (parts and defaults: {BUDGETS_S})")
     p.add_argument("--steps", type=int, help="optimizer steps of the main run (default 20; 3 with --cpu-check)")
+    p.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
+                   help="the runs' torch.compile mode: max-autotune's minutes of tuning get a command of their own")
     p.add_argument("--cpu-check", action="store_true", help="the cpu profile with its tiny readers, every part small")
     p.add_argument("--prepare", action="store_true", help="trace the profile's plans into bench/results/ and exit")
     p.add_argument("--kernel-facts", action="store_true", help=argparse.SUPPRESS)  # the preflight's child
@@ -478,7 +484,7 @@ def main() -> None:
     # that the no-recompute lever has something to turn off.
     base = [*plan_flags(profile, readers, True), "--dataset", str(data), "--eval-every", "0", "--checkpoint-every", "0"]
     if not args.cpu_check:
-        base += ["--compile-mode", "default"]  # max-autotune is measured on its own, not here
+        base += ["--compile-mode", args.compile_mode]
     plan, source = the_plan(run, profile, readers, True, work)
     record["plan"] = plan if isinstance(plan, str) else {
         "source": source, "max_micro_batch": plan["max_micro_batch"], "fixed_gb": plan["fixed_bytes"] / 2 ** 30,
