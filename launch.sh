@@ -13,12 +13,12 @@
 #
 # It exits with the run's own code (0 done, 2 bad input, 3 diverged, 4 checkpoint write failed,
 # 5 out of memory, 75 preempted), printing a bad input's `error:` line once: torchrun runs inside
-# latentwire.launch, which reads each rank's outcome (plain torchrun exits 1 whatever happened).
+# latentwire.harness.launch, which reads each rank's outcome (plain torchrun exits 1 whatever happened).
 #
 # Preemption: SIGTERM or SIGUSR1 to this script reaches the training processes as SIGTERM; they
 # finish the step, save it and exit with code 75. Under SLURM that comes 120 s before the time
 # limit (or on scancel --signal=USR1 / preemption); the script then requeues the job, and the
-# requeued job adds --resume by itself. On every node the signal goes from latentwire.launch
+# requeued job adds --resume by itself. On every node the signal goes from latentwire.harness.launch
 # straight to its ranks, which take as long as the save needs: torchrun itself is never told, so
 # its shutdown timeout (fixed at 30 s before torch 2.13) does not apply.
 #
@@ -77,11 +77,12 @@ if [[ -z "$profile" ]]; then
 fi
 device="$("$PYTHON" -c 'import sys
 from pathlib import Path
-from latentwire.config import read_profiles, resolve_profile
-from latentwire.errors import UserError
+from latentwire.config import SCHEMA
+from latentwire.harness.config import read_profiles
+from latentwire.harness.errors import UserError
 try:
     path = Path(sys.argv[2])
-    print(resolve_profile(read_profiles(path), sys.argv[1], path)["device"])
+    print(SCHEMA.resolve_profile(read_profiles(path), sys.argv[1], path)["device"])
 except UserError as e:
     sys.exit(f"error: {e}")' "$profile" "$profiles")" || exit 2
 
@@ -135,12 +136,12 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     fi
     echo "launch.sh: SLURM job $SLURM_JOB_ID, $nodes node(s) x $nproc process(es), rendezvous $head_node:$port"
     srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-        "$PYTHON" -m latentwire.launch --nnodes="$nodes" --nproc_per_node="$nproc" \
+        "$PYTHON" -m latentwire.harness.launch --nnodes="$nodes" --nproc_per_node="$nproc" \
         --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:$port" \
         "$ROOT/train.py" "$@" ${resume[@]+"${resume[@]}"} &  # an empty array is "unbound" to bash < 4.4
     step_pid=$!
     preempted=0
-    # srun passes SIGTERM on to each node's latentwire.launch, which passes it to its ranks.
+    # srun passes SIGTERM on to each node's latentwire.harness.launch, which passes it to its ranks.
     trap 'preempted=1; kill -TERM "$step_pid" 2>/dev/null || true' USR1 TERM
     status=0
     wait_for "$step_pid" || status=$?
@@ -179,9 +180,9 @@ else
     fi
     echo "launch.sh: node $node_rank of $nnodes x $nproc process(es) ($device), rendezvous $MASTER_ADDR:${MASTER_PORT:-29500}"
 fi
-"$PYTHON" -m latentwire.launch "${rendezvous[@]}" --nproc_per_node="$nproc" "$ROOT/train.py" "$@" &
+"$PYTHON" -m latentwire.harness.launch "${rendezvous[@]}" --nproc_per_node="$nproc" "$ROOT/train.py" "$@" &
 launcher_pid=$!
-trap 'kill -TERM "$launcher_pid" 2>/dev/null || true' USR1 TERM  # latentwire.launch passes it to the ranks
+trap 'kill -TERM "$launcher_pid" 2>/dev/null || true' USR1 TERM  # latentwire.harness.launch passes it to the ranks
 status=0
 wait_for "$launcher_pid" || status=$?
 exit "$status"

@@ -21,35 +21,38 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import transformers
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.attention import sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
-from latentwire.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
-from latentwire.compiling import inductor_cache_dir, stable_shapes, wire_regions
-from latentwire.config import OptimizerConfig, check_can_create, load_config
-from latentwire.data import (Collator, DataSources, PromptDataset, ShardSampler, TrainingSet, describe_data, same_data,
-                             to_device)
-from latentwire.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
+from latentwire.compiling import wire_regions
+from latentwire.config import RESTORED_SETTINGS, OptimizerConfig, load_config
+from latentwire.data import Collator, DataSources, PromptDataset, TrainingSet, describe_data, same_data
 from latentwire.distillation import describe_targets, teacher_targets
-from latentwire.distributed import all_reduce_sum, ddp_buffer_options, group_options, leave_together, torchrun_rank
 from latentwire.eval.evaluation import evaluate_wire
 from latentwire.eval.settings import EvalSettings
+from latentwire.flops import FlopModel
+from latentwire.harness.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
+from latentwire.harness.compiling import inductor_cache_dir, stable_shapes
+from latentwire.harness.config import check_can_create
+from latentwire.harness.data import ShardSampler, global_batches, make_loader, to_device
+from latentwire.harness.distributed import (all_reduce_sum, ddp_buffer_options, group_options, leave_together,
+                                            torchrun_rank)
+from latentwire.harness.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
+from latentwire.harness.metrics import MetricsLogger, StepMeter
+from latentwire.harness.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic,
+                                          sdpa_backends, use_tf32)
+from latentwire.harness.preemption import StopFlag
+from latentwire.harness.profiling import HISTORY_ENTRIES, MemorySnapshots, NoProfiler, profiler_options
 from latentwire.llm import (build_frozen_llms, decoder_layers, describe_prompts, fsdp_units, held_per_rank,
                             is_decoder_layer, read_weights, skip_unused_backward_gathers)
-from latentwire.flops import FlopModel
-from latentwire.metrics import MetricsLogger, StepMeter
 from latentwire.model import WireEncoder, count_parameters
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
 from latentwire.planner.elastic import apply_elastic_batch
 from latentwire.planner.step import TrainingStep
-from latentwire.preemption import StopFlag, shield_worker_from_stop_signals
-from latentwire.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic, sdpa_backends,
-                                  use_tf32)
-from latentwire.profiling import HISTORY_ENTRIES, MemorySnapshots, NoProfiler, profiler_options
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -268,8 +271,10 @@ def train(cfg, di) -> None:
     # a fresh epoch.
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, micro, accum), data=training.identity())
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.output.keep_checkpoints,
-                                meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(cfg.wire)},
-                                model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+                                meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(cfg.wire),
+                                      "versions": {"transformers": transformers.__version__}},
+                                restored=RESTORED_SETTINGS, model=model, optimizer=optimizer, scheduler=scheduler,
+                                scaler=scaler)
     if cfg.run.resume:
         state = resume(checkpointer, state, cfg.run, steps, di.is_main)
         if state is None:
@@ -520,20 +525,6 @@ def closing_line(checkpoint: Path, out_dir: Path, finished: bool, sharded_over: 
     return f"saved {checkpoint}; metrics in {out_dir / 'metrics.jsonl'} and {out_dir / 'tb'}; {nxt}"
 
 
-def make_loader(dataset, sampler, collate, *, micro_batch_size: int, num_workers: int, prefetch_factor: int,
-                device_type: str, seed: int) -> DataLoader:
-    """Workers tokenise and pad while the model computes; pinned host memory makes the
-    host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a fork of
-    every worker at each epoch. The loader's own generator keeps its worker seeds off the global
-    RNG, so dropout draws do not depend on when an epoch starts. Workers leave the trainer's
-    process group, so a preemption signal to the group cannot kill them before it has saved."""
-    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
-                      num_workers=num_workers, pin_memory=device_type == "cuda", persistent_workers=num_workers > 0,
-                      worker_init_fn=shield_worker_from_stop_signals,
-                      prefetch_factor=prefetch_factor if num_workers > 0 else None,
-                      generator=torch.Generator().manual_seed(seed))
-
-
 def resume(checkpointer: Checkpointer, fresh: TrainState, run, max_steps: int, is_main: bool) -> TrainState | None:
     """The saved state, continued with this run's layout and data (`fresh`'s); None when the run
     has already finished."""
@@ -569,18 +560,6 @@ def resume(checkpointer: Checkpointer, fresh: TrainState, run, max_steps: int, i
                   f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an "
                   "unbroken one only for the same layout", file=sys.stderr)
     return replace(saved, layout=fresh.layout, data=fresh.data)
-
-
-def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, global_batch: int):
-    """Yields (epoch, examples of the epoch done after this step, [accum micro-batches]) forever,
-    starting `examples_done` into `epoch`; a partial group at an epoch's end is dropped."""
-    while True:
-        sampler.start_epoch(epoch, examples_done)  # a new permutation each epoch, the same on every rank
-        it = iter(loader)
-        for _ in range(len(loader) // accum):
-            examples_done += global_batch
-            yield epoch, examples_done, [next(it) for _ in range(accum)]
-        epoch, examples_done = epoch + 1, 0
 
 
 @contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -25,11 +24,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import train  # noqa: E402
 from latentwire.config import load_config  # noqa: E402
-from latentwire.data import Collator, DataSources, PromptDataset, ShardSampler  # noqa: E402
+from latentwire.data import Collator, DataSources, PromptDataset  # noqa: E402
+from latentwire.harness.data import ShardSampler, make_loader as harness_loader  # noqa: E402
 from latentwire.llm import load_frozen_llms  # noqa: E402
 from latentwire.model import WireEncoder  # noqa: E402
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts  # noqa: E402
-from latentwire.precision import frozen_weight_dtype  # noqa: E402
+from latentwire.harness.precision import frozen_weight_dtype  # noqa: E402
 
 CPU = torch.device("cpu")
 # Flags for every timed train.py run: periodic evaluation and checkpoints are work between steps,
@@ -89,9 +89,9 @@ def make_loader(cfg, llms: dict) -> DataLoader:
     dataset = PromptDataset(DataSources.of(cfg.data, cfg.training.seed).train_examples(cfg.data.num_examples))
     collate = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
                                teacher=cfg.objectives.teacher, word_patch=cfg.wire.word_patch)
-    return train.make_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.training.seed), collate,
-                             micro_batch_size=cfg.training.micro_batch_size, num_workers=cfg.data.num_workers,
-                             prefetch_factor=cfg.data.prefetch_factor, device_type="cpu", seed=cfg.training.seed)
+    return harness_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.training.seed), collate,
+                          micro_batch_size=cfg.training.micro_batch_size, num_workers=cfg.data.num_workers,
+                          prefetch_factor=cfg.data.prefetch_factor, device_type="cpu", seed=cfg.training.seed)
 
 
 def take(loader: DataLoader, n: int) -> list[dict]:
@@ -116,13 +116,6 @@ def bare_step(model, llms: dict, optimizer: torch.optim.Optimizer, micro_batches
 
 
 # --- processes --------------------------------------------------------------------------------
-
-def free_port() -> int:
-    """A TCP port nobody listens on now, for a fresh process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launcher(nproc: int) -> list[str]:
     """train.py as users start it: plain python for one process, torchrun for more."""

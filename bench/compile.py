@@ -48,7 +48,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 
 from common import (REPO, build_model, child_env, forward_backward, make_loader, median, parse_settings, summary,
                     take)
-from latentwire.compiling import stable_shapes, step_regions
+from latentwire.compiling import step_regions
+from latentwire.harness.compiling import stable_shapes
 from latentwire.config import load_config
 from latentwire.known_llms import LLAMA_3_1_8B, QWEN_2_5_7B
 from latentwire.llm import is_decoder_layer

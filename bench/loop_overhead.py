@@ -3,9 +3,10 @@
 The same model, batches, micro-batch and accumulation go through two loops in this process,
 interleaved step by step so the machine's other load hits both alike:
 
-- train.py: `train.main(...)`, the real loop with every feature on: DDP in a one-process gloo
-  group, exact accumulation with its token-count all-reduce and no_sync, clipping, the non-finite
-  check, OneCycle, and metrics logged at every step (jsonl, TensorBoard, console).
+- train.py: `train.main(...)`, the real loop as one process runs it (a world of one has no process
+  group, so no DDP and no all-reduce; bench/ddp_scaling.py measures ranks): exact accumulation,
+  clipping, the non-finite check, OneCycle, and metrics logged at every step (jsonl, TensorBoard,
+  console).
 - bare: AdamW, forward and backward per micro-batch, step, zero_grad, on its own copy of the model.
 
 Each train.py step ends in its metrics record; right after the record is written, one bare step
@@ -33,8 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common import (DIST_ENV, STEPS_ONLY, bare_step, build_model, cpu_config, free_port, make_loader, median,
-                    parse_settings, summary)
+from common import STEPS_ONLY, bare_step, build_model, cpu_config, make_loader, median, parse_settings, summary
 import train  # found through the repository path that common puts on sys.path
 
 
@@ -107,11 +107,9 @@ class PairedTimer:
 
 
 def run_paired(s: Settings, out_dir: Path) -> PairedTimer:
-    """One train.main() run as rank 0 of a one-process gloo group, a bare step after each of its steps."""
+    """One train.main() run, a bare step after each of its steps."""
     timer = PairedTimer(BareLoop(s))
     argv = ["--profile", "cpu", *map(str, train_flags(s)), "--out-dir", str(out_dir)]
-    # train.py joins a process group (and wraps the model in DDP) when torchrun's variables are set.
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     logger_class = train.MetricsLogger
     train.MetricsLogger = timer.logger_class(logger_class)
     try:
@@ -120,8 +118,6 @@ def run_paired(s: Settings, out_dir: Path) -> PairedTimer:
             train.main(argv)
     finally:
         train.MetricsLogger = logger_class
-        for name in DIST_ENV:
-            os.environ.pop(name, None)
     return timer
 
 

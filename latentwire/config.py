@@ -1,56 +1,28 @@
-"""Hardware profiles and the resolved run configuration.
-
-A profile is one key of `hw_profiles.json`. It may `extend` another profile and override
-some of its fields. Every field is checked against `FIELDS` (name, type, allowed values) so
-that a typo in the JSON or on the command line is a one-line error naming the field, not a
-KeyError deep inside the loop. Every field is also a command-line flag of the same name with
-dashes (`micro_batch_size` -> `--micro-batch-size`).
-
-The resolved `Config` is typed: one frozen dataclass per concern, each defined by the module that
-uses it (as torchtitan's components own their configs), so a function takes the section it reads
-(`cfg.wire`, `cfg.data`, ...). Profiles, flags and a checkpoint's meta.json keep the flat names.
+"""LatentWire's settings: the fields of a hardware profile (`FIELDS`), the rules that tie them
+together, and the resolved `Config`, typed: one frozen dataclass per concern, each defined by the
+module that uses it, so a function takes the section it reads (`cfg.wire`, `cfg.data`, ...). The
+machinery (profiles, `extends`, flags, --help, sections) is `harness.config`'s.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import math
-import os
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from .compiling import CompileConfig
+from .harness.compiling import CompileConfig
 from .data import DataConfig
-from .errors import UserError
+from .harness.config import Field, Parser, Schema, flat_of, profile_listing, read_profiles, sections_of
+from .harness.errors import UserError
 from .llm import FrozenConfig
 from .model import WireConfig
 from .objectives import Objectives
-from .precision import Card, Numerics, frozen_weight_dtype, sdpa_backends
-from .profiling import ProfilerConfig
+from .harness.precision import Card, Numerics, frozen_weight_dtype, sdpa_backends
+from .harness.profiling import ProfilerConfig
 from .prompting import CHAT_TEMPLATE_CHOICES, DEFAULT_ANCHOR, DEFAULT_INSTRUCTION, PromptFormat
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
-
-
-REQUIRED = object()
-
-
-@dataclass(frozen=True)
-class Field:
-    kind: type  # int, float, bool or str
-    help: str
-    choices: tuple = ()
-    nullable: bool = False
-    positive: bool = False  # > 0 (numbers only)
-    non_negative: bool = False  # >= 0 (numbers only)
-    refused: dict = dataclasses.field(default_factory=dict)  # value -> why it is not (yet) taken
-    # Fields added after profiles were written have a default, so a user's own profile file from
-    # before them still loads; the rest must be given.
-    default: object = REQUIRED
 
 
 FIELDS: dict[str, Field] = {
@@ -177,11 +149,6 @@ FIELDS: dict[str, Field] = {
 }
 
 
-def field_defaults() -> dict:
-    """The fields that have a default (those added after profiles were written), with it."""
-    return {name: spec.default for name, spec in FIELDS.items() if spec.default is not REQUIRED}
-
-
 @dataclass(frozen=True)
 class RunFlags:
     """Flags that describe this invocation rather than the hardware."""
@@ -250,6 +217,12 @@ class Output:
     keep_checkpoints: int
 
 
+# Settings the restored optimizer, OneCycle schedule and grad scaler carry in their state: a resume
+# may not change them (harness.checkpoint.check_restored_settings).
+RESTORED_SETTINGS = ("max_steps", "lr", "weight_decay", "adam_beta1", "adam_beta2", "pct_start", "div_factor",
+                     "final_div_factor", "anneal_strategy", "precision")  # precision: the grad scaler's state
+
+
 # Config's sections, by attribute. A section's fields are read from the profile's flat fields (the
 # keys of hw_profiles.json, the flags, meta.json) of the same name, or of the name its FLAT_NAMES
 # gives; every flat field belongs to exactly one section.
@@ -259,12 +232,6 @@ SECTIONS: dict[str, type] = {
     "objectives": Objectives, "data": DataConfig, "planning": Planning, "evaluation": Evaluation, "output": Output,
     "profiler": ProfilerConfig,
 }
-
-
-def flat_names(section: type) -> dict[str, str]:
-    """A section's fields and the flat field each is read from."""
-    renamed = getattr(section, "FLAT_NAMES", {})
-    return {f.name: renamed.get(f.name, f.name) for f in dataclasses.fields(section)}
 
 
 @dataclass(frozen=True)
@@ -291,13 +258,11 @@ class Config:
     @classmethod
     def of(cls, values: dict, run: RunFlags) -> Config:
         """From checked flat values (every field of FIELDS)."""
-        return cls(**{attr: section(**{name: values[flat] for name, flat in flat_names(section).items()})
-                      for attr, section in SECTIONS.items()}, run=run)
+        return cls(**sections_of(SECTIONS, values), run=run)
 
     def flat(self) -> dict:
         """The flat fields, in FIELDS order."""
-        values = {flat: getattr(getattr(self, attr), name)
-                  for attr, section in SECTIONS.items() for name, flat in flat_names(section).items()}
+        values = flat_of(self, SECTIONS)
         return {name: values[name] for name in FIELDS}
 
     def to_dict(self) -> dict:
@@ -305,79 +270,7 @@ class Config:
         return {"profile": self.run.profile, **self.flat()}
 
 
-# --- loading hw_profiles.json -----------------------------------------------------------------
-
-def read_profiles(path: Path = DEFAULT_PROFILES) -> dict:
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"hardware profile file {path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text") from None
-    except OSError as e:  # a directory, no permission
-        raise UserError(f"cannot read hardware profile file {path}: {e.strerror}") from None
-    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
-        raise UserError(f"{path} must map profile keys to objects of fields")
-    return raw
-
-
-def resolve_profile(profiles: dict, key: str, path: Path = DEFAULT_PROFILES) -> dict:
-    """The profile `key` with its `extends` chain applied, every field checked."""
-    if key not in profiles:
-        raise UserError(f"unknown profile {key!r}; valid profiles: {', '.join(sorted(profiles))}")
-    chain, cur = [], key
-    while cur is not None:
-        if cur in chain:
-            raise UserError(f"profile {key!r} in {path}: 'extends' forms a cycle through {cur!r}")
-        if cur not in profiles:
-            raise UserError(f"profile {chain[-1]!r} in {path}: field 'extends' names unknown profile {cur!r}")
-        chain.append(cur)
-        cur = profiles[cur].get("extends")
-        if cur is not None and not isinstance(cur, str):
-            raise UserError(f"profile {chain[-1]!r} in {path}: field 'extends' must be a profile key")
-    merged = field_defaults()
-    for name in reversed(chain):
-        merged.update({k: v for k, v in profiles[name].items() if k != "extends"})
-    for name in chain:
-        for field in profiles[name]:
-            if field != "extends" and field not in FIELDS:
-                raise UserError(f"profile {name!r} in {path}: unknown field {field!r}")
-    missing = [f for f in FIELDS if f not in merged]
-    if missing:
-        raise UserError(f"profile {key!r} in {path}: missing field {missing[0]!r}")
-    for field, value in merged.items():
-        merged[field] = check_value(field, value, where=f"profile {key!r} in {path}")
-    check_consistency(merged, where=f"profile {key!r}")
-    return merged
-
-
-def check_value(field: str, value, where: str):
-    spec = FIELDS[field]
-    if value is None:
-        if spec.nullable:
-            return None
-        raise UserError(f"{where}: field {field!r} must not be null")
-    if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if spec.kind is str and isinstance(value, bool) and "true" in spec.choices:
-        value = str(value).lower()  # chat_template was a bool before 'auto': older profiles and meta.json still read
-    if type(value) is not spec.kind:
-        raise UserError(f"{where}: field {field!r} must be {spec.kind.__name__}, got {value!r}")
-    if spec.kind is float and not math.isfinite(value):  # JSON's Infinity/NaN, or --lr inf
-        raise UserError(f"{where}: field {field!r} must be a finite number, got {value!r}")
-    if value in spec.refused:
-        raise UserError(f"{where}: {field} {value!r} {spec.refused[value]}; use one of {', '.join(spec.choices)}")
-    if spec.choices and value not in spec.choices:
-        raise UserError(f"{where}: field {field!r} must be one of {', '.join(spec.choices)}, got {value!r}")
-    if spec.positive and not value > 0:
-        raise UserError(f"{where}: field {field!r} must be > 0, got {value!r}")
-    if spec.non_negative and not value >= 0:
-        raise UserError(f"{where}: field {field!r} must be >= 0, got {value!r}")
-    return value
-
+# --- the rules that tie fields together --------------------------------------------------------
 
 def check_consistency(v: dict, where: str) -> None:
     """Rules that tie fields together."""
@@ -430,58 +323,10 @@ def check_fused_head_widths(encoder_dim: int, d_z: int, heads: int, where: str) 
                             "or train this width on the cpu")
 
 
+SCHEMA = Schema(FIELDS, check_consistency)
+
+
 # --- the command line -------------------------------------------------------------------------
-
-class Parser(argparse.ArgumentParser):
-    """Every entry point's parser: a bad flag is one `error:` line (exit 2, not argparse's usage
-    dump), and flags are never matched by prefix (`--max-step 3` is refused, not --max-steps)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(allow_abbrev=False, **kwargs)
-
-    def error(self, message):
-        raise UserError(message)
-
-
-def positive(kind):
-    """An argparse type: a finite number of `kind` above 0."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-        return value
-    return parse
-
-
-def check_can_create(path: Path, what: str) -> None:
-    """`path` is a directory, or can be made one: checked before any work, not when it is written."""
-    try:
-        existing = next(p for p in (path, *path.absolute().parents) if p.exists())
-    except OSError as e:  # a parent this user may not search
-        raise UserError(f"{what} {path} cannot be created: {e.strerror}") from None
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{what} {path} cannot be created: {existing} is not a writable directory")
-
-
-def parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("true", "1", "yes", "on"):
-        return True
-    if low in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _flag_type(spec: Field):
-    if spec.kind is bool:
-        return parse_bool
-    if spec.nullable:
-        return lambda s: None if s.lower() in ("null", "none") else spec.kind(s)
-    return spec.kind
-
 
 def build_parser(prog: str = "train.py", argv: list[str] | None = None) -> argparse.ArgumentParser:
     """train.py's flags: every profile field, defaulting to the profile's value. Its --help lists
@@ -490,13 +335,11 @@ def build_parser(prog: str = "train.py", argv: list[str] | None = None) -> argpa
     pre.add_argument("--profile")
     pre.add_argument("--hw-profiles", default=str(DEFAULT_PROFILES))
     known, _ = pre.parse_known_args(argv)
-    profiles, shown = _profiles_for_help(Path(known.hw_profiles), known.profile)
-    listing = "\n".join(textwrap.fill(description, 100, initial_indent=f"  {key:<10} ", subsequent_indent=" " * 13)
-                         for key, description in profiles.items())
+    described, shown = SCHEMA.describe_profiles(Path(known.hw_profiles), known.profile)
     p = Parser(prog=prog, usage=f"{prog} --profile KEY [--resume [--new-data] | --overwrite] [--FIELD VALUE ...]",
                description="Train LatentWire from a hardware profile. Every field of the profile is also a flag, "
                "which overrides it.", formatter_class=argparse.RawDescriptionHelpFormatter,
-               epilog=f"profiles in {known.hw_profiles}:\n{listing}" if profiles else None)
+               epilog=f"profiles in {known.hw_profiles}:\n{profile_listing(described)}" if described else None)
     p.add_argument("--profile", required=True, help="a key of hw_profiles.json (listed below)")
     p.add_argument("--hw-profiles", default=str(DEFAULT_PROFILES), help="the profile file")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
@@ -506,52 +349,15 @@ def build_parser(prog: str = "train.py", argv: list[str] | None = None) -> argpa
     p.add_argument("--new-data", action="store_true",
                    help="with --resume: continue the weights, optimizer and schedule on this run's training data, "
                         "which may differ from the checkpoint's, from the start of a fresh epoch")
-    for name, spec in FIELDS.items():
-        value = f" ({known.profile}: {_as_flag(shown[name])})" if name in shown else ""
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=_flag_type(spec), default=None,
-                       metavar=_metavar(spec), help=(spec.help + value).replace("%", "%%"))  # argparse formats help
+    SCHEMA.add_flags(p, shown)
     return p
-
-
-def _profiles_for_help(path: Path, key: str | None) -> tuple[dict, dict]:
-    """Each profile's description, and the resolved values of `key`, as far as they can be read:
-    a bad file or profile is reported when the run starts, not by --help."""
-    try:
-        profiles = read_profiles(path)
-    except UserError:
-        return {}, {}
-    described = {}
-    for name in profiles:
-        try:
-            described[name] = resolve_profile(profiles, name, path)["description"]  # inherited too
-        except UserError:
-            described[name] = "(does not load: run with it to see why)"
-    try:
-        return described, resolve_profile(profiles, key, path) if key else {}
-    except UserError:
-        return described, {}
-
-
-def _as_flag(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value)  # true, false, null as the flags take them
-
-
-def _metavar(spec: Field) -> str:
-    if spec.choices:
-        return "{" + ",".join(spec.choices) + "}"
-    return "{true,false}" if spec.kind is bool else spec.kind.__name__.upper()
 
 
 def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config:
     """Parse the command line and return the validated configuration."""
     args = build_parser(prog, argv).parse_args(argv)
     path = Path(args.hw_profiles)
-    values = resolve_profile(read_profiles(path), args.profile, path)
-    for name in FIELDS:
-        flag = getattr(args, name)
-        if flag is not None:
-            values[name] = check_value(name, flag, where="--" + name.replace("_", "-"))
-    check_consistency(values, where="the resolved configuration")
+    values = SCHEMA.with_flags(SCHEMA.resolve_profile(read_profiles(path), args.profile, path), args)
     if args.resume and args.overwrite:
         raise UserError("--resume and --overwrite exclude each other")
     if args.stop_at_step is not None and args.stop_at_step <= 0:
@@ -561,4 +367,3 @@ def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config
     run = RunFlags(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
                    stop_at_step=args.stop_at_step, new_data=args.new_data)
     return Config.of(values, run)
-

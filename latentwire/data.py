@@ -11,7 +11,6 @@ of its own tokenizer. `Collator` builds both, padded to few distinct shapes.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import random
 import re
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from .harness.errors import UserError
 
 PAD_BYTE = 256  # byte values are 0..255, so the encoder's byte embedding has 257 rows
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index
@@ -583,33 +582,3 @@ def answer_token_ids(tok, answers: list[str]) -> list[list[int]]:
     new word: with its leading space, BPE vocabularies (trained on running text, where words start
     with a space) give whole-word tokens."""
     return tok([" " + a for a in answers], add_special_tokens=False)["input_ids"]
-
-
-class ShardSampler(torch.utils.data.DistributedSampler):
-    """DistributedSampler that can start an epoch part-way (resume) without loading what it skips.
-
-    The permutation depends only on (seed, epoch), and rank r takes every world_size-th index of
-    it, so skipping the first `done // world_size` indices on every rank skips exactly the first
-    `done` examples of the epoch in the global order, for any world size.
-    """
-
-    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.skip = 0
-
-    def start_epoch(self, epoch: int, global_examples_done: int = 0) -> None:
-        self.set_epoch(epoch)
-        self.skip = global_examples_done // self.num_replicas
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-    def __len__(self) -> int:
-        return self.num_samples - self.skip
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    """A collated batch on `device`; non_blocking overlaps the copy with compute from pinned memory."""
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch.to(device, non_blocking=True)

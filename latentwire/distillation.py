@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .data import to_device
+from .harness.data import to_device
 
 # The host memory full rows may take, per LLM and rank; above it, top_k + 1 buckets.
 FULL_ROWS_BYTES = 1 << 30

@@ -39,17 +39,18 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from .checkpoint import META, WEIGHTS, check_weights, list_checkpoints
-from .config import FIELDS, Config, Parser, RunFlags, check_can_create, check_value, field_defaults, positive
+from .harness.checkpoint import META, WEIGHTS, check_weights, list_checkpoints
+from .config import FIELDS, SCHEMA, Config, RunFlags
+from .harness.config import Parser, check_can_create, positive
 from .data import DataSources
-from .distributed import process_group
-from .errors import UserError, main_guard
+from .harness.distributed import process_group
+from .harness.errors import UserError, main_guard
 from .eval.evaluation import evaluate_examples
 from .eval.report import build_report, markdown, write_report
 from .eval.settings import EvalSettings
 from .llm import build_frozen_llms, fsdp_units, held_per_rank, read_weights
 from .model import WireEncoder
-from .precision import frozen_weight_dtype
+from .harness.precision import frozen_weight_dtype
 
 # --- loading a checkpoint ---------------------------------------------------------------------
 
@@ -85,11 +86,11 @@ def read_meta(ckpt: Path) -> tuple[Config, int | None]:
         raise UserError(f"{where} has no 'config' object")
     # Fields added after the checkpoint was written take their defaults, as an older profile's do,
     # but for one: a run from before held_out_fraction trained on all of a local file.
-    values = field_defaults() | {"held_out_fraction": 0.0}
+    values = SCHEMA.defaults() | {"held_out_fraction": 0.0}
     missing = [name for name in FIELDS if name not in config and name not in values]
     if missing:
         raise UserError(f"{where}: config has no field {missing[0]!r}")
-    values |= {name: check_value(name, value, where=str(where)) for name, value in config.items() if name in FIELDS}
+    values |= {name: SCHEMA.check_value(name, value, where=str(where)) for name, value in config.items() if name in FIELDS}
     return Config.of(values, RunFlags(profile=str(meta.get("profile")))), meta.get("step")
 
 

@@ -44,15 +44,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-from .config import Parser, check_can_create, load_config, positive
-from .errors import UserError, main_guard
-from .distributed import process_group
+from .config import load_config
+from .harness.config import Parser, check_can_create, positive
+from .harness.errors import UserError, main_guard
+from .harness.distributed import process_group
 from .llm import is_decoder_layer, load_frozen_llms
 from .model import WireEncoder
 from .plan import TRAINING_STEP, write_json
 from .planner.budget import GIB, Fit, fit_line
 from .planner.memtrace import planning_batch
-from .precision import cuda_capability, frozen_weight_dtype, sdpa_backends
+from .harness.precision import cuda_capability, frozen_weight_dtype, sdpa_backends
 
 PROG = "python -m latentwire.find_batch"
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"

@@ -6,7 +6,7 @@ planner's cross-check, and a check of the table against the published counts.
 """
 from __future__ import annotations
 
-from .errors import UserError
+from .harness.errors import UserError
 
 # The config.json values of the released checkpoints (only the fields that shape the model).
 LLAMA_3_1_8B = dict(

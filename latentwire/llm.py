@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .attention import causal_attention, padded_causal_mask, positions
-from .errors import UserError
+from .harness.errors import UserError
 from .llm_sources import LLM_NAMES, one_line_error, read_source
 from .prompting import PromptContract, PromptFormat
 

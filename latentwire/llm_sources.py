@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .attention import causal_attention
-from .errors import UserError
+from .harness.errors import UserError
 from .known_llms import KNOWN_LLMS
 
 TINY = "tiny"

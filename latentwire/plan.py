@@ -32,9 +32,10 @@ from pathlib import Path
 
 import train
 
-from .config import Parser, load_config, positive
+from .config import load_config
+from .harness.config import Parser, positive
 from .data import round_up
-from .errors import UserError, main_guard
+from .harness.errors import UserError, main_guard
 from .known_llms import llm_parameter_count
 from .llm import LLM_NAMES
 from .llm_sources import llm_spec

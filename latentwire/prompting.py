@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .errors import UserError
+from .harness.errors import UserError
 
 DEFAULT_ANCHOR = "\nanswer:"
 # Of the instructions tried on SmolLM2-135M-Instruct (docs/evaluation.md), the one whose answers

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .config import Parser, positive
+from .harness.config import Parser, positive
 from .data import IGNORE_INDEX, answer_text, answer_token_ids, load_examples, synthetic_examples
-from .errors import main_guard
+from .harness.errors import main_guard
 from .eval.generation import decode_answer, greedy_generate, text_prompt_ids, text_prompts
 from .llm import LLM_NAMES, FrozenLLM
 from .llm_sources import TINY_READERS, tiny_model, tiny_tokenizer

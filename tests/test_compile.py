@@ -12,7 +12,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, apply_activation_checkpointing
 
 from conftest import ALL_TERMS
-from latentwire.compiling import DECODER_LAYER_VARIANTS, stable_shapes, step_regions
+from latentwire.compiling import DECODER_LAYER_VARIANTS, step_regions
+from latentwire.harness.compiling import stable_shapes
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
 from latentwire.llm import is_decoder_layer, load_frozen_llms
@@ -214,7 +215,7 @@ def test_the_compile_cache_outlives_tmp(monkeypatch, tmp_path):
     """Inductor's own default is under /tmp, gone on a requeued job's fresh machine: the run's
     cache is --compile-cache, else the user's TORCHINDUCTOR_CACHE_DIR, else the home directory's
     cache (docs/performance.md measures a warm start)."""
-    from latentwire.compiling import inductor_cache_dir
+    from latentwire.harness.compiling import inductor_cache_dir
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)

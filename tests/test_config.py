@@ -3,13 +3,13 @@ import json
 
 import pytest
 
-from latentwire.config import (DEFAULT_PROFILES, FIELDS, SECTIONS, Config, flat_names, load_config, read_profiles,
-                               resolve_profile)
-from latentwire.errors import UserError
+from latentwire.config import DEFAULT_PROFILES, FIELDS, SCHEMA, SECTIONS, Config, load_config
+from latentwire.harness.config import flat_names, read_profiles
+from latentwire.harness.errors import UserError
 
 from conftest import assert_one_line_error, run_train
 
-PROFILES = read_profiles()
+PROFILES = read_profiles(DEFAULT_PROFILES)
 REQUIRED_KEYS = {"cpu", "h100", "h100x4", "h200", "a100-80gb", "a100-40gb", "rtx6000ada", "v100"}
 
 
@@ -19,24 +19,24 @@ def test_required_profiles_exist():
 
 @pytest.mark.parametrize("key", sorted(PROFILES))
 def test_every_profile_resolves_with_every_field(key):
-    values = resolve_profile(PROFILES, key)
+    values = SCHEMA.resolve_profile(PROFILES, key, DEFAULT_PROFILES)
     assert set(values) == set(FIELDS)
     for name, value in values.items():
         assert value is None or type(value) is FIELDS[name].kind, name
 
 
 def test_cards_follow_their_hardware():
-    v100, h100, h200 = (resolve_profile(PROFILES, k) for k in ("v100", "h100", "h200"))
+    v100, h100, h200 = (SCHEMA.resolve_profile(PROFILES, k, DEFAULT_PROFILES) for k in ("v100", "h100", "h200"))
     assert not v100["supports_bf16"] and v100["precision"] == "fp16"
     assert h100["precision"] == "bf16" and h100["llama"] == "meta-llama/Llama-3.1-8B"
     assert h100["qwen"] == "Qwen/Qwen2.5-7B"
     assert h200["memory_gb"] > h100["memory_gb"] and h200["peak_tflops_bf16"] == h100["peak_tflops_bf16"]
-    cpu = resolve_profile(PROFILES, "cpu")
+    cpu = SCHEMA.resolve_profile(PROFILES, "cpu", DEFAULT_PROFILES)
     assert cpu["device"] == "cpu" and cpu["peak_tflops_bf16"] is None and cpu["llama"] == "tiny"
 
 
 def test_extends_overrides_only_what_it_names():
-    h100, h100x4 = resolve_profile(PROFILES, "h100"), resolve_profile(PROFILES, "h100x4")
+    h100, h100x4 = SCHEMA.resolve_profile(PROFILES, "h100", DEFAULT_PROFILES), SCHEMA.resolve_profile(PROFILES, "h100x4", DEFAULT_PROFILES)
     differing = {k for k in FIELDS if h100[k] != h100x4[k]}
     assert differing == set(PROFILES["h100x4"]) - {"extends"}
 

@@ -1,4 +1,4 @@
-"""The process group every command runs in (`latentwire.distributed.process_group`)."""
+"""The process group every command runs in (`latentwire.harness.distributed.process_group`)."""
 import json
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import REPO, child_env, free_port, ok
-from latentwire.distributed import process_group
+from latentwire.harness.distributed import process_group
 
 # Rank 0 is still busy (as when it writes a report) when rank 1's work is done; each rank records
 # when its body ended and when it left the process group, in a file of its own (two ranks printing
@@ -16,7 +16,7 @@ LEAVE = """
 import json, pathlib, sys, time
 sys.path.insert(0, {repo!r})
 import torch.distributed as dist
-from latentwire.distributed import process_group
+from latentwire.harness.distributed import process_group
 with process_group("cpu", 60) as info:
     if info.rank == 0:
         time.sleep(1.0)
@@ -62,8 +62,8 @@ COMMAND = """
 import atexit, pathlib, sys
 import torch.distributed as dist
 sys.path.insert(0, {repo!r})
-from latentwire.distributed import leave_together
-from latentwire.errors import UserError, main_guard
+from latentwire.harness.distributed import leave_together
+from latentwire.harness.errors import UserError, main_guard
 atexit.register(lambda: pathlib.Path("finalized").touch())
 def main():
     if {group}:

@@ -18,7 +18,7 @@ from latentwire.data import ATTRIBUTES, Collator, PromptDataset, answer_text, lo
 from latentwire.llm import LLM_NAMES, is_decoder_layer, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
-from latentwire.precision import AMP_DTYPES
+from latentwire.harness.precision import AMP_DTYPES
 from latentwire.eval.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import FAST, SMALL_LLAMA, assert_one_line_error, ok, read_metrics, run_train
-from latentwire.errors import UserError
+from latentwire.harness.errors import UserError
 
 CPU = torch.device("cpu")
 MiB = 2 ** 20
@@ -33,7 +33,7 @@ def test_tf32_switch_leaves_the_precision_query_working(restore_matmul_precision
 
 
 def test_tf32_only_where_asked_and_the_card_has_it():
-    from latentwire.precision import use_tf32
+    from latentwire.harness.precision import use_tf32
 
     assert use_tf32(True, (9, 0)) and use_tf32(True, (8, 0))
     assert not use_tf32(True, (7, 0))  # V100: no TF32 units
@@ -46,7 +46,7 @@ def test_tf32_only_where_asked_and_the_card_has_it():
 def test_attention_kernels_follow_the_card_and_the_dtype():
     from torch.nn.attention import SDPBackend
 
-    from latentwire.precision import sdpa_backends
+    from latentwire.harness.precision import sdpa_backends
 
     # No silent math fallback where flash runs, and no cuDNN: NaN gradients of masked attention
     # (pytorch#196678), the encoder's kind, and torch tries it first on sm90.
@@ -144,8 +144,8 @@ def test_process_group_and_profiler_options_follow_the_device_type():
 
     from torch.profiler import ProfilerActivity
 
-    from latentwire.distributed import group_options
-    from latentwire.profiling import ProfilerConfig, profiler_options
+    from latentwire.harness.distributed import group_options
+    from latentwire.harness.profiling import ProfilerConfig, profiler_options
 
     gpu = torch.device("cuda", 3)
     assert group_options(gpu, 300) == {"backend": "nccl", "timeout": datetime.timedelta(seconds=300), "device_id": gpu}
@@ -157,7 +157,7 @@ def test_process_group_and_profiler_options_follow_the_device_type():
 
 
 def test_ddp_skips_the_per_forward_buffer_broadcast_under_either_name():
-    from latentwire.distributed import ddp_buffer_options
+    from latentwire.harness.distributed import ddp_buffer_options
 
     options = ddp_buffer_options()
     assert options in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
@@ -169,7 +169,8 @@ def test_fused_adamw_and_pinned_memory_only_on_cuda(device_type):
     launch for the whole update) and pinned host memory (asynchronous copies) are CUDA's only;
     frozen parameters get no state, and only matrices decay."""
     from latentwire.config import OptimizerConfig
-    from train import adamw, make_loader
+    from latentwire.harness.data import make_loader
+    from train import adamw
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
     model[2].weight.requires_grad_(False)
@@ -186,7 +187,7 @@ def test_fused_adamw_and_pinned_memory_only_on_cuda(device_type):
 def test_cpu_keeps_every_kernel():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from latentwire.precision import sdpa_backends
+    from latentwire.harness.precision import sdpa_backends
 
     backends, why = sdpa_backends(None, torch.float32)
     assert why is None
@@ -200,7 +201,7 @@ def test_cpu_keeps_every_kernel():
 
 def test_mfu_peak_follows_the_arithmetic_in_use():
     from latentwire.config import load_config
-    from latentwire.precision import matmul_arithmetic
+    from latentwire.harness.precision import matmul_arithmetic
 
     h100 = load_config(["--profile", "h100"]).card
     peak = lambda precision, tf32: getattr(h100, "peak_tflops_" + matmul_arithmetic(precision, tf32))
@@ -217,7 +218,7 @@ def test_mfu_peak_follows_the_arithmetic_in_use():
 # --- memory per window ------------------------------------------------------------------------
 
 def test_peak_memory_is_per_window_and_the_run_peak_is_kept():
-    from latentwire.metrics import MemoryMeter
+    from latentwire.harness.metrics import MemoryMeter
 
     meter = MemoryMeter(CPU)
     spike = torch.ones(256 * MiB, dtype=torch.uint8)  # touched: resident
@@ -232,7 +233,7 @@ def test_peak_memory_is_per_window_and_the_run_peak_is_kept():
 
 
 def test_cuda_window_resets_the_allocator_peak(monkeypatch):
-    from latentwire.metrics import GIB, MemoryMeter
+    from latentwire.harness.metrics import GIB, MemoryMeter
 
     stats = {"allocated_bytes.all.current": GIB, "allocated_bytes.all.peak": 5 * GIB,
              "reserved_bytes.all.current": 2 * GIB, "reserved_bytes.all.peak": 6 * GIB, "num_alloc_retries": 1}
@@ -329,7 +330,7 @@ def test_a_checkpoint_missing_a_tensor_is_a_user_error(saved_reader, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from latentwire.errors import UserError
+    from latentwire.harness.errors import UserError
     from latentwire.llm import load_frozen_llm
 
     broken = tmp_path / "broken"

@@ -9,7 +9,7 @@ from conftest import REPO
 
 # What users run: each may import anything below it, and the commands import train.py's step.
 ENTRY_POINTS = {"train", "latentwire.evaluate", "latentwire.plan", "latentwire.find_batch", "latentwire.readers",
-                "latentwire.launch"}
+                "latentwire.harness.launch"}
 # Tools above the library: train.py and the commands use them; the library never does.
 TOOL_PACKAGES = ("latentwire.planner", "latentwire.eval")
 
@@ -59,7 +59,7 @@ def test_the_entry_points_are_the_modules_users_run():
 
 def test_the_graph_is_read_from_every_kind_of_import():
     graph = import_graph()
-    assert "latentwire.config" in graph["train"] and "latentwire.errors" in graph["latentwire.config"]
+    assert "latentwire.config" in graph["train"] and "latentwire.harness.errors" in graph["latentwire.config"]
     assert {"latentwire.planner", "latentwire.eval", "latentwire.llm_sources"} <= graph.keys()
 
 

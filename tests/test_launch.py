@@ -13,7 +13,7 @@ import pytest
 
 from conftest import (FAST, REPO, TWENTY, assert_one_line_error, assert_same_run, child_env, free_port, ok,
                       exit_and_leftovers, read_metrics, wait_for_step)
-from latentwire.checkpoint import list_checkpoints
+from latentwire.harness.checkpoint import list_checkpoints
 
 
 def launch(args, tmp_path, **env):
@@ -88,7 +88,7 @@ SLOW_SAVE = """
 import os
 if "RANK" in os.environ:
     import time
-    from latentwire.checkpoint import Checkpointer
+    from latentwire.harness.checkpoint import Checkpointer
     real = Checkpointer.save
     def slow_save(self, state):
         time.sleep(3)

@@ -9,7 +9,7 @@ from latentwire.data import IGNORE_INDEX, Collator, PromptDataset, synthetic_exa
 from latentwire.llm import LLM_NAMES, FrozenLLM, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, first_targets, forward_loss_sums, kd_sum, llm_term_sums, target_counts
-from latentwire.precision import sdpa_backends
+from latentwire.harness.precision import sdpa_backends
 
 from conftest import distilled_collator
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import FAST, REPO, assert_one_line_error, child_env, ok, run_train
-from latentwire.metrics import GpuMonitor, MemoryMeter
-from latentwire.profiling import MemorySnapshots
+from latentwire.harness.metrics import GpuMonitor, MemoryMeter
+from latentwire.harness.profiling import MemorySnapshots
 
 SHORT = ["--profile", "cpu", *FAST, "--max-steps", "3", "--micro-batch-size", "2", "--grad-accum-steps", "1"]
 
@@ -133,7 +133,7 @@ OOM_AT_STEP_2 = """
 import sys, torch
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
-from latentwire.errors import main_guard
+from latentwire.harness.errors import main_guard
 real, calls = train.forward_loss_sums, [0]
 def oom(*args):
     calls[0] += 1
@@ -149,7 +149,7 @@ OOM_IN = """
 import os, sys, torch
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
-from latentwire.errors import main_guard
+from latentwire.harness.errors import main_guard
 real = train.{name}
 def oom(*args, **kwargs):
     if os.environ.get("RANK", "1") == "1":

@@ -11,7 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 from latentwire.planner.analytic import optimizer_state_bytes, static_memory
 from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
 from latentwire.config import load_config
-from latentwire.errors import UserError, main_guard
+from latentwire.harness.errors import UserError, main_guard
 from latentwire.data import IGNORE_INDEX, Collator, PromptDataset
 from latentwire.planner.elastic import elastic_batch, scaled_lr
 from latentwire.find_batch import Probe
@@ -21,7 +21,7 @@ from latentwire.llm import build_frozen_llm, is_decoder_layer, load_frozen_llm
 from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, fake_llms, planning_batch
 from latentwire.plan import TRAINING_STEP, main as plan_main
 from latentwire.planner.memory_plan import make_plan, planned_rows
-from latentwire.precision import frozen_weight_dtype
+from latentwire.harness.precision import frozen_weight_dtype
 from latentwire.prompting import CHAT_FRAMING_TOKENS, DEFAULT_ANCHOR, PromptFormat
 
 from conftest import assert_one_line_error, distilled_collator, instruct_reader, ok, run_module

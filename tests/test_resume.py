@@ -13,7 +13,7 @@ import torch
 
 from conftest import (REPO, RUN, TWENTY, assert_one_line_error, assert_same_run, child_env, final_weights, ok,
                       exit_and_leftovers, read_metrics, run_train, wait_for_step)
-from latentwire.checkpoint import list_checkpoints, load_checkpoint
+from latentwire.harness.checkpoint import list_checkpoints, load_checkpoint
 from latentwire.config import load_config
 from latentwire.data import synthetic_examples
 
@@ -90,7 +90,7 @@ import os, signal, sys
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import {module} as target
 import train
-from latentwire.errors import main_guard
+from latentwire.harness.errors import main_guard
 real, calls = target.{name}, [0]
 def signalled(*args, **kwargs):
     calls[0] += 1
@@ -174,7 +174,7 @@ def test_a_kill_while_pruning_leaves_every_step_directory_complete(tmp_path, mon
     import shutil
     from pathlib import Path
 
-    from latentwire import checkpoint
+    from latentwire.harness import checkpoint
     files = {"meta.json", "trainable.safetensors", "train_state.pt", "rng_rank0.pt"}
     for step in (1, 2, 3):
         path = checkpoint.checkpoint_dir(tmp_path, step)
@@ -205,7 +205,7 @@ def test_an_old_checkpoint_that_cannot_be_removed_is_a_warning(tmp_path, monkeyp
     import errno
     import os
 
-    from latentwire import checkpoint
+    from latentwire.harness import checkpoint
     for step in (1, 2):
         checkpoint.checkpoint_dir(tmp_path, step).mkdir(parents=True)
 
@@ -247,7 +247,7 @@ def run_with_fault(tmp_path, fault: str, args) -> subprocess.CompletedProcess:
     script = tmp_path / "faulty_train.py"
     script.write_text("\n".join([
         "import sys", f"sys.path.insert(0, {str(REPO)!r}); sys.argv[0] = {str(REPO / 'train.py')!r}",
-        "import train", "from latentwire.errors import main_guard", fault,
+        "import train", "from latentwire.harness.errors import main_guard", fault,
         "main_guard(lambda: train.main(sys.argv[1:]))"]))
     return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=child_env(), capture_output=True,
                           text=True, timeout=300)

@@ -13,9 +13,10 @@ import random
 import torch
 import torch.distributed as dist
 
-from ..data import Collator, PromptDataset, to_device
+from ..data import Collator, PromptDataset
+from ..harness.data import to_device
 from ..model import WireEncoder
-from ..precision import AMP_DTYPES
+from ..harness.precision import AMP_DTYPES
 from .generation import (answer_ids, continuation_nll, decode_answer, greedy_generate, joint_pick, text_prompts,
                          wire_prompts)
 from .report import summarize

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from .budget import GIB, GRAD_BYTES
-from ..precision import AMP_DTYPES
+from ..harness.precision import AMP_DTYPES
 
 GB = 10 ** 9
 STEP_BYTES = 4  # torch keeps an optimizer step count per tensor as an fp32 scalar tensor

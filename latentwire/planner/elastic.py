@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..errors import UserError
+from ..harness.errors import UserError
 from .step import TrainingStep
 
 # An exact split may take up to this many times the fewest micro-steps per optimizer step (its

@@ -32,7 +32,7 @@ from ..distillation import target_width
 from ..llm import FrozenLLM, build_model, freeze, is_decoder_layer
 from ..model import WireEncoder
 from ..objectives import Objectives
-from ..precision import frozen_weight_dtype, sdpa_backends
+from ..harness.precision import frozen_weight_dtype, sdpa_backends
 from .step import TrainingStep
 
 CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from ..objectives import forward_loss_sums, target_counts
-from ..precision import AMP_DTYPES
+from ..harness.precision import AMP_DTYPES
 
 
 @dataclass(frozen=True)

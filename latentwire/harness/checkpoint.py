@@ -1,9 +1,10 @@
 """Checkpoints: `checkpoints/step_<8 digits>/` holds
 
-- `trainable.safetensors`: encoder + adapters, plain tensor names, loadable with safetensors alone;
+- `trainable.safetensors`: the trained weights (the model's state dict), plain tensor names,
+  loadable with safetensors alone;
 - `train_state.pt`: optimizer, LR schedule, grad scaler, data position and step;
 - `rng_rank<R>.pt`: each rank's RNG states (python, numpy, torch, CUDA);
-- `meta.json`: profile, resolved configuration, the model's shape (`wire`, a WireConfig), library versions.
+- `meta.json`: what the caller gives (its settings under "config"), the step, library versions.
 
 A checkpoint is written into a temporary directory, fsynced and renamed, so it is either complete
 or absent: a job killed mid-save never leaves a half checkpoint under a `step_` name.
@@ -46,8 +47,7 @@ def rng_state() -> dict:
 
 
 def versions() -> dict:
-    import transformers
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "numpy": np.__version__}
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "numpy": np.__version__}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -92,7 +92,8 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
         if rank == 0:
             save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
             torch.save(train_state, tmp / TRAIN_STATE)
-            (tmp / META).write_text(json.dumps({**meta, "step": step, "versions": versions()}, indent=2))
+            record = {**meta, "step": step, "versions": {**versions(), **meta.get("versions", {})}}
+            (tmp / META).write_text(json.dumps(record, indent=2))
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - each writer reports a full disk in its own way
@@ -218,18 +219,14 @@ def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
     raise UserError(f"no usable checkpoint to resume from in {where}: {unreadable[0]}{older}")
 
 
-# Settings the restored optimizer and OneCycle schedule carry in their state: a new value given
-# on --resume would be silently overridden by the checkpoint's, while meta.json recorded it.
-RESTORED_SETTINGS = ("max_steps", "lr", "weight_decay", "adam_beta1", "adam_beta2", "pct_start", "div_factor",
-                     "final_div_factor", "anneal_strategy", "precision")  # precision: the grad scaler's state
-
-
-def check_restored_settings(config: dict, saved: dict) -> None:
-    """Refuse, in one line, a resume that changes a setting the checkpoint's state fixes."""
+def check_restored_settings(config: dict, saved: dict, restored: tuple[str, ...]) -> None:
+    """Refuse, in one line, a resume that changes one of the `restored` settings: those the
+    checkpoint's optimizer, schedule and scaler state carry, which would silently override a new
+    value while meta.json recorded it."""
     changed = [f"--{name.replace('_', '-')} {config[name]} (the run's: {saved.get(name)})"
-               for name in RESTORED_SETTINGS if config[name] != saved.get(name)]
+               for name in restored if config[name] != saved.get(name)]
     if changed:
-        raise UserError(f"{', '.join(changed)}: the optimizer and the OneCycle schedule are restored from the "
+        raise UserError(f"{', '.join(changed)}: the optimizer and the learning-rate schedule are restored from the "
                         "checkpoint with the run's values; resume without changing them, or start a new run")
 
 
@@ -263,10 +260,13 @@ class Checkpointer:
     stateful objects, saves them with a TrainState (`save`), and loads them back into the same
     objects (`resume`). Both are collective: every rank calls them."""
 
-    def __init__(self, out_dir: Path, *, rank: int, keep: int, meta: dict, model, optimizer, scheduler, scaler):
-        """`meta` goes into meta.json (the profile and the resolved configuration, Config.to_dict()
-        under "config"); `keep` is how many of the newest checkpoints stay on disk."""
-        self.out_dir, self.rank, self.keep, self.meta = Path(out_dir), rank, keep, meta
+    def __init__(self, out_dir: Path, *, rank: int, keep: int, meta: dict, restored: tuple[str, ...], model,
+                 optimizer, scheduler, scaler):
+        """`meta` goes into meta.json: the run's settings (flat name -> value) under "config", and
+        whatever else the caller records (versions of its own libraries under "versions");
+        `restored` names the settings a resume may not change (check_restored_settings); `keep`
+        is how many of the newest checkpoints stay on disk."""
+        self.out_dir, self.rank, self.keep, self.meta, self.restored = Path(out_dir), rank, keep, meta, restored
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
 
     def save(self, state: TrainState) -> Path:
@@ -284,7 +284,7 @@ class Checkpointer:
         scaler and this process's RNGs; the TrainState is the saved one, layout included."""
         ckpt = load_newest_checkpoint(self.out_dir, self.rank, warn)
         state = ckpt["train_state"]
-        check_restored_settings(self.meta["config"], ckpt["meta"]["config"])
+        check_restored_settings(self.meta["config"], ckpt["meta"]["config"], self.restored)
         check_weights(ckpt["weights"], self.model.state_dict(), ckpt["path"] / WEIGHTS, "the configured model")
         self.model.load_state_dict(ckpt["weights"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -1,9 +1,9 @@
-"""torchrun, ending with the run's own exit code: `python -m latentwire.launch [torchrun flags] train.py [flags]`.
+"""torchrun, ending with the run's own exit code: `python -m PACKAGE.launch [torchrun flags] train.py [flags]`.
 
 Plain torchrun exits 1 whatever its ranks' codes were, prints a bad input's `error:` line once per
 rank, and adds its own traceback. launch.sh runs this module instead: the same torchrun (its flag
 parser and its `run`, in this process), with every rank leaving its outcome, exit code and error
-line, in a directory named by LATENTWIRE_OUTCOME_DIR (`errors.main_guard` writes it). At the end
+line, in a directory named by HARNESS_OUTCOME_DIR (`errors.main_guard` writes it). At the end
 the run's error line is printed once and the run's code is the exit code: the lowest rank's
 non-zero code (2 bad input, 3 diverged, 4 checkpoint write failed, 5 out of memory, 75 preempted);
 else 1 with one line naming what failed (a rank's traceback is above it). Under SLURM each node
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     silence_torchrun()
     pass_stop_signals_to_ranks(args)
-    with tempfile.TemporaryDirectory(prefix="latentwire-outcome-") as directory:
+    with tempfile.TemporaryDirectory(prefix="outcome-") as directory:
         os.environ[OUTCOME_DIR] = directory
         failed = None
         try:

@@ -1,5 +1,6 @@
 """What a logged step reports: throughput, MFU, memory, data stalls; written to the console,
-`metrics.jsonl` and TensorBoard (`tb/`), on rank 0 only. FLOPs come from `latentwire.flops`."""
+`metrics.jsonl` and TensorBoard (`tb/`), on rank 0 only. A step's FLOPs are the caller's count
+(`StepMeter(step_flops=...)`): the harness knows no model."""
 from __future__ import annotations
 
 import json

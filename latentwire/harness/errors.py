@@ -47,8 +47,8 @@ class OutOfMemory(HarnessExit):
 process_group_started = False
 
 
-# Where launch.sh (`latentwire.launch`) waits for every rank's outcome: exit code and error line.
-OUTCOME_DIR = "LATENTWIRE_OUTCOME_DIR"
+# Where the launcher (`harness.launch`) waits for every rank's outcome: exit code and error line.
+OUTCOME_DIR = "HARNESS_OUTCOME_DIR"
 
 
 def record_outcome(code: int, error: str | None) -> bool:
@@ -69,7 +69,7 @@ def record_outcome(code: int, error: str | None) -> bool:
 
 def main_guard(main) -> None:
     """Run `main()`; a HarnessExit becomes `error: ...` on stderr and its exit code. Under
-    launch.sh (`latentwire.launch`) every rank leaves its outcome for the launcher instead, which
+    the launcher (`harness.launch`) every rank leaves its outcome for the launcher instead, which
     prints the error line once."""
     try:
         main()

@@ -67,14 +67,13 @@ def sdpa_backends(capability: tuple[int, int] | None, dtype: torch.dtype) -> tup
     `torch.nn.attention.sdpa_kernel`, and a warning where the math kernel has to be among them.
 
     On CPU every kernel stays allowed (the CPU flash kernel where it applies). On CUDA, flash needs
-    an sm80+ card and bf16/fp16 and takes no mask: the LLMs' causal attention. The memory-efficient
-    kernel runs on any card and dtype, and takes the encoder's padding masks, but in torch 2.13 not
-    grouped-query K/V, which is how the LLMs call SDPA (no mask, enable_gqa). Where flash cannot
-    run, the LLMs' attention needs the math kernel; it is allowed last, with a warning, instead of
-    failing with "no available kernel". Where flash can run, math stays out: a silent fallback to
-    it is an error. cuDNN stays out everywhere on CUDA: torch tries it first on sm90, and it has
-    returned NaN gradients for masked attention (pytorch#196678), which is what the encoder's padded
-    attention is.
+    an sm80+ card and bf16/fp16 and takes no mask: a decoder's causal attention. The memory-efficient
+    kernel runs on any card and dtype, and takes padding masks, but in torch 2.13 not grouped-query
+    K/V, which is how transformers' decoders call SDPA (no mask, enable_gqa). Where flash cannot
+    run, grouped-query attention needs the math kernel; it is allowed last, with a warning, instead
+    of failing with "no available kernel". Where flash can run, math stays out: a silent fallback
+    to it is an error. cuDNN stays out everywhere on CUDA: torch tries it first on sm90, and it has
+    returned NaN gradients for masked attention (pytorch#196678).
     """
     from torch.nn.attention import SDPBackend
 
@@ -84,6 +83,6 @@ def sdpa_backends(capability: tuple[int, int] | None, dtype: torch.dtype) -> tup
         return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], None
     dtype_name = str(dtype).removeprefix("torch.")
     why = (f"attention: flash and cuDNN kernels need an sm80+ card and bf16/fp16, this is sm{capability[0]}"
-           f"{capability[1]} with {dtype_name}; the LLMs' grouped-query attention runs in the math kernel "
-           "(the memory-efficient one has no grouped-query support), the encoder's in the memory-efficient one")
+           f"{capability[1]} with {dtype_name}; grouped-query attention runs in the math kernel (the "
+           "memory-efficient one has no grouped-query support), masked attention in the memory-efficient one")
     return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], why

@@ -1,0 +1,67 @@
+"""Data for a data-parallel loop, whatever the examples are: a sampler that deals each rank a
+disjoint shard and can start an epoch part-way (resume), the DataLoader the loop reads, its global
+batches of accumulated micro-batches, and the copy of a collated batch to the device."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.utils.data import DataLoader
+
+from .preemption import shield_worker_from_stop_signals
+
+
+class ShardSampler(torch.utils.data.DistributedSampler):
+    """DistributedSampler that can start an epoch part-way (resume) without loading what it skips.
+
+    The permutation depends only on (seed, epoch), and rank r takes every world_size-th index of
+    it, so skipping the first `done // world_size` indices on every rank skips exactly the first
+    `done` examples of the epoch in the global order, for any world size.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.skip = 0
+
+    def start_epoch(self, epoch: int, global_examples_done: int = 0) -> None:
+        self.set_epoch(epoch)
+        self.skip = global_examples_done // self.num_replicas
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A collated batch on `device`; non_blocking overlaps the copy with compute from pinned memory."""
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True)
+
+
+def make_loader(dataset, sampler, collate, *, micro_batch_size: int, num_workers: int, prefetch_factor: int,
+                device_type: str, seed: int) -> DataLoader:
+    """Workers tokenise and pad while the model computes; pinned host memory makes the
+    host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a fork of
+    every worker at each epoch. The loader's own generator keeps its worker seeds off the global
+    RNG, so dropout draws do not depend on when an epoch starts. Workers leave the trainer's
+    process group, so a preemption signal to the group cannot kill them before it has saved."""
+    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
+                      num_workers=num_workers, pin_memory=device_type == "cuda", persistent_workers=num_workers > 0,
+                      worker_init_fn=shield_worker_from_stop_signals,
+                      prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, global_batch: int):
+    """Yields (epoch, examples of the epoch done after this step, [accum micro-batches]) forever,
+    starting `examples_done` into `epoch`; a partial group at an epoch's end is dropped."""
+    while True:
+        sampler.start_epoch(epoch, examples_done)  # a new permutation each epoch, the same on every rank
+        it = iter(loader)
+        for _ in range(len(loader) // accum):
+            examples_done += global_batch
+            yield epoch, examples_done, [next(it) for _ in range(accum)]
+        epoch, examples_done = epoch + 1, 0
