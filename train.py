@@ -50,7 +50,7 @@ from latentwire.harness.profiling import HISTORY_ENTRIES, MemorySnapshots, NoPro
 from latentwire.llm import (build_frozen_llms, decoder_layers, describe_prompts, fsdp_units, held_per_rank,
                             is_decoder_layer, read_weights, skip_unused_backward_gathers)
 from latentwire.model import WireEncoder, count_parameters
-from latentwire.objectives import Objectives, forward_loss_sums, target_counts
+from latentwire.objectives import WireTask, forward_loss_sums
 from latentwire.planner.elastic import apply_elastic_batch
 from latentwire.planner.step import TrainingStep
 
@@ -82,7 +82,7 @@ def train(cfg, di) -> None:
     # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads. Nothing on
     # disk changes until every input (models, batch sizes, a checkpoint to resume) has passed.
     check_out_dir(out_dir, cfg.run)
-    compile_cache = inductor_cache_dir(cfg.compile.cache)
+    compile_cache = inductor_cache_dir(cfg.compile.cache, app="latentwire")
     if cfg.compile.enabled:
         check_can_create(compile_cache, "compile_cache")
     # What the data is, said up front: the answers the prompt's cut hides from the encoder (they
@@ -103,7 +103,7 @@ def train(cfg, di) -> None:
     # global batch; only when no exact split fills the card well does the global batch change,
     # and the lr with it by the profile's lr_scaling rule.
     if cfg.planning.elastic_batch:
-        cfg, why = apply_elastic_batch(cfg, world, TrainingStep(adamw, train_step))
+        cfg, why = apply_elastic_batch(cfg, world, TrainingStep(adamw, train_step, prepare_frozen_llms))
         if di.is_main:
             print(why, flush=True)
     steps, micro, accum = cfg.training.max_steps, cfg.training.micro_batch_size, cfg.training.grad_accum_steps
@@ -142,21 +142,12 @@ def train(cfg, di) -> None:
     if why and di.is_main:
         print(f"note: {why}", file=sys.stderr, flush=True)
 
-    # --- Frozen LLMs: built on the meta device, wrapped, compiled, sharded, then read ---------
+    # --- Frozen LLMs: built on the meta device, then wrapped, compiled, sharded and read -------
     # Stored in the autocast dtype: no gradients and no optimizer state means no fp32 master copy
     # (bf16 weights take 16 GB instead of 32 GB for an 8B model). On the meta device a model is
-    # shapes without memory, so each step below costs nothing until to_empty allocates what this
-    # rank holds; torchtitan's order:
-    # - activation checkpointing: gradients flow through the frozen layers to the wire, so their
-    #   activations would be kept for backward; each decoder layer is recomputed instead (one
-    #   more forward). Wrapped before compile, so the recompute is planned inside the layer's graph.
-    # - torch.compile, one decoder layer at a time (see the trainable model's compile below).
-    # - FSDP2 (--frozen-sharding fsdp): replicated, every rank holds both LLMs whole (31 GB for
-    #   8B + 7B in bf16, 287 GB for 70B + 72B); sharded, 1/world of every weight, a decoder layer
-    #   all-gathered only while it runs, for its forward and again for its backward. No gradients,
-    #   so no reduce-scatter. compile and fully_shard commute: module.compile() compiles the
-    #   module's call, whose hooks are looked up as it runs, and FSDP2's hooks run outside dynamo.
-    # - to_empty, then each tensor, or this rank's rows of it, read from the checkpoint's memory map.
+    # shapes without memory, so wrapping costs nothing until to_empty allocates what this rank
+    # holds. prepare_frozen_llms (below) applies activation checkpointing, compile and FSDP2 in
+    # one order, the one the planner, find_batch and evaluation use too.
     shard_frozen = cfg.frozen.sharding == "fsdp" and di.is_distributed
     if cfg.frozen.sharding == "fsdp" and not shard_frozen and di.is_main:
         print("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
@@ -166,20 +157,9 @@ def train(cfg, di) -> None:
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     if di.is_main:  # what each reader reads around the wire: its chat template, or the bare anchor
         print(f"prompt: {describe_prompts(llms)}", flush=True)
-    for llm in llms.values():
-        if cfg.frozen.activation_checkpointing:  # non-reentrant: takes frozen weights, keyword arguments, compile
-            apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                           check_fn=is_decoder_layer(llm))
-        if cfg.compile.enabled:
-            for layer in decoder_layers(llm):
-                layer.compile(mode=cfg.compile.mode, dynamic=True)
-        if shard_frozen:
-            for unit in fsdp_units(llm):  # each decoder layer, the embedding table, the norm with the head
-                fully_shard(unit, mesh=mesh)
-            fully_shard(llm.model, mesh=mesh)  # the root, which then holds nothing
-            skip_unused_backward_gathers(llm)
-        llm.model.to_empty(device=device)
-        read_weights(llm)
+    compile_options = {"mode": cfg.compile.mode, "dynamic": True} if cfg.compile.enabled else None
+    prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=compile_options,
+                        mesh=mesh, device=device)
 
     # --- Trainable model: the byte encoder and one adapter per LLM ----------------------------
     model = WireEncoder.for_llms(cfg.wire, llms).to(device)
@@ -201,8 +181,14 @@ def train(cfg, di) -> None:
         if di.is_main:
             print(f"compile: mode {cfg.compile.mode}, cache {compile_cache}", flush=True)
         for region in wire_regions(model):
-            region.compile(mode=cfg.compile.mode, dynamic=True)
+            region.compile(**compile_options)
         forward = stable_shapes()(forward_loss_sums)
+
+    # --- The step's one seam to the model --------------------------------------------------------
+    # What the loop asks of LatentWire about a micro-batch (its loss terms' counts and sums, the
+    # scalar to backpropagate, its tokens, its logged values) goes through this one object: the
+    # step and the loop below name nothing of the model.
+    task = WireTask(llms, cfg.objectives, cfg.wire.num_latents, forward)
 
     # --- DDP over the trainable part only ------------------------------------------------------
     # The frozen LLMs are neither broadcast nor bucketed. The model's only buffers are constants
@@ -334,22 +320,22 @@ def train(cfg, di) -> None:
             # however it is split. The counts are made and summed on the device: no host sync. The
             # stop flag rides along in the same all-reduce: no extra collective, and every rank
             # learns of a signal any rank received.
-            counts = torch.stack([target_counts(b, objectives) for b in micro_batches]).sum(0)
-            counts = all_reduce_sum(torch.cat([counts.flatten(), torch.full((1,), int(stop.raised), device=device)]))
-            n_targets = counts[:-1].view(len(llms), len(objectives.terms)).float()
+            counts = torch.stack([task.counts(b) for b in micro_batches]).sum(0)
+            reduced = all_reduce_sum(torch.cat([counts.flatten(), torch.full((1,), int(stop.raised), device=device)]))
+            n_targets = reduced[:-1].view_as(counts).float()
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
             step_terms, grad_norm = train_step(
-                ddp_model, llms, micro_batches, n_targets=n_targets, objectives=objectives, forward=forward,
-                amp_dtype=amp_dtype, attention_backends=attention_backends, scaler=scaler, optimizer=optimizer,
+                ddp_model, task, micro_batches, n_targets=n_targets, amp_dtype=amp_dtype,
+                attention_backends=attention_backends, scaler=scaler, optimizer=optimizer,
                 max_grad_norm=cfg.training.max_grad_norm, world_size=world,
                 no_sync=ddp_model.no_sync if di.is_distributed else nullcontext)
 
             # --- The step's one host sync ------------------------------------------------
             # Read together: whether the gradient is finite, whether any rank was signalled, and
-            # the global answer-token count for the throughput. The norm is global (after DDP's
+            # the global token count for the throughput. The norm is global (after DDP's
             # all-reduce), so every rank decides alike; a NaN loss on any rank makes it NaN.
-            finite, stop_requested, answer_tokens = torch.stack(
-                [torch.isfinite(grad_norm).long(), counts[-1], n_targets[:, 0].sum().long()]).tolist()
+            finite, stop_requested, tokens = torch.stack(
+                [torch.isfinite(grad_norm).long(), reduced[-1], task.tokens(n_targets, global_batch)]).tolist()
 
             # --- Non-finite steps are skipped, counted, and stop the run if they persist --
             # With fp16 the GradScaler skips the update itself and lowers its scale.
@@ -369,8 +355,7 @@ def train(cfg, di) -> None:
                                            f"{nonfinite_hint(cfg.numerics.precision)}")
                 break
 
-            meter.add(micro_batches, samples=global_batch, data_wait=data_wait,
-                      tokens=answer_tokens + cfg.wire.num_latents * len(llms) * global_batch)
+            meter.add(micro_batches, samples=global_batch, data_wait=data_wait, tokens=tokens)
 
             # --- Periodic evaluation on the held-out split ---------------------------------
             # Every rank answers its share of the split and the results are gathered, so all ranks
@@ -386,7 +371,7 @@ def train(cfg, di) -> None:
             # --- Logging: the loss of the whole global batch, not the last micro-batch ---
             if state.step == 1 or state.step % cfg.output.log_every == 0 or state.step == steps or eval_due:
                 record = {"step": state.step, "time": time.time(), "epoch": state.epoch,
-                          **loss_record(all_reduce_sum(step_terms), objectives, list(llms)),
+                          **task.record(all_reduce_sum(step_terms)),
                           "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **meter.read()}
                 if eval_due:
                     # Evaluation's eval-mode, padded, KV-cached calls would recompile every region.
@@ -437,13 +422,50 @@ def adamw(model: torch.nn.Module, config: OptimizerConfig, device_type: str) -> 
                              fused=device_type == "cuda")
 
 
-def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch.Tensor, objectives: Objectives,
-               forward, amp_dtype: torch.dtype | None, attention_backends: list, scaler, optimizer, max_grad_norm: float,
-               world_size: int, no_sync) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward over one optimizer step's micro-batches, then clipping. Returns each
-    LLM's loss terms over `n_targets` (their counts in the whole global batch, [LLMs, terms]) and
-    the pre-clip gradient norm; the update is the caller's, once it has read whether the norm is
-    finite. The memory plan and find_batch trace and measure this same function."""
+def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dict | None, mesh, device) -> None:
+    """The frozen LLMs' wrappers, in one place and one order (torchtitan's), for everything that
+    builds them: training, the memory plan, find_batch, evaluation and the compile bench, so what is
+    planned and measured is what trains. Each LLM, built on the meta device (the planner's under
+    FakeTensorMode), is wrapped for activation checkpointing if `checkpointing`, its decoder layers
+    compiled with `compile_options` (torch.compile's arguments; None: eager), sharded over `mesh`
+    (None: whole), and allocated on `device` and read (None: left as built, the planner's fakes)."""
+    for llm in llms.values():
+        # --- Activation checkpointing: gradients flow through the frozen layers to the wire, so
+        # their activations would be kept for backward; each decoder layer is recomputed instead
+        # (one more forward). Non-reentrant: takes frozen weights, keyword arguments and compile.
+        # Wrapped before compile, so the recompute is planned inside the layer's graph.
+        if checkpointing:
+            apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                           check_fn=is_decoder_layer(llm))
+        # --- torch.compile, one decoder layer at a time (see the trainable model's compile block)
+        if compile_options is not None:
+            for layer in decoder_layers(llm):
+                layer.compile(**compile_options)
+        # --- FSDP2 (--frozen-sharding fsdp): replicated, every rank holds both LLMs whole (31 GB
+        # for 8B + 7B in bf16, 287 GB for 70B + 72B); sharded, 1/world of every weight, a decoder
+        # layer all-gathered only while it runs, for its forward and again for its backward. No
+        # gradients, so no reduce-scatter. compile and fully_shard commute: module.compile()
+        # compiles the module's call, whose hooks are looked up as it runs, and FSDP2's hooks run
+        # outside dynamo.
+        if mesh is not None:
+            for unit in fsdp_units(llm):  # each decoder layer, the embedding table, the norm with the head
+                fully_shard(unit, mesh=mesh)
+            fully_shard(llm.model, mesh=mesh)  # the root, which then holds nothing
+            skip_unused_backward_gathers(llm)
+        # --- to_empty, then each tensor, or this rank's rows of it, read from the checkpoint's
+        # memory map.
+        if device is not None:
+            llm.model.to_empty(device=device)
+            read_weights(llm)
+
+
+def train_step(model, task, micro_batches: list[dict], *, n_targets: torch.Tensor, amp_dtype: torch.dtype | None,
+               attention_backends: list, scaler, optimizer, max_grad_norm: float, world_size: int,
+               no_sync) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over one optimizer step's micro-batches, then clipping. Returns the
+    loss terms over `n_targets` (the task's counts in the whole global batch) and the pre-clip
+    gradient norm; the update is the caller's, once it has read whether the norm is finite. The
+    memory plan and find_batch trace and measure this same function."""
     step_terms = torch.zeros_like(n_targets)
     # --- Attention in the SDPA kernels the card allows (see the fused attention block) -------
     # Around backward too: activation checkpointing recomputes each frozen layer there, and a
@@ -453,16 +475,8 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
         for i, batch in enumerate(micro_batches):
             # --- One gradient all-reduce per optimizer step: no_sync on all but the last -----
             with nullcontext() if i == len(micro_batches) - 1 else no_sync():
-                # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss
-                # in fp32 (checkpointing's recompute restores the forward's autocast itself) ---
-                with torch.autocast(batch["bytes"].device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    sums = forward(model, llms, batch, objectives)
-                # --- Objectives: the answer's cross-entropy, plus the weighted terms that are on
-                # The KD term's teacher targets came with the batch (see the distillation block).
-                # DDP averages gradients over ranks, hence the factor world_size (see the counts).
-                terms = sums / n_targets
-                scaler.scale(objectives.weighted_sum(terms).mean() * world_size).backward()
-            step_terms += terms.detach()
+                step_terms += micro_step(model, task, batch, n_targets=n_targets, amp_dtype=amp_dtype, scaler=scaler,
+                                         world_size=world_size)
 
     # --- Gradient clipping (the logged norm is the pre-clip norm) ----------------------------
     scaler.unscale_(optimizer)
@@ -470,14 +484,19 @@ def train_step(model, llms: dict, micro_batches: list[dict], *, n_targets: torch
     return step_terms, grad_norm
 
 
-def loss_record(terms: torch.Tensor, objectives: Objectives, names: list[str]) -> dict:
-    """The logged losses of a step from its [LLMs, terms] values: `loss` (the objective, averaged
-    over the LLMs), `loss_<llm>` (its weighted sum of terms) and each term per LLM."""
-    weighted = torch.cat([terms, objectives.weighted_sum(terms)[:, None]], dim=1)
-    rows = weighted.tolist()  # one read from the device
-    per_llm = [row[-1] for row in rows]
-    return {"loss": sum(per_llm) / len(per_llm), **{f"loss_{n}": v for n, v in zip(names, per_llm)},
-            **{f"{term}_{n}": row[j] for n, row in zip(names, rows) for j, term in enumerate(objectives.terms)}}
+def micro_step(model, task, batch: dict, *, n_targets: torch.Tensor, amp_dtype: torch.dtype | None, scaler,
+               world_size: int) -> torch.Tensor:
+    """One micro-batch's forward and backward (the body a CUDA graph would capture): its loss
+    terms over the global counts, detached."""
+    # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32
+    # (checkpointing's recompute restores the forward's autocast itself) ---------------------
+    with torch.autocast(n_targets.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        sums = task.loss_sums(model, batch)
+    # --- Objectives: each term over its count in the whole global batch (see the counts) ----
+    # DDP averages gradients over ranks, hence the factor world_size.
+    terms = sums / n_targets
+    scaler.scale(task.objective(terms) * world_size).backward()
+    return terms.detach()
 
 
 def check_out_dir(out_dir: Path, run) -> None:

@@ -26,7 +26,7 @@ import train  # noqa: E402
 from latentwire.config import load_config  # noqa: E402
 from latentwire.data import Collator, DataSources, PromptDataset  # noqa: E402
 from latentwire.harness.data import ShardSampler, make_loader as harness_loader  # noqa: E402
-from latentwire.llm import load_frozen_llms  # noqa: E402
+from latentwire.llm import build_frozen_llms  # noqa: E402
 from latentwire.model import WireEncoder  # noqa: E402
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts  # noqa: E402
 from latentwire.harness.precision import frozen_weight_dtype  # noqa: E402
@@ -76,9 +76,13 @@ def cpu_config(*overrides):
 # --- model, data and the bare step ------------------------------------------------------------
 
 def build_model(cfg) -> tuple[dict, WireEncoder]:
-    """The two frozen LLMs and the trainable WireEncoder, built as train.py builds them."""
+    """The two frozen LLMs and the trainable WireEncoder, built and wrapped as train.py builds them
+    (eager: a bench compiles what it compares itself)."""
     torch.manual_seed(cfg.training.seed)
-    llms = load_frozen_llms(cfg.frozen, frozen_weight_dtype(cfg.numerics.precision), CPU)
+    with torch.device("meta"):
+        llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
+    train.prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
+                              device=CPU)
     model = WireEncoder.for_llms(cfg.wire, llms)
     return llms, model.train()
 

@@ -4,7 +4,7 @@ Two ways to torch.compile train.py's step, same shape settings (`latentwire.comp
 dynamic sizes, no duck sizing, constant floats) and the same compile mode:
 - whole:    torch.compile(forward_loss_sums): one graph, every decoder layer of both LLMs unrolled
             in it (how train.py compiled before);
-- regional: train.py's compile blocks, over `latentwire.compiling.step_regions`: each decoder
+- regional: train.py's compile blocks (`prepare_frozen_llms` and `wire_regions`): each decoder
             layer (inside its activation checkpointing wrapper), each byte-encoder block and the
             pooler compiled on their own; the layers of one LLM share one graph.
 Each runs in a fresh process with an empty inductor cache directory, so neither finds graphs or
@@ -44,15 +44,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from common import (REPO, build_model, child_env, forward_backward, make_loader, median, parse_settings, summary,
                     take)
-from latentwire.compiling import step_regions
+import train  # found through the repository path that common puts on sys.path
+from latentwire.compiling import wire_regions
 from latentwire.harness.compiling import stable_shapes
 from latentwire.config import load_config
 from latentwire.known_llms import LLAMA_3_1_8B, QWEN_2_5_7B
-from latentwire.llm import is_decoder_layer
 from latentwire.objectives import forward_loss_sums
 
 VARIANTS = ("whole", "regional")
@@ -116,8 +115,11 @@ def whole_step(mode: str, backend: str):
 
 
 def regional_step(model, llms: dict, mode: str, backend: str):
-    """train.py's compile block: each of the step's regions compiled on its own."""
-    for region in step_regions(model, llms):
+    """train.py's compile blocks: each of the step's regions compiled on its own, the decoder layers
+    by train.py's own prepare_frozen_llms."""
+    train.prepare_frozen_llms(llms, checkpointing=False, compile_options=compile_kwargs(mode, backend), mesh=None,
+                              device=None)
+    for region in wire_regions(model):
         region.compile(**compile_kwargs(mode, backend))
     return stable_shapes()(forward_loss_sums)
 
@@ -147,9 +149,6 @@ def run_variant(variant: str, args, s: Settings, backend: str) -> dict:
         cfg = bench_config(args, s, Path(tmp))
         t = time.perf_counter()
         llms, model = build_model(cfg)
-        if cfg.frozen.activation_checkpointing:
-            for llm in llms.values():
-                apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
         batches = take(make_loader(cfg, llms), s.batches)
         print(f"[{variant}] built in {time.perf_counter() - t:.0f} s; prompt widths "
               f"{sorted({b['bytes'].shape[1] for b in batches})}, micro-batch {s.micro_batch_size}, "

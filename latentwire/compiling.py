@@ -17,9 +17,8 @@ Recompile limit. Dynamo keeps one cache of compiled variants per code object, an
 layer of both LLMs enters it through the same one, `CheckpointWrapper.forward`; a variant past
 `recompile_limit` entries runs eagerly, with only a log line. See `DECODER_LAYER_VARIANTS`.
 
-train.py does the compiling itself: `region.compile(mode=..., dynamic=True)` for each decoder layer and
-each of `wire_regions`; `step_regions` lists them all (tests and bench/compile.py compile them at
-once).
+train.py does the compiling itself: `layer.compile(mode=..., dynamic=True)` for each decoder layer
+(in `prepare_frozen_llms`) and for each of `wire_regions`.
 
 Compiled regions serve training calls only. Evaluation (eval mode, no_grad, padded attention, a
 KV cache) would recompile every region, so it runs under torch.compiler.set_stance("force_eager").
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from .llm import decoder_layers
 
 
 # Variants of CheckpointWrapper.forward the step compiles: 2 LLMs (layer classes and widths differ)
@@ -44,10 +42,3 @@ def wire_regions(wire_encoder: nn.Module) -> list[nn.Module]:
     rounds, one graph). In-place compilation keeps parameter names (no `_orig_mod.`), so
     checkpoints do not notice."""
     return [*wire_encoder.encoder.blocks, wire_encoder.pooler]
-
-
-def step_regions(wire_encoder: nn.Module, llms: dict) -> list[nn.Module]:
-    """Every region train.py compiles, each on its own and in place (`module.compile`): the wire's
-    and each decoder layer of each frozen LLM, which activation checkpointing must have wrapped
-    first, so the recompute is planned inside the graph."""
-    return [*wire_regions(wire_encoder), *(layer for llm in llms.values() for layer in decoder_layers(llm))]

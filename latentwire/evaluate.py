@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+
+import train
 
 from .harness.checkpoint import META, WEIGHTS, check_weights, list_checkpoints
 from .config import FIELDS, SCHEMA, Config, RunFlags
@@ -48,7 +49,7 @@ from .harness.errors import UserError, main_guard
 from .eval.evaluation import evaluate_examples
 from .eval.report import build_report, markdown, write_report
 from .eval.settings import EvalSettings
-from .llm import build_frozen_llms, fsdp_units, held_per_rank, read_weights
+from .llm import build_frozen_llms, held_per_rank
 from .model import WireEncoder
 from .harness.precision import frozen_weight_dtype
 
@@ -149,19 +150,13 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
     check_can_create(out_dir, "output directory")
     examples = sources.held_out_examples(args.eval_examples, dataset)
-    # Built, sharded and read as train.py does; no backward here, so nothing to wrap or compile.
+    # Built, sharded and read as train.py does; no backward here, so no checkpointing, and eager.
     # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
     mesh = init_device_mesh(di.device.type, (di.world_size,)) if sharded else None
-    for llm in llms.values():
-        if sharded:
-            for unit in fsdp_units(llm):
-                fully_shard(unit, mesh=mesh)
-            fully_shard(llm.model, mesh=mesh)
-        llm.model.to_empty(device=di.device)
-        read_weights(llm)
+    train.prepare_frozen_llms(llms, checkpointing=False, compile_options=None, mesh=mesh, device=di.device)
     if sharded and di.is_main:
         print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr, flush=True)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)

@@ -42,13 +42,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from .config import load_config
 from .harness.config import Parser, check_can_create, positive
 from .harness.errors import UserError, main_guard
 from .harness.distributed import process_group
-from .llm import is_decoder_layer, load_frozen_llms
+from .llm import build_frozen_llms
 from .model import WireEncoder
 from .plan import TRAINING_STEP, write_json
 from .planner.budget import GIB, Fit, fit_line
@@ -286,10 +285,11 @@ def find(cfg, args, di) -> None:
     check_can_create(json_path.parent, "output directory")
     check_can_create(tb_dir, "TensorBoard directory")
     cap = round((args.cap_gb or cfg.planning.target_util * cfg.card.memory_gb) * GIB)
-    llms = load_frozen_llms(cfg.frozen, frozen_weight_dtype(cfg.numerics.precision), di.device)
-    if cfg.frozen.activation_checkpointing:
-        for llm in llms.values():
-            apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
+    # Built and wrapped as train.py builds them: the run's prompt contract, its checkpointing.
+    with torch.device("meta"):
+        llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
+    TRAINING_STEP.prepare_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
+                               device=di.device)
     probe = Probe(cfg, llms, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)
     say(f"find_batch {cfg.run.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "

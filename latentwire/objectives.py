@@ -121,3 +121,44 @@ def forward_loss_sums(wire_encoder: nn.Module, llms: dict, batch: dict, objectiv
         logits = llm.answer_logits(soft[name], rows["lead_ids"], rows["input_ids"])
         sums.append(llm_term_sums(logits, rows, objectives))
     return torch.stack(sums)
+
+
+class WireTask:
+    """The training step's one seam to LatentWire: what the loop asks of the model about a
+    micro-batch, as tensors on its device (no host sync). Another model's loop replaces this
+    object, not the step.
+
+    - `counts(batch)`: [LLMs, terms] what each loss term sums over; summed over the global batch,
+      the term's normaliser (exact accumulation);
+    - `loss_sums(model, batch)`: [LLMs, terms] the terms' sums, the forward pass;
+    - `objective(terms)`: the scalar backward starts from, from the terms over their global counts;
+    - `tokens(counts, samples)`: the tokens a step of `samples` examples fed the LLMs, for throughput;
+    - `record(terms)`: the logged losses.
+    """
+
+    def __init__(self, llms: dict, objectives: Objectives, num_latents: int, forward=forward_loss_sums):
+        """`forward`: forward_loss_sums, or the same compiled (train.py's compile block)."""
+        self.llms, self.objectives, self.num_latents, self.forward = llms, objectives, num_latents, forward
+
+    def counts(self, batch: dict) -> torch.Tensor:
+        return target_counts(batch, self.objectives)
+
+    def loss_sums(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        return self.forward(model, self.llms, batch, self.objectives)
+
+    def objective(self, terms: torch.Tensor) -> torch.Tensor:
+        """Each LLM's weighted sum of terms, averaged over the LLMs."""
+        return self.objectives.weighted_sum(terms).mean()
+
+    def tokens(self, counts: torch.Tensor, samples: int) -> torch.Tensor:
+        """The answer tokens (answer_ce's targets) and every example's wire tokens, per LLM."""
+        return counts[:, 0].sum().long() + self.num_latents * len(self.llms) * samples
+
+    def record(self, terms: torch.Tensor) -> dict:
+        """`loss` (the objective, averaged over the LLMs), `loss_<llm>` (its weighted sum of terms)
+        and each term per LLM, from the step's [LLMs, terms] values in one read from the device."""
+        weighted = torch.cat([terms, self.objectives.weighted_sum(terms)[:, None]], dim=1)
+        rows = weighted.tolist()
+        per_llm = [row[-1] for row in rows]
+        return {"loss": sum(per_llm) / len(per_llm), **{f"loss_{n}": v for n, v in zip(self.llms, per_llm)},
+                **{f"{term}_{n}": row[j] for n, row in zip(self.llms, rows) for j, term in enumerate(self.objectives.terms)}}

@@ -3,20 +3,22 @@
 On the cpu profile's tiny LLMs with activation checkpointing on, as the GPU profiles run them.
 The backend is aot_eager: dynamo's graphs and guards and AOTAutograd's forward/backward split,
 exactly what inductor is handed, without inductor's minutes of C++ compiling. train.py's
-`--compile true` run (tests/test_train.py::test_compiled_loss_equals_eager) goes through inductor.
+`--compile true` run (tests/test_train.py::test_compiled_loss_equals_eager_under_ddp_with_checkpointing)
+goes through inductor.
 """
 import random
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, apply_activation_checkpointing
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from conftest import ALL_TERMS
-from latentwire.compiling import DECODER_LAYER_VARIANTS, step_regions
+import train
+from latentwire.compiling import DECODER_LAYER_VARIANTS, wire_regions
 from latentwire.harness.compiling import stable_shapes
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
-from latentwire.llm import is_decoder_layer, load_frozen_llms
+from latentwire.llm import build_frozen_llms
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
 
@@ -33,9 +35,9 @@ def graphs() -> int:
 
 def build():
     cfg = load_config(["--profile", "cpu", "--dropout", "0"])
-    llms = load_frozen_llms(cfg.frozen, torch.float32, CPU)
-    for llm in llms.values():
-        apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
+    with torch.device("meta"):
+        llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.float32)
+    train.prepare_frozen_llms(llms, checkpointing=True, compile_options=None, mesh=None, device=CPU)
     torch.manual_seed(0)
     model = WireEncoder.for_llms(cfg.wire, llms)
     return cfg, model, llms
@@ -84,9 +86,11 @@ def widths(n: int = 20) -> list[tuple[int, dict]]:
 
 
 def compile_as_train_py(model, llms):
-    """train.py's compile block, with the test backend in place of inductor and the profile's mode."""
-    for region in step_regions(model, llms):
-        region.compile(backend=BACKEND, dynamic=True)
+    """train.py's compile blocks, with the test backend in place of inductor."""
+    options = {"backend": BACKEND, "dynamic": True}
+    train.prepare_frozen_llms(llms, checkpointing=False, compile_options=options, mesh=None, device=None)
+    for region in wire_regions(model):
+        region.compile(**options)
     return stable_shapes()(forward_loss_sums)
 
 
@@ -192,12 +196,12 @@ def test_decoder_layer_variants_compile_within_the_recompile_limit(compiled_run)
 def test_regions_are_the_checkpointed_decoder_layers_and_the_encoder_blocks():
     cfg, model, llms = build()
     names = list(model.state_dict())
-    regions = step_regions(model, llms)
-    for region in regions:
-        region.compile(backend=BACKEND, dynamic=True)
+    compile_as_train_py(model, llms)
     decoder_layers = [layer for llm in llms.values() for layer in llm.model.get_decoder().layers]
     assert all(isinstance(layer, CheckpointWrapper) for layer in decoder_layers)  # compiled with its recompute
-    assert regions == [*model.encoder.blocks, model.pooler, *decoder_layers]
+    compiled = [m for m in [*model.modules(), *(m for llm in llms.values() for m in llm.model.modules())]
+                if getattr(m, "_compiled_call_impl", None) is not None]
+    assert compiled == [*model.encoder.blocks, model.pooler, *decoder_layers]
     assert list(model.state_dict()) == names  # checkpoints keep their tensor names
 
 
@@ -220,9 +224,9 @@ def test_the_compile_cache_outlives_tmp(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert inductor_cache_dir("") == tmp_path / "home" / ".cache" / "latentwire" / "inductor"
+    assert inductor_cache_dir("", "latentwire") == tmp_path / "home" / ".cache" / "latentwire" / "inductor"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert inductor_cache_dir("") == tmp_path / "xdg" / "latentwire" / "inductor"
+    assert inductor_cache_dir("", "latentwire") == tmp_path / "xdg" / "latentwire" / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert inductor_cache_dir("") == tmp_path / "mine"
-    assert inductor_cache_dir(str(tmp_path / "asked")) == tmp_path / "asked"
+    assert inductor_cache_dir("", "latentwire") == tmp_path / "mine"
+    assert inductor_cache_dir(str(tmp_path / "asked"), "latentwire") == tmp_path / "asked"

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from conftest import FAST, SMALL_LLAMA, assert_one_line_error, ok, read_metrics, run_train
 from latentwire.harness.errors import UserError
@@ -254,31 +253,9 @@ def test_cuda_window_resets_the_allocator_peak(monkeypatch):
 
 # --- host syncs per step ----------------------------------------------------------------------
 
-class HostReads(TorchFunctionMode):
-    """Counts the calls that read a tensor's value on the host: on CUDA each is a sync. Calls made
-    by the DataLoader (host tensors by design) and by the optimizer (on CUDA it is fused and reads
-    nothing; on CPU its step counters are host tensors) are left out."""
-
-    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS and not self._host_side():
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-    @staticmethod
-    def _host_side() -> bool:
-        import traceback
-        return any(("torch/utils/data" in f.filename or "torch/optim" in f.filename)
-                   for f in traceback.extract_stack())
-
-
 def host_reads(tmp_path, steps: int) -> int:
     import train
+    from latentwire.harness.host_syncs import HostReads
 
     args = ["--profile", "cpu", *FAST, "--log-every", "1000", "--micro-batch-size", "2", "--grad-accum-steps", "2",
             "--max-steps", str(steps), "--out-dir", str(tmp_path / f"steps{steps}")]
@@ -404,24 +381,21 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     checkpointing raised CheckpointError. On CPU the same happens with the math kernel alone in the
     forward and the flash kernel, the CPU's first choice, in the recompute. Through train_step with
     one kernel allowed, the gradients equal those of the step without recompute."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from torch.nn.attention import SDPBackend
 
-    import train
     from latentwire.config import load_config
-    from latentwire.llm import is_decoder_layer, load_frozen_llms
+    from latentwire.llm import build_frozen_llms
     from latentwire.model import WireEncoder
+    from latentwire.plan import TRAINING_STEP
     from latentwire.planner.memtrace import planning_batch
-    from latentwire.planner.step import TrainingStep
 
     cfg = load_config(["--profile", "cpu", "--precision", "fp32", "--dropout", "0", "--kd-weight", "0",
                        "--max-prompt-bytes", "64"])
     grads = []
     for recompute in (False, True):
-        llms = load_frozen_llms(cfg.frozen, torch.float32, CPU)
-        if recompute:
-            for llm in llms.values():
-                apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
+        with torch.device("meta"):
+            llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.float32)
+        TRAINING_STEP.prepare_llms(llms, checkpointing=recompute, compile_options=None, mesh=None, device=CPU)
         torch.manual_seed(0)
         model = WireEncoder.for_llms(cfg.wire, llms)
         answers = {n: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)
@@ -429,6 +403,6 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
         batch = planning_batch(cfg.data, cfg.objectives, answers, 2, CPU, cfg.wire.word_patch)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the step's gradients, kept by zero_grad below
         optimizer.zero_grad = lambda set_to_none=True: None
-        TrainingStep(train.adamw, train.train_step).run(cfg, model, llms, optimizer, batch, [SDPBackend.MATH])
+        TRAINING_STEP.run(cfg, model, llms, optimizer, batch, [SDPBackend.MATH])
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -1,11 +1,17 @@
 """The package's shape, read from its imports (every one: top-level, inside functions, under
 TYPE_CHECKING): no module reaches itself again through its imports, and the arrows run one way,
 from the entry points (train.py and the `python -m` commands) through the tools (the memory
-planner, the evaluation) to the library, never back."""
+planner, the evaluation) to the library, never back; and the harness under it all stands alone."""
 import ast
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import REPO
+import pytest
+
+from conftest import REPO, child_env, ok
 
 # What users run: each may import anything below it, and the commands import train.py's step.
 ENTRY_POINTS = {"train", "latentwire.evaluate", "latentwire.plan", "latentwire.find_batch", "latentwire.readers",
@@ -20,7 +26,9 @@ def module_name(path: Path) -> str:
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in [REPO / "train.py", *sorted((REPO / "latentwire").rglob("*.py"))]}
+    """train.py and the package, without the harness's own tests (its toy loop imports `harness`)."""
+    package = [p for p in sorted((REPO / "latentwire").rglob("*.py")) if "tests" not in p.relative_to(REPO).parts]
+    return {module_name(p): p for p in [REPO / "train.py", *package]}
 
 
 def imported(name: str, path: Path, known: set[str]) -> set[str]:
@@ -91,3 +99,48 @@ def test_the_library_imports_no_tool_and_no_tool_an_entry_point():
             if target in ENTRY_POINTS or (is_tool(target) and not is_tool(name)):
                 wrong.append(f"{name} -> {target}")
     assert not wrong, wrong
+
+
+HARNESS = REPO / "latentwire" / "harness"
+# Words for what the harness must not know of: LatentWire's parts.
+PROJECT_WORDS = re.compile(r"\b(llms?|llama|qwen|latentwire|wire|latents?|adapters?|readers?|prompts?|teacher|"
+                           r"encoder|soft tokens?)\b", re.IGNORECASE)
+
+
+def harness_files() -> list[Path]:
+    return sorted(p for p in HARNESS.rglob("*") if p.suffix in (".py", ".json"))
+
+
+def test_the_harness_imports_nothing_of_the_project():
+    """Its modules import each other relatively, its toy loop imports `harness`: a folder that
+    copies alone."""
+    wrong = []
+    for path in harness_files():
+        if path.suffix != ".py":
+            continue
+        depth = len(path.relative_to(HARNESS).parts)  # 1 for harness/x.py: `from .` is as far as it may go
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if isinstance(node, ast.ImportFrom) and node.level > depth:
+                wrong.append(f"{path.name}: from {'.' * node.level}{node.module or ''}")
+            wrong += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("latentwire", "train", "bench")]
+    assert not wrong, wrong
+
+
+def test_the_harness_names_no_part_of_latentwire():
+    said = [f"{p.relative_to(HARNESS)}:{i}: {m.group(0)}" for p in harness_files()
+            for i, line in enumerate(p.read_text().splitlines(), 1) for m in PROJECT_WORDS.finditer(line)]
+    assert not said, said
+
+
+@pytest.mark.slow
+def test_the_harness_copied_alone_runs_its_own_tests(tmp_path):
+    """latentwire/harness/ copied into an empty directory: its toy loop's tests (exact accumulation
+    over micro-batches and ranks, one host sync per step, bitwise resume, a stop signal saved with
+    exit 75) pass there, where nothing of the project can be imported."""
+    shutil.copytree(HARNESS, tmp_path / "harness", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
+    proc = ok(subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "harness/tests"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600))
+    assert re.search(r"\b5 passed", proc.stdout), proc.stdout[-2000:]

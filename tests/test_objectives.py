@@ -8,7 +8,8 @@ from latentwire.config import OptimizerConfig, load_config
 from latentwire.data import IGNORE_INDEX, Collator, PromptDataset, synthetic_examples
 from latentwire.llm import LLM_NAMES, FrozenLLM, load_frozen_llm
 from latentwire.model import WireEncoder
-from latentwire.objectives import Objectives, first_targets, forward_loss_sums, kd_sum, llm_term_sums, target_counts
+from latentwire.objectives import (Objectives, WireTask, first_targets, forward_loss_sums, kd_sum, llm_term_sums,
+                                   target_counts)
 from latentwire.harness.precision import sdpa_backends
 
 from conftest import distilled_collator
@@ -72,10 +73,12 @@ def reference_step(model, llms, micro_batches, optimizer):
 
 
 def harness_step(model, llms, micro_batches, optimizer, objectives):
-    n = torch.stack([target_counts(b, objectives) for b in micro_batches]).sum(0).float()
-    train.train_step(model, llms, micro_batches, n_targets=n, objectives=objectives, forward=forward_loss_sums,
-                     amp_dtype=None, attention_backends=sdpa_backends(None, torch.float32)[0], scaler=torch.amp.GradScaler("cpu", enabled=False),
-                     optimizer=optimizer, max_grad_norm=1.0, world_size=1, no_sync=train.nullcontext)
+    task = WireTask(llms, objectives, num_latents=0)
+    n = torch.stack([task.counts(b) for b in micro_batches]).sum(0).float()
+    train.train_step(model, task, micro_batches, n_targets=n, amp_dtype=None,
+                     attention_backends=sdpa_backends(None, torch.float32)[0],
+                     scaler=torch.amp.GradScaler("cpu", enabled=False), optimizer=optimizer, max_grad_norm=1.0,
+                     world_size=1, no_sync=train.nullcontext)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

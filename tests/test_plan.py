@@ -39,8 +39,11 @@ def specs_and_answers(cfg):
 
 
 def profile_fakes(cfg, specs):
-    """The profile's frozen LLMs as the plan builds them (call under a FakeTensorMode)."""
-    return fake_llms(specs, cfg.numerics.precision, cfg.frozen.activation_checkpointing)
+    """The profile's frozen LLMs as the plan builds and wraps them (call under a FakeTensorMode)."""
+    llms = fake_llms(specs, cfg.numerics.precision)
+    TRAINING_STEP.prepare_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
+                               device=None)
+    return llms
 
 
 def traced_peak(cfg, micro_batch: int) -> int:
@@ -131,9 +134,9 @@ def test_the_planning_batch_holds_word_patched_prompts():
 
 
 def test_planned_rows_hold_each_readers_prompt_contract(tmp_path):
-    """A local instruct reader's contract (its chat template read from its directory) fits in the
-    rows the plan counts before it has the tokenizer; a known hub model is planned with a template
-    unless --chat-template false."""
+    """A local reader's rows are its prompt contract's, counted by its own tokenizer (an instruct
+    one's chat template read from its directory), as the step's are; a known hub model, planned
+    without its tokenizer, with a template unless --chat-template false."""
     reader = instruct_reader(tmp_path)
     for prompt in (PromptFormat(), PromptFormat(anchor="", instruction=""), PromptFormat(chat_template="false")):
         specs = {"llama": llm_spec("llama", str(reader)), "qwen": llm_spec("qwen", "tiny")}
@@ -143,7 +146,7 @@ def test_planned_rows_hold_each_readers_prompt_contract(tmp_path):
                 contract = build_frozen_llm(name, source, torch.float32, prompt).contract
             lead, tail, _ = rows[name]
             assert contract.chat == (name == "llama" and prompt.chat_template == "auto")
-            assert lead + tail >= len(contract.lead) + len(contract.tail)
+            assert (lead, tail) == (len(contract.lead), len(contract.tail))
     hub = {"llama": llm_spec("llama", "meta-llama/Llama-3.1-8B-Instruct")}
     assert planned_rows(PromptFormat(), hub)["llama"][0] == CHAT_FRAMING_TOKENS
     assert planned_rows(PromptFormat(chat_template="false"), hub)["llama"][:2] == (1, len(DEFAULT_ANCHOR))

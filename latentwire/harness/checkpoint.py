@@ -256,7 +256,7 @@ class TrainState:
 
 
 class Checkpointer:
-    """One run's checkpoints: the writer and the reader of the format in one place. It holds the
+    """One run's checkpoints: the format written and loaded in one place. It holds the
     stateful objects, saves them with a TrainState (`save`), and loads them back into the same
     objects (`resume`). Both are collective: every rank calls them."""
 

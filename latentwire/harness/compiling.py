@@ -33,10 +33,10 @@ class CompileConfig:
     FLAT_NAMES: ClassVar[dict] = {"enabled": "compile", "mode": "compile_mode", "cache": "compile_cache"}
 
 
-def inductor_cache_dir(requested: str) -> Path:
+def inductor_cache_dir(requested: str, app: str) -> Path:
     """Where inductor keeps what it compiled (its FX-graph, AOTAutograd and Triton caches, which the
     next compile of the same graph reads instead of compiling): `requested`, else the user's own
-    TORCHINDUCTOR_CACHE_DIR, else ~/.cache/latentwire/inductor (under XDG_CACHE_HOME if set).
+    TORCHINDUCTOR_CACHE_DIR, else ~/.cache/<app>/inductor (under XDG_CACHE_HOME if set).
     Torch's default is under /tmp, which a requeued or resumed job on a fresh machine does not
     have; a home directory is on every node of a cluster, and shared by the user's runs, as
     Triton's own ~/.triton cache is."""
@@ -44,7 +44,7 @@ def inductor_cache_dir(requested: str) -> Path:
         return Path(requested).expanduser()
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "latentwire" / "inductor"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / app / "inductor"
 
 
 @contextmanager

@@ -6,16 +6,18 @@ what --elastic-batch takes its micro-batch from.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from ..known_llms import llm_parameter_count
+from ..harness.errors import UserError
+from ..known_llms import KNOWN_LLMS, llm_parameter_count
 from ..llm import LLM_NAMES, fsdp_units
-from ..llm_sources import LLMSpec, llm_spec
+from ..llm_sources import LLMSpec, llm_spec, read_source
 from ..model import WireConfig, WireEncoder
-from ..prompting import CHAT_FRAMING_TOKENS, PromptFormat, own_tail_text, uses_chat_template
+from ..prompting import CHAT_FRAMING_TOKENS, PromptContract, PromptFormat, own_tail_text, uses_chat_template
 from .analytic import StaticMemory, static_memory
 from .budget import Budget, Fit, budget_for, fit_line, largest_fitting
 from .memtrace import StepTrace, StepTracer, fake_llms
@@ -136,17 +138,35 @@ def shard_trace(trace: StepTrace, frozen_bytes: int, held_bytes: int, gathered_b
 
 
 def planned_rows(prompt: PromptFormat, specs: dict[str, LLMSpec]) -> dict[str, tuple[int, int, int]]:
-    """Each LLM's (lead tokens, tail tokens, vocabulary size) for memtrace.planning_batch. No
-    tokenizer here (a hub model is planned before it is downloaded): the anchor, and inside a chat
-    template the instruction, are counted at a token per byte, an upper bound for byte-level BPE,
-    and the template's own framing at CHAT_FRAMING_TOKENS."""
-    rows = {}
-    for name, spec in specs.items():
-        if uses_chat_template(prompt.chat_template, spec.chat_template, who=f"the {name} ({spec.source})"):
-            rows[name] = (CHAT_FRAMING_TOKENS, len(own_tail_text(prompt).encode()), spec.config.vocab_size)
-        else:
-            rows[name] = (int(spec.has_bos), len(prompt.anchor.encode()), spec.config.vocab_size)
-    return rows
+    """Each LLM's (lead tokens, tail tokens, vocabulary size) for memtrace.planning_batch."""
+    return {name: (*contract_lengths(name, spec, prompt), spec.config.vocab_size) for name, spec in specs.items()}
+
+
+def contract_lengths(name: str, spec: LLMSpec, prompt: PromptFormat) -> tuple[int, int]:
+    """The tokens before and after the middle of the LLM's prompt contract: counted by its own
+    tokenizer, as the step's rows are, wherever that is on this machine. A hub model is planned
+    before it is downloaded, without one: the anchor, and inside a chat template the instruction,
+    at a token per byte (an upper bound for byte-level BPE), the template's own framing at
+    CHAT_FRAMING_TOKENS."""
+    who = f"the {name} ({spec.source})"
+    tokenizer = local_tokenizer(name, spec.source)
+    if tokenizer is not None:
+        contract = PromptContract.of(tokenizer, prompt, who)
+        return len(contract.lead), len(contract.tail)
+    if uses_chat_template(prompt.chat_template, spec.chat_template, who):
+        return CHAT_FRAMING_TOKENS, len(own_tail_text(prompt).encode())
+    return int(spec.has_bos), len(prompt.anchor.encode())
+
+
+def local_tokenizer(name: str, source: str):
+    """The tokenizer train.py reads `source` with, or None for a hub id (the plan downloads
+    nothing) and for a directory train.py could not load (a config.json alone still plans)."""
+    if source in KNOWN_LLMS and not os.path.isdir(os.path.expanduser(source)):
+        return None
+    try:
+        return read_source(name, source).tokenizer
+    except UserError:
+        return None
 
 
 def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
@@ -163,7 +183,9 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
     # fork_rng: building and stepping fake models must not move the caller's random stream
     # (train.py plans before it seeds and builds its real models).
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
-        llms = fake_llms(specs, cfg.numerics.precision, cfg.frozen.activation_checkpointing)
+        llms = fake_llms(specs, cfg.numerics.precision)
+        step.prepare_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
+                          device=None)
         frozen_params = {name: sum(p.numel() for p in llm.model.parameters()) for name, llm in llms.items()}
         frozen_bytes = sum(p.numel() * p.element_size() for llm in llms.values() for p in llm.model.parameters())
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)

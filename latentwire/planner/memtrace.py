@@ -24,12 +24,11 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 from torch.utils._pytree import tree_leaves
 
 from ..data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, round_up
 from ..distillation import target_width
-from ..llm import FrozenLLM, build_model, freeze, is_decoder_layer
+from ..llm import FrozenLLM, build_model, freeze
 from ..model import WireEncoder
 from ..objectives import Objectives
 from ..harness.precision import frozen_weight_dtype, sdpa_backends
@@ -163,16 +162,12 @@ class StepTrace:
     optimizer: int         # after the optimizer step
 
 
-def fake_llms(specs: dict, precision: str, activation_checkpointing: bool) -> dict[str, FrozenLLM]:
-    """The profile's frozen LLMs from their configurations, wrapped as train.py wraps them; call under
-    an active FakeTensorMode."""
+def fake_llms(specs: dict, precision: str) -> dict[str, FrozenLLM]:
+    """The profile's frozen LLMs from their configurations, unwrapped (the step's prepare_llms wraps
+    them as train.py does); call under an active FakeTensorMode."""
     dtype = frozen_weight_dtype(precision)
-    llms = {}
-    for name, spec in specs.items():
-        llms[name] = FrozenLLM(name, freeze(build_model(spec.config, dtype)), tokenizer=None)
-        if activation_checkpointing:
-            apply_activation_checkpointing(llms[name].model, check_fn=is_decoder_layer(llms[name]))
-    return llms
+    return {name: FrozenLLM(name, freeze(build_model(spec.config, dtype)), tokenizer=None)
+            for name, spec in specs.items()}
 
 
 class StepTracer:
