@@ -8,11 +8,17 @@
 
 A checkpoint is written into a temporary directory, fsynced and renamed, so it is either complete
 or absent: a job killed mid-save never leaves a half checkpoint under a `step_` name.
+
+A checkpoint is data: a directory someone else wrote (a shared filesystem, a colleague's run) is
+read without running anything it holds. Its pickles are loaded with `weights_only=True`, which
+builds tensors and plain values only, and numpy's RNG state (a uint32 array) as the one allowed
+extra; anything else makes the checkpoint unreadable, and resume falls back to an older one.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -37,6 +43,16 @@ class CorruptCheckpoint(Exception):
 
 def checkpoint_dir(out_dir: Path, step: int) -> Path:
     return Path(out_dir) / "checkpoints" / f"{STEP_PREFIX}{step:08d}"
+
+
+def _numpy_state_globals() -> list:
+    """What unpickling numpy's RNG state needs: a uint32 array. No other dtype is allowed, so no
+    object array, whose elements would be pickles of their own, can be built."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    return [np.ndarray, np.dtype, np.dtypes.UInt32DType, _reconstruct]
 
 
 def rng_state() -> dict:
@@ -176,10 +192,15 @@ def load_checkpoint(path: Path, rank: int) -> dict:
     try:
         meta = json.loads((path / META).read_text())
         weights = load_file(str(path / WEIGHTS))
-        train_state = torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=False)
+        train_state = torch.load(path / TRAIN_STATE, map_location="cpu", weights_only=True)
         rng_file = path / f"rng_rank{rank}.pt"
         # A rank beyond the saving world (resume with more ranks) starts its RNG from rank 0's.
-        rng = torch.load(rng_file if rng_file.exists() else path / "rng_rank0.pt", weights_only=False)
+        with torch.serialization.safe_globals(_numpy_state_globals()):
+            rng = torch.load(rng_file if rng_file.exists() else path / "rng_rank0.pt", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused a global: the pickle holds more than data
+        refused = next((line for line in str(e).splitlines() if "but got" in line or "GLOBAL" in line), "")
+        raise CorruptCheckpoint(f"{path}: a pickle holds more than tensors and plain values, so it is not read "
+                                f"(reading it could run code){': ' + refused.strip() if refused else ''}") from None
     except Exception as e:  # safetensors, pickle and json each raise their own types for a bad file
         raise CorruptCheckpoint(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if train_state.get("step") != meta.get("step"):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 TOY = Path(__file__).with_name("toy_train.py")
 HOME = TOY.parents[2]  # the folder that holds harness/: `python -m harness.launch` runs from there
+sys.path[:0] = [str(HOME), str(TOY.parent)]  # `harness` and the toy, imported as the toy imports them
 STEPS = 6
 
 
@@ -83,9 +84,7 @@ def test_resume_is_bitwise(unbroken, tmp_path):
 def test_one_host_sync_per_step(tmp_path):
     """Runs of 2 and 5 steps log and save alike (at their last step), so the difference is what 3
     steps in the middle read on the host: one sync each."""
-    sys.path.insert(0, str(TOY.parent))
-    import toy_train  # puts HOME on the path, as it does when run
-
+    import toy_train
     from harness.host_syncs import HostReads
 
     def reads(steps: int) -> int:
@@ -117,3 +116,36 @@ def test_a_stop_signal_saves_the_step_and_exits_75(tmp_path):
     assert saved >= 1
     toy(out, "--resume", "--max-steps", "100000", "--stop-at-step", str(saved + 2), nproc=2)
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == saved + 2
+
+
+class Planted:
+    """What a hostile checkpoint's pickle can hold: unpickling it calls open(path, "w")."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
+    """A newest checkpoint whose training state pickles a callable is not run, only refused (its
+    one line says why), and resume falls back to the older intact one."""
+    from harness.checkpoint import Checkpointer, TrainState
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpointer = Checkpointer(tmp_path, rank=0, keep=2, meta={"config": {"lr": 0.1}}, restored=("lr",),
+                                model=model, optimizer=optimizer,
+                                scheduler=torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4),
+                                scaler=torch.amp.GradScaler("cpu", enabled=False))
+    for step in (1, 2):
+        newest = checkpointer.save(TrainState(step, 0, 8 * step, layout=(1, 8, 1)))
+    marker = tmp_path / "ran"
+    state = torch.load(newest / "train_state.pt", weights_only=True)
+    torch.save({**state, "planted": Planted(marker)}, newest / "train_state.pt")
+    warnings = []
+    resumed, path = checkpointer.resume(warn=warnings.append)
+    assert not marker.exists()
+    assert (path.name, resumed.step) == ("step_00000001", 1)
+    assert len(warnings) == 1 and "more than tensors and plain values" in warnings[0], warnings
