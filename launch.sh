@@ -183,6 +183,9 @@ fi
 "$PYTHON" -m latentwire.harness.launch "${rendezvous[@]}" --nproc_per_node="$nproc" "$ROOT/train.py" "$@" &
 launcher_pid=$!
 trap 'kill -TERM "$launcher_pid" 2>/dev/null || true' USR1 TERM  # latentwire.harness.launch passes it to the ranks
+# Ctrl-C reaches the launcher as it reaches this shell (one process group): the shell waits for the
+# ranks to save and exit 130 (at once on a second Ctrl-C), then exits with that code.
+trap ':' INT
 status=0
 wait_for "$launcher_pid" || status=$?
 exit "$status"

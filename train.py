@@ -41,11 +41,11 @@ from latentwire.harness.config import check_can_create
 from latentwire.harness.data import ShardSampler, global_batches, make_loader, to_device
 from latentwire.harness.distributed import (all_reduce_sum, ddp_buffer_options, group_options, leave_together,
                                             torchrun_rank)
-from latentwire.harness.errors import PREEMPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
+from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
 from latentwire.harness.metrics import MetricsLogger, StepMeter
 from latentwire.harness.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic,
                                           sdpa_backends, use_tf32)
-from latentwire.harness.preemption import StopFlag
+from latentwire.harness.preemption import StopFlag, stop_code
 from latentwire.harness.profiling import HISTORY_ENTRIES, MemorySnapshots, NoProfiler, profiler_options
 from latentwire.llm import (build_frozen_llms, decoder_layers, describe_prompts, fsdp_units, held_per_rank,
                             is_decoder_layer, read_weights, skip_unused_backward_gathers)
@@ -75,10 +75,11 @@ def main(argv: list[str] | None = None) -> None:
 def train(cfg, di) -> None:
     device, rank, world = di.device, di.rank, di.world_size
     out_dir = Path(cfg.output.out_dir)
-    # --- Preemption: SIGTERM / SIGUSR1 only set a flag; ranks agree at the end of a step -----
-    # Set first: a signal while the LLMs load (minutes for two 8B models) is heard before the
-    # first step, which saves where the run stands and exits 75, not a killed rank.
-    stop = StopFlag()
+    # --- Preemption and Ctrl-C: SIGTERM / SIGUSR1 / SIGINT only set a flag; ranks agree at the
+    # end of a step, save it and exit (75 preempted, 130 interrupted). Set first: a signal while
+    # the LLMs load (minutes for two 8B models) is heard before the first step, which saves where
+    # the run stands, not a killed rank. A second Ctrl-C stops at once.
+    stop = StopFlag(announce=di.is_main)
     # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads. Nothing on
     # disk changes until every input (models, batch sizes, a checkpoint to resume) has passed.
     check_out_dir(out_dir, cfg.run)
@@ -293,7 +294,8 @@ def train(cfg, di) -> None:
     # One collective after loading: a signal during it would otherwise wait for the first step,
     # whose compile takes minutes. A resumed run has its step on disk already.
     on_disk = state.step if cfg.run.resume else None
-    exit_after_save = preempted(stop, state.step, di.is_main) if stop.on_any_rank(device) else None
+    code = stop.on_any_rank(device)
+    exit_after_save = stopped(code, stop, state.step, di.is_main) if code else None
 
     # --- Profiler: torch.profiler on the profile's wait / warmup / active schedule ---------------
     # A few steps, not the run: a trace of every kernel is large and slows the steps it records, and
@@ -321,8 +323,8 @@ def train(cfg, di) -> None:
             # stop flag rides along in the same all-reduce: no extra collective, and every rank
             # learns of a signal any rank received.
             counts = torch.stack([task.counts(b) for b in micro_batches]).sum(0)
-            reduced = all_reduce_sum(torch.cat([counts.flatten(), torch.full((1,), int(stop.raised), device=device)]))
-            n_targets = reduced[:-1].view_as(counts).float()
+            reduced = all_reduce_sum(torch.cat([counts.flatten(), stop.flags(device)]))
+            n_targets = reduced[:-2].view_as(counts).float()
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
             step_terms, grad_norm = train_step(
                 ddp_model, task, micro_batches, n_targets=n_targets, amp_dtype=amp_dtype,
@@ -334,8 +336,9 @@ def train(cfg, di) -> None:
             # Read together: whether the gradient is finite, whether any rank was signalled, and
             # the global token count for the throughput. The norm is global (after DDP's
             # all-reduce), so every rank decides alike; a NaN loss on any rank makes it NaN.
-            finite, stop_requested, tokens = torch.stack(
-                [torch.isfinite(grad_norm).long(), reduced[-1], task.tokens(n_targets, global_batch)]).tolist()
+            finite, scheduler_stops, person_stops, tokens = torch.stack(
+                [torch.isfinite(grad_norm).long(), *reduced[-2:], task.tokens(n_targets, global_batch)]).tolist()
+            stop_requested = stop_code(scheduler_stops, person_stops)
 
             # --- Non-finite steps are skipped, counted, and stop the run if they persist --
             # With fp16 the GradScaler skips the update itself and lowers its scale.
@@ -379,7 +382,8 @@ def train(cfg, di) -> None:
                         scores = evaluate_wire(model, llms, eval_examples, eval_settings, device, rank, world)
                     # A signal during it (minutes with 8B readers) is heard between its chunks
                     # (eval_settings.stop): the unfinished evaluation is dropped and the step saved.
-                    stop_requested = scores is None
+                    if scores is None:
+                        stop_requested = stop.on_any_rank(device)
                     record |= scores or {}
                 logger.log(record)
                 meter.next_window(after_pause=eval_due)
@@ -392,7 +396,7 @@ def train(cfg, di) -> None:
                 break
             # --- Preemption: the step is done; save it and leave ------------------------
             if stop_requested:
-                exit_after_save = preempted(stop, state.step, di.is_main)
+                exit_after_save = stopped(stop_requested, stop, state.step, di.is_main)
                 break
             if cfg.output.checkpoint_every and state.step % cfg.output.checkpoint_every == 0:
                 checkpointer.save(state)
@@ -599,12 +603,14 @@ def out_of_memory_report(profile: str, micro_batch_size: int | None = None, snap
                           f"--micro-batch-size or see {plan}") from None
 
 
-def preempted(stop: StopFlag, step: int, is_main: bool) -> SystemExit:
-    """What a preempted run exits with, once it has saved `step`."""
+def stopped(code: int, stop: StopFlag, step: int, is_main: bool) -> SystemExit:
+    """What a run a signal stopped exits with (`code`: 75 preempted, 130 interrupted), once it has
+    saved `step`."""
     if is_main:
-        print(f"preempted ({stop.signal_name or 'signal on another rank'}): saving step {step}; "
-              f"exiting with code {PREEMPTED_EXIT_CODE}, continue with --resume", flush=True)
-    return SystemExit(PREEMPTED_EXIT_CODE)
+        what = ("interrupted (Ctrl-C)" if code == INTERRUPTED_EXIT_CODE
+                else f"preempted ({stop.signal_name or 'signal on another rank'})")
+        print(f"{what}: saving step {step}; exiting with code {code}, continue with --resume", flush=True)
+    return SystemExit(code)
 
 
 def nonfinite_hint(precision: str) -> str:

@@ -142,6 +142,67 @@ def test_sigterm_to_launch_sh_with_loader_workers_saves_the_step_and_resumes_exa
     assert_same_run(straight(2), out, logged)
 
 
+def interactive(command: list[str], tmp_path, **env) -> subprocess.Popen:
+    """A command as a terminal runs it: the foreground process group of its own, which Ctrl-C
+    signals whole (`os.killpg(job.pid, signal.SIGINT)`)."""
+    return subprocess.Popen(command, cwd=tmp_path, env=child_env(PYTHON=sys.executable, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_launch_sh_saves_the_step_exits_130_and_resumes_exactly(tmp_path, straight):
+    """Ctrl-C, as a terminal sends it to launch.sh's process group: the ranks finish the step, save
+    it, say so and exit 130 (not 75: nothing to requeue), with no traceback anywhere; the resumed
+    run is bitwise the unbroken one."""
+    args, out = [*TWENTY[2], "--checkpoint-every", "100"], tmp_path / "cut"
+    job = interactive([str(REPO / "launch.sh"), *args, "--out-dir", str(out)], tmp_path)
+    wait_for_step(out, 4, job)
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, stderr, left = exit_and_leftovers(job, str(out))
+    assert job.returncode == 130 and "Traceback" not in stdout + stderr, stdout + stderr
+    assert "interrupted: the run saves at the end of this step" in stderr and left == []
+    logged = max(m["step"] for m in read_metrics(out))
+    assert f"interrupted (Ctrl-C): saving step {logged}; exiting with code 130" in stdout
+    assert [p.name for p in list_checkpoints(out)] == [f"step_{logged:08d}"]
+    ok(launch([*args, "--out-dir", str(out), "--resume"], tmp_path))
+    assert_same_run(straight(2), out, logged)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_plain_torchrun_still_saves_the_step(tmp_path):
+    """Plain torchrun passes Ctrl-C on to its ranks and exits 1 with its own traceback whatever
+    they did; the ranks still save the step and say so, without a KeyboardInterrupt."""
+    out = tmp_path / "run"
+    job = interactive([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       str(REPO / "train.py"), *TWENTY[2], "--out-dir", str(out)], tmp_path)
+    wait_for_step(out, 2, job)
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, stderr, left = exit_and_leftovers(job, str(out))
+    logged = max(m["step"] for m in read_metrics(out))
+    assert f"interrupted (Ctrl-C): saving step {logged}" in stdout and "KeyboardInterrupt" not in stderr, stderr
+    assert [p.name for p in list_checkpoints(out)] == [f"step_{logged:08d}"] and left == []
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
+    """The second Ctrl-C comes while the ranks finish a long step (1024 examples a rank): they stop
+    at once, exit 130, and leave no checkpoint of that step, whole or partial."""
+    out = tmp_path / "run"
+    job = interactive([str(REPO / "launch.sh"), "--profile", "cpu", *FAST, "--kd-weight", "0", "--num-examples",
+                       "4096", "--micro-batch-size", "32", "--grad-accum-steps", "32", "--out-dir", str(out)],
+                      tmp_path)
+    wait_for_step(out, 1, job)
+    os.killpg(job.pid, signal.SIGINT)
+    for line in job.stderr:  # rank 0 has heard it, and the step under way is long
+        if line.startswith("interrupted:"):
+            break
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, stderr, left = exit_and_leftovers(job, str(out))
+    assert job.returncode == 130 and "Traceback" not in stdout + stderr, stdout + stderr
+    assert "interrupted again: stopping now, without saving this step" in stderr and left == []
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_bad_input_is_one_line_with_the_run_s_exit_code(tmp_path, nproc):
     """Each rank refuses it; launch.sh prints the line once and exits 2, not torchrun's 1."""

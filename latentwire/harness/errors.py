@@ -8,6 +8,7 @@ code, and the exit code of a preempted run, which saved and exits quietly.
     4   CheckpointWriteFailed  a checkpoint write failed (earlier ones intact, no partial one)
     5   OutOfMemory            with a memory snapshot where the device has one
     75  PREEMPTED_EXIT_CODE    SIGTERM / SIGUSR1: the step was saved; continue with --resume
+    130 INTERRUPTED_EXIT_CODE  Ctrl-C: the step was saved (a second Ctrl-C: not); continue with --resume
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from pathlib import Path
 
 # EX_TEMPFAIL from sysexits.h: "try again later". A checkpoint was saved; `--resume` continues.
 PREEMPTED_EXIT_CODE = 75
+# The shell's code for a process that SIGINT ended: a person stopped the run (not a preemption
+# to requeue).
+INTERRUPTED_EXIT_CODE = 130
 
 
 class HarnessExit(Exception):
@@ -79,10 +83,14 @@ def main_guard(main) -> None:
         code = e.exit_code
         if not record_outcome(code, str(e)):
             print(f"error: {e}", file=sys.stderr, flush=True)
-    except SystemExit as e:  # preempted: 75
+    except SystemExit as e:  # preempted: 75; interrupted: 130
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        record_outcome(code, None)
+    except KeyboardInterrupt:  # Ctrl-C before a run's handler was installed, or in a command without one
+        code = INTERRUPTED_EXIT_CODE
+        print("interrupted", file=sys.stderr, flush=True)
         record_outcome(code, None)
     leave(code)  # after the except: the traceback, and the run's frames and loader with it, are gone
 

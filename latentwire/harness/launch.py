@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import OUTCOME_DIR
+from .errors import INTERRUPTED_EXIT_CODE, OUTCOME_DIR
 
 
 def run_outcome(directory: Path) -> dict | None:
@@ -42,9 +42,12 @@ def ranks() -> list[int]:
 
 def pass_stop_signals_to_ranks(args) -> None:
     """SIGTERM and SIGUSR1 (a scheduler's preemption, launch.sh, srun on each node) go straight to
-    the ranks as SIGTERM, and torchrun goes on waiting for them to save and exit 75. Left to
-    torchrun, it would pass the signal on too, but then kill ranks still saving after its shutdown
-    timeout, which torch < 2.13 fixes at 30 s. Before the ranks exist, torchrun stops as usual."""
+    the ranks as SIGTERM, and SIGINT (Ctrl-C: the terminal signals this launcher, not the ranks,
+    which torchrun starts in sessions of their own) as SIGINT, each time it comes: a second Ctrl-C
+    is a second one for the ranks too. torchrun goes on waiting for them to save and exit (75, or
+    130). Left to torchrun, it would pass the signal on too, but then kill ranks still saving after
+    its shutdown timeout, which torch < 2.13 fixes at 30 s. Before the ranks exist, torchrun stops
+    as usual."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def stop(signum, frame):
@@ -53,13 +56,14 @@ def pass_stop_signals_to_ranks(args) -> None:
             raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
             except ProcessLookupError:  # a rank that has just exited
                 pass
 
+    passed_on = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     handled = [name.strip() for name in args.signals_to_handle.split(",")]
-    args.signals_to_handle = ",".join(name for name in handled if name not in ("SIGTERM", "SIGUSR1"))
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    args.signals_to_handle = ",".join(name for name in handled if name not in {s.name for s in passed_on})
+    for sig in passed_on:
         signal.signal(sig, stop)
 
 
@@ -79,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             failed = f"rank {rank} failed with exit code {failure.exitcode} (see its output above)"
-        except SignalException as e:  # torchrun itself was signalled and has stopped the ranks
+        except SignalException as e:  # a signal before the ranks started: torchrun has stopped
+            if e.sigval == signal.SIGINT:
+                print("interrupted before the ranks started: nothing to save", file=sys.stderr, flush=True)
+                return INTERRUPTED_EXIT_CODE
             failed = f"torchrun received {e.sigval.name} and stopped the ranks"
         outcome = run_outcome(Path(directory))
     if outcome is not None:

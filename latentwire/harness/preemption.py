@@ -1,7 +1,10 @@
-"""Preemption: SIGTERM (spot instances, `scancel`, torchrun shutting down) and SIGUSR1 (SLURM's
-`--signal`) only set a flag. The ranks OR the flag at the next step boundary, between evaluation
-chunks and once before the first step, so every rank saves the same step and exits together with
-errors.PREEMPTED_EXIT_CODE. DataLoader workers are kept out of the way of both
+"""Stopping a run without losing it: a scheduler's signal (SIGTERM from spot instances, `scancel`
+or torchrun shutting down; SIGUSR1, SLURM's `--signal`) and a person's Ctrl-C (SIGINT) only set a
+flag. The ranks agree on it at the next step boundary (it rides the step's own all-reduce), between
+evaluation chunks and once before the first step, so every rank saves the same step and exits
+together: 75 for a scheduler's signal (errors.PREEMPTED_EXIT_CODE: requeue and resume), 130 for
+Ctrl-C (errors.INTERRUPTED_EXIT_CODE, the shell's: not a preemption to requeue). A second Ctrl-C
+stops at once, without saving the step. DataLoader workers are kept out of the way of all of them
 (`shield_worker_from_stop_signals`): the trainer decides when to stop."""
 from __future__ import annotations
 
@@ -11,27 +14,61 @@ import signal
 import torch
 
 from .distributed import all_reduce_max
+from .errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, record_outcome
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopFlag:
-    def __init__(self):
+    """Installs the handlers; `flags(device)` is what a rank heard, for the step's all-reduce.
+    `announce`: this rank says so on stderr when it hears a Ctrl-C (rank 0: once per run)."""
+
+    def __init__(self, announce: bool):
         self.signal_name: str | None = None
+        self.interrupted = False
+        self.announce = announce
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        signal.signal(signal.SIGINT, self._interrupt)
 
     def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def _interrupt(self, signum, frame) -> None:
+        if self.interrupted:
+            self._say("interrupted again: stopping now, without saving this step")
+            record_outcome(INTERRUPTED_EXIT_CODE, None)
+            os._exit(INTERRUPTED_EXIT_CODE)
+        self.interrupted = True
+        self.signal_name = self.signal_name or "SIGINT"
+        self._say("interrupted: the run saves at the end of this step and stops (Ctrl-C again: stop at once, unsaved)")
+
+    def _say(self, line: str) -> None:
+        # os.write, not print: a handler that prints while the interrupted code was printing to the
+        # same buffered stream raises "reentrant call".
+        if self.announce:
+            os.write(2, (line + "\n").encode())
 
     @property
     def raised(self) -> bool:
         return self.signal_name is not None
 
-    def on_any_rank(self, device: torch.device) -> bool:
-        """Collective: whether any rank has been signalled. For the phases between steps (loading,
-        evaluation); within a step the flag rides along the step's own all-reduce instead."""
-        return bool(all_reduce_max(torch.tensor([int(self.raised)], device=device)).item())
+    def flags(self, device: torch.device) -> torch.Tensor:
+        """[a scheduler's signal heard, a Ctrl-C heard], as 0/1; summed or maxed over the ranks,
+        `stop_code` turns them into the run's exit code."""
+        return torch.tensor([int(self.raised and not self.interrupted), int(self.interrupted)], device=device)
+
+    def on_any_rank(self, device: torch.device) -> int | None:
+        """Collective: the exit code any rank's signal calls for, None if no rank heard one. For the
+        phases between steps (loading, evaluation); within a step the flags ride the step's own
+        all-reduce instead."""
+        return stop_code(*all_reduce_max(self.flags(device)).tolist())
+
+
+def stop_code(scheduler: int, person: int) -> int | None:
+    """The exit code every rank agrees on from the flags of all ranks: a Ctrl-C anywhere is a
+    person stopping the run (130), else a scheduler's signal is a preemption (75)."""
+    return INTERRUPTED_EXIT_CODE if person else PREEMPTED_EXIT_CODE if scheduler else None
 
 
 def shield_worker_from_stop_signals(worker_id: int) -> None:
@@ -40,6 +77,7 @@ def shield_worker_from_stop_signals(worker_id: int) -> None:
     signal did not come from its trainer: the trainer then failed ("DataLoader worker ... is killed
     by signal") before it could save. Outside the group only the trainer stops its workers (its
     SIGTERM still ends them), and a worker whose trainer died exits by itself. SIGUSR1, which no
-    trainer sends, is ignored."""
+    trainer sends, and SIGINT, whose handler the worker inherited from its trainer, are ignored."""
     os.setpgrp()
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -24,9 +24,9 @@ from harness.checkpoint import Checkpointer, TrainState  # noqa: E402
 from harness.config import Field, Parser, Schema, read_profiles, sections_of  # noqa: E402
 from harness.data import ShardSampler, global_batches, make_loader, to_device  # noqa: E402
 from harness.distributed import all_reduce_sum, group_options, leave_together, torchrun_rank  # noqa: E402
-from harness.errors import PREEMPTED_EXIT_CODE, main_guard  # noqa: E402
+from harness.errors import main_guard  # noqa: E402
 from harness.metrics import MetricsLogger, StepMeter  # noqa: E402
-from harness.preemption import StopFlag  # noqa: E402
+from harness.preemption import StopFlag, stop_code  # noqa: E402
 
 PROFILES = Path(__file__).with_name("toy_profiles.json")
 SCHEMA = Schema({
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args, values: dict, cfg: Toy, di) -> None:
-    stop = StopFlag()
+    stop = StopFlag(announce=di.is_main)
     out, world, rank = Path(args.out_dir), di.world_size, di.rank
     micro, accum = cfg.micro_batch_size, cfg.grad_accum_steps
     global_batch = micro * accum * world
@@ -138,14 +138,14 @@ def train(args, values: dict, cfg: Toy, di) -> None:
     out.mkdir(parents=True, exist_ok=True)
     task, meter = RegressionTask(), StepMeter(di.device, step_flops=lambda micro_batches: 0.0, peak_tflops=None)
     logger = MetricsLogger(out, enabled=di.is_main, first_step=state.step + 1)
-    preempted = None
+    stopped = None
     while state.step < cfg.max_steps:
         epoch, done, micro_batches = next(batches)
         micro_batches = [to_device(b, di.device) for b in micro_batches]
         # The global batch's counts and the stop flag in one all-reduce; every term over its count.
         counts = torch.stack([task.counts(b) for b in micro_batches]).sum(0)
-        reduced = all_reduce_sum(torch.cat([counts, torch.full((1,), int(stop.raised), device=di.device)]))
-        n_targets = reduced[:-1].float()
+        reduced = all_reduce_sum(torch.cat([counts, stop.flags(di.device)]))
+        n_targets = reduced[:-2].float()
         state.step, state.epoch, state.examples_done = state.step + 1, epoch, done
         step_terms = torch.zeros_like(n_targets)
         for i, batch in enumerate(micro_batches):
@@ -156,8 +156,8 @@ def train(args, values: dict, cfg: Toy, di) -> None:
             step_terms += terms.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         # The step's one host sync.
-        finite, stop_requested, tokens = torch.stack(
-            [torch.isfinite(grad_norm).long(), reduced[-1], task.tokens(n_targets, global_batch)]).tolist()
+        finite, scheduler_stops, person_stops, tokens = torch.stack(
+            [torch.isfinite(grad_norm).long(), *reduced[-2:], task.tokens(n_targets, global_batch)]).tolist()
         lr = scheduler.get_last_lr()[0]
         if finite:
             optimizer.step()
@@ -168,8 +168,9 @@ def train(args, values: dict, cfg: Toy, di) -> None:
             logger.log({"step": state.step, **task.record(all_reduce_sum(step_terms)), "lr": lr,
                         "grad_norm": grad_norm.item(), **meter.read()})
             meter.next_window(after_pause=False)
-        if stop_requested:
-            preempted = SystemExit(PREEMPTED_EXIT_CODE)
+        code = stop_code(scheduler_stops, person_stops)
+        if code:  # 75 preempted, 130 interrupted: saved below
+            stopped = SystemExit(code)
             break
         if state.step == args.stop_at_step:
             break
@@ -177,8 +178,8 @@ def train(args, values: dict, cfg: Toy, di) -> None:
             checkpointer.save(state)
     checkpointer.save(state)
     logger.close()
-    if preempted is not None:
-        raise preempted
+    if stopped is not None:
+        raise stopped
 
 
 if __name__ == "__main__":
