@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg, di) -> None:
+    started = time.monotonic()
     device, rank, world = di.device, di.rank, di.world_size
     out_dir = Path(cfg.output.out_dir)
     # --- Preemption and Ctrl-C: SIGTERM / SIGUSR1 / SIGINT only set a flag; ranks agree at the
@@ -159,8 +160,11 @@ def train(cfg, di) -> None:
     if di.is_main:  # what each reader reads around the wire: its chat template, or the bare anchor
         print(f"prompt: {describe_prompts(llms)}", flush=True)
     compile_options = {"mode": cfg.compile.mode, "dynamic": True} if cfg.compile.enabled else None
+    t_load = time.perf_counter()
     prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=compile_options,
                         mesh=mesh, device=device)
+    if di.is_main:  # minutes for two 8B models: the first lines should not be silence
+        print(f"loaded the frozen LLMs in {time.perf_counter() - t_load:.1f} s", flush=True)
 
     # --- Trainable model: the byte encoder and one adapter per LLM ----------------------------
     model = WireEncoder.for_llms(cfg.wire, llms).to(device)
@@ -284,7 +288,7 @@ def train(cfg, di) -> None:
     meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg.wire).step_flops,
                       peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
-                           first_record=training.facts())
+                           first_record=training.facts(), started=started)
     eval_settings = EvalSettings.of(cfg, text_baselines=False, lockstep=shard_frozen,
                                     stop=lambda: stop.on_any_rank(device))
     if di.is_main:

@@ -179,14 +179,18 @@ class StepMeter:
 
 class MetricsLogger:
     """One JSON line per logged step, the same scalars in TensorBoard, and the console: a progress
-    bar (step, loss, tokens/s, ETA) when stdout is a terminal, plain log lines otherwise."""
+    bar (step, loss, tokens/s, ETA) when stdout is a terminal, and a line per logged step saying
+    where the run is (`step 10/2400`), how long it has run and how long it has left."""
 
     def __init__(self, out_dir: Path, enabled: bool, first_step: int = 1, total_steps: int | None = None,
-                 first_record: dict | None = None):
+                 first_record: dict | None = None, started: float | None = None):
         """`first_step` > 1 continues a resumed run: whatever the stopped run logged from that
         step on (after its last checkpoint) is dropped, so every step appears once. `first_record`
-        joins the first record this process logs (facts of the run, such as its data)."""
+        joins the first record this process logs (facts of the run, such as its data). `started`:
+        the run's start on time.monotonic()'s clock, for the elapsed time (default: now)."""
         self.enabled = enabled
+        self.total_steps, self.first_step = total_steps, first_step
+        self.started = time.monotonic() if started is None else started
         self.bar = None
         self.pending = dict(first_record or {})
         if not enabled:
@@ -217,11 +221,13 @@ class MetricsLogger:
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.tb.add_scalar(key, value, record["step"])
         self.tb.flush()  # on disk now, like the JSON line: a run that ends in an error may not close it
+        line = format_line(record, self.total_steps, time.monotonic() - self.started,
+                           first=record["step"] == self.first_step)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
-            self.bar.write(format_line(record))
+            self.bar.write(line)
         else:
-            print(format_line(record), flush=True)
+            print(line, flush=True)
 
     def close(self) -> None:
         if self.enabled:
@@ -231,8 +237,25 @@ class MetricsLogger:
                 self.bar.close()
 
 
-def format_line(r: dict) -> str:
+def format_line(r: dict, total_steps: int | None = None, elapsed: float | None = None, first: bool = False) -> str:
+    """A logged step for the console. With the run's length and elapsed time: `step 10/2400` and
+    the time left at the window's step time; the first step this process runs holds its start-up
+    (the compile, the allocator's warm-up), so its line says how long it took instead."""
     mfu = "" if r.get("mfu") is None else f" | mfu {100 * r['mfu']:.1f}%"
-    return (f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f}"
+    step = f"{r['step']:>6}" if total_steps is None else f"{r['step']:>{len(str(total_steps))}}/{total_steps}"
+    clock = ""
+    if elapsed is not None:
+        clock = f" | {hms(elapsed)} elapsed"
+        if first:
+            clock += f", first step {r['step_time_s']:.1f} s"
+        elif total_steps is not None:
+            clock += f", {hms((total_steps - r['step']) * r['step_time_s'])} left"
+    return (f"step {step} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f}"
             f" | {r['samples_per_s']:.1f} samples/s | {r['tokens_per_s']:.0f} tok/s{mfu}"
-            f" | mem {r['peak_mem_gb']:.2f} GiB | data wait {100 * r['data_wait_frac']:.1f}%")
+            f" | mem {r['peak_mem_gb']:.2f} GiB | data wait {100 * r['data_wait_frac']:.1f}%{clock}")
+
+
+def hms(seconds: float) -> str:
+    """0:04:10: hours, minutes, seconds."""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
