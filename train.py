@@ -38,7 +38,7 @@ from latentwire.flops import FlopModel
 from latentwire.harness.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
 from latentwire.harness.compiling import inductor_cache_dir, stable_shapes
 from latentwire.harness.config import check_can_create
-from latentwire.harness.data import ShardSampler, global_batches, make_loader, to_device
+from latentwire.harness.data import ShardSampler, global_batches, layout_for_world, make_loader, to_device
 from latentwire.harness.distributed import (all_reduce_sum, ddp_buffer_options, group_options, leave_together,
                                             torchrun_rank)
 from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
@@ -98,6 +98,23 @@ def train(cfg, di) -> None:
     if di.is_main:
         print(f"data: {training.summary(data.max_prompt_bytes)}; held out: {sources.describe_held_out(held_out)}",
               flush=True)
+
+    # --- The profile's batch on this world size ------------------------------------------------
+    # A profile means a global batch (micro x accum x the GPUs it is laid out for) and an lr tuned
+    # for it. On another number of ranks (torchrun --nproc_per_node=4 with a one-GPU profile, plain
+    # python with the 2-rank cpu profile) the batch is kept where it splits, else the lr follows the
+    # profile's rule (layout_for_world); said either way, and recorded in meta.json. A micro-batch
+    # or accumulation given as a flag is taken as given.
+    if not {"micro_batch_size", "grad_accum_steps"} & set(cfg.run.given):
+        laid_out = cfg.training
+        layout = layout_for_world(laid_out.micro_batch_size, laid_out.grad_accum_steps, laid_out.num_gpus, world,
+                                  cfg.optimizer.lr, cfg.planning.lr_scaling)
+        lr = cfg.optimizer.lr if "lr" in cfg.run.given else layout.lr  # an lr given is the user's
+        cfg = replace(cfg, training=replace(laid_out, micro_batch_size=layout.micro_batch_size,
+                                            grad_accum_steps=layout.grad_accum_steps),
+                      optimizer=replace(cfg.optimizer, lr=lr))
+        if di.is_main:
+            print(f"batch: {layout.why}" + ("; --lr as given" if lr != layout.lr else ""), flush=True)
 
     # --- Elastic batch: the micro-batch from the memory plan ---------------------------------
     # The plan traces this very configuration on the CPU (FakeTensorMode: real shapes, no memory)

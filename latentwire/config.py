@@ -157,6 +157,7 @@ class RunFlags:
     overwrite: bool = False
     stop_at_step: int | None = None
     new_data: bool = False  # with resume: a fresh epoch of this run's data, not the checkpoint's position
+    given: tuple[str, ...] = ()  # the fields given as flags, over the profile's values
 
 
 # --- the sections the loop reads itself; the others belong to the module that uses them --------
@@ -365,5 +366,6 @@ def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config
     if args.new_data and not args.resume:
         raise UserError("--new-data continues a run on other data: it needs --resume")
     run = RunFlags(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
-                   stop_at_step=args.stop_at_step, new_data=args.new_data)
+                   stop_at_step=args.stop_at_step, new_data=args.new_data,
+                   given=tuple(name for name in FIELDS if getattr(args, name) is not None))
     return Config.of(values, run)

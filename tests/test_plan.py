@@ -13,7 +13,8 @@ from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fi
 from latentwire.config import load_config
 from latentwire.harness.errors import UserError, main_guard
 from latentwire.data import IGNORE_INDEX, Collator, PromptDataset
-from latentwire.planner.elastic import elastic_batch, scaled_lr
+from latentwire.harness.data import scaled_lr
+from latentwire.planner.elastic import elastic_batch
 from latentwire.find_batch import Probe
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
 from latentwire.llm_sources import llm_spec

@@ -216,6 +216,22 @@ def test_one_gradient_all_reduce_per_optimizer_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("nproc, layout, said", [
+    (1, (16, 4), "global batch 64 (16 x 2 x 2, as the profile lays it out) kept on 1 rank(s) as 16 x 4 x 1"),
+    (2, (16, 2), "global batch 64 (16 x 2 x 2, as the profile lays it out)\n")])
+def test_the_profile_s_global_batch_on_another_world_size(tmp_path, nproc, layout, said):
+    """The cpu profile is laid out for 2 ranks (16 x 2 x 2 = 64): one process trains the same
+    global batch at the same lr, as 16 x 4, says so in its opening lines, and meta.json records it
+    (before, one process trained 16 x 2 = 32 at the lr tuned for 64, and said only the product)."""
+    out = tmp_path / "run"
+    stdout = ok(run_train(["--profile", "cpu", "--num-examples", "512", "--num-workers", "0", "--kd-weight", "0",
+                           "--max-steps", "1", "--out-dir", str(out)], nproc=nproc)).stdout
+    config = json.loads(next((out / "checkpoints").iterdir()).joinpath("meta.json").read_text())["config"]
+    assert (config["micro_batch_size"], config["grad_accum_steps"], config["lr"]) == (*layout, 1e-3)
+    assert f"batch: {said}" in stdout
+
+
+@pytest.mark.slow
 def test_one_process_under_torchrun_runs_no_collective(tmp_path):
     """`torchrun --nproc_per_node=1`, one GPU's usual launch, trains as `python train.py` does: no
     DDP, no all-reduce (before, a world of one joined a group and all-reduced every gradient with

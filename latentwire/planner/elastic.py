@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..harness.data import scaled_lr
 from ..harness.errors import UserError
 from .step import TrainingStep
 
@@ -19,13 +20,6 @@ from .step import TrainingStep
 # micro-batches are then at least about half of what fits, which still keeps a large GPU busy);
 # past that the global batch changes instead.
 MAX_MICRO_STEP_FACTOR = 2
-
-
-def scaled_lr(lr: float, old_batch: int, new_batch: int, rule: str) -> float:
-    """sqrt: the square-root rule for Adam-type optimizers (Malladi et al., 2022); linear: the
-    linear rule for SGD (Goyal et al., 2017)."""
-    ratio = new_batch / old_batch
-    return lr * (math.sqrt(ratio) if rule == "sqrt" else ratio)
 
 
 def elastic_batch(cfg, world_size: int, fits: int) -> tuple[int, int, float, str]:
