@@ -35,7 +35,8 @@ from latentwire.distillation import describe_targets, teacher_targets
 from latentwire.eval.evaluation import evaluate_wire
 from latentwire.eval.settings import EvalSettings
 from latentwire.flops import FlopModel
-from latentwire.harness.checkpoint import Checkpointer, TrainState, checkpoint_dir, list_checkpoints
+from latentwire.harness.checkpoint import (Checkpointer, TrainState, check_restored_settings, checkpoint_dir,
+                                           list_checkpoints, newest_meta, no_checkpoint)
 from latentwire.harness.compiling import inductor_cache_dir, stable_shapes
 from latentwire.harness.config import check_can_create
 from latentwire.harness.data import ShardSampler, global_batches, layout_for_world, make_loader, to_device
@@ -115,6 +116,10 @@ def train(cfg, di) -> None:
                       optimizer=replace(cfg.optimizer, lr=lr))
         if di.is_main:
             print(f"batch: {layout.why}" + ("; --lr as given" if lr != layout.lr else ""), flush=True)
+
+    # --- A resume refused before the heavy work, from the checkpoint's meta.json --------------
+    if cfg.run.resume and not check_resume_before_loading(out_dir, cfg, training.identity(), di.is_main):
+        return
 
     # --- Elastic batch: the micro-batch from the memory plan ---------------------------------
     # The plan traces this very configuration on the CPU (FakeTensorMode: real shapes, no memory)
@@ -280,7 +285,7 @@ def train(cfg, di) -> None:
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, micro, accum), data=training.identity())
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.output.keep_checkpoints,
                                 meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(cfg.wire),
-                                      "versions": {"transformers": transformers.__version__}},
+                                      "data": training.identity(), "versions": {"transformers": transformers.__version__}},
                                 restored=RESTORED_SETTINGS, model=model, optimizer=optimizer, scheduler=scheduler,
                                 scaler=scaler)
     if cfg.run.resume:
@@ -569,23 +574,52 @@ def closing_line(checkpoint: Path, out_dir: Path, finished: bool, sharded_over: 
     return f"saved {checkpoint}; metrics in {out_dir / 'metrics.jsonl'} and {out_dir / 'tb'}; {nxt}"
 
 
+def check_resume_before_loading(out_dir: Path, cfg, fresh_data: dict, is_main: bool) -> bool:
+    """What the newest checkpoint's meta.json says of a resume, before anything heavy loads (two
+    LLMs take minutes, the teacher's targets more): no checkpoint, a changed setting the state
+    carries, other training data (where meta.json records it), --stop-at-step not after it. False
+    when the run has already finished (said), so nothing loads. `resume` checks the loaded
+    checkpoint again, the one every rank reads."""
+    if not list_checkpoints(out_dir):
+        raise no_checkpoint(out_dir)
+    found = newest_meta(out_dir)
+    if found is None:  # none reads: resume says why, once it has tried each
+        return True
+    path, meta = found
+    check_restored_settings(cfg.to_dict(), meta.get("config", {}), RESTORED_SETTINGS)
+    if "data" in meta:  # checkpoints from before meta.json recorded it: resume compares train_state's
+        refuse_resume(cfg.run, path, meta["step"], meta["data"], fresh_data)
+    if meta["step"] >= cfg.training.max_steps:
+        if is_main:
+            print(f"{path} is the run's last step ({cfg.training.max_steps}): nothing to do, nothing changed")
+        return False
+    return True
+
+
+def refuse_resume(run, path: Path, saved_step: int, saved_data: dict | None, fresh_data: dict) -> None:
+    """A resume refused in one line: --stop-at-step not after the saved step, or other training
+    data than the checkpoint's (None: a checkpoint from before they recorded it) without
+    --new-data."""
+    if run.stop_at_step is not None and run.stop_at_step <= saved_step:
+        raise UserError(f"--stop-at-step {run.stop_at_step} is not after the resumed step {saved_step}")
+    if saved_data is not None and not same_data(saved_data, fresh_data) and not run.new_data:
+        raise UserError(f"--resume on other training data: {path.name} trained on {describe_data(saved_data)}, this "
+                        f"run loads {describe_data(fresh_data)}; resume with the same data, or add --new-data to "
+                        "train on this data from a fresh epoch with the resumed weights and optimizer")
+    if saved_data is None and fresh_data["held_out_fraction"] and not run.new_data:
+        raise UserError(f"{path.name} was written before checkpoints recorded their data, when a run trained on all "
+                        f"of {fresh_data['dataset']}; this one holds out {fresh_data['held_out_fraction']:.0%} of it: "
+                        "add --new-data to go on with the rest from a fresh epoch, or name held-out examples with "
+                        "--eval-dataset to train on all of it as before")
+
+
 def resume(checkpointer: Checkpointer, fresh: TrainState, run, max_steps: int, is_main: bool) -> TrainState | None:
     """The saved state, continued with this run's layout and data (`fresh`'s); None when the run
     has already finished."""
     saved, path = checkpointer.resume(warn=lambda message: is_main and print(message, file=sys.stderr))
-    if run.stop_at_step is not None and run.stop_at_step <= saved.step:
-        raise UserError(f"--stop-at-step {run.stop_at_step} is not after the resumed step {saved.step}")
+    refuse_resume(run, path, saved.step, saved.data, fresh.data)
     unknown = saved.data is None  # a checkpoint from before they recorded their data
     changed = not unknown and not same_data(saved.data, fresh.data)
-    if changed and not run.new_data:
-        raise UserError(f"--resume on other training data: {path.name} trained on {describe_data(saved.data)}, this "
-                        f"run loads {describe_data(fresh.data)}; resume with the same data, or add --new-data to "
-                        "train on this data from a fresh epoch with the resumed weights and optimizer")
-    if unknown and fresh.data["held_out_fraction"] and not run.new_data:
-        raise UserError(f"{path.name} was written before checkpoints recorded their data, when a run trained on all "
-                        f"of {fresh.data['dataset']}; this one holds out {fresh.data['held_out_fraction']:.0%} of it: "
-                        "add --new-data to go on with the rest from a fresh epoch, or name held-out examples with "
-                        "--eval-dataset to train on all of it as before")
     if saved.step >= max_steps:
         if is_main:
             print(f"{path} is the run's last step ({max_steps}): nothing to do, nothing changed")

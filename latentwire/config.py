@@ -218,10 +218,12 @@ class Output:
     keep_checkpoints: int
 
 
-# Settings the restored optimizer, OneCycle schedule and grad scaler carry in their state: a resume
+# Settings a checkpoint's state carries: the restored optimizer, OneCycle schedule and grad scaler
+# (precision: the scaler's state), and the trainable model's shape, which its weights have. A resume
 # may not change them (harness.checkpoint.check_restored_settings).
 RESTORED_SETTINGS = ("max_steps", "lr", "weight_decay", "adam_beta1", "adam_beta2", "pct_start", "div_factor",
-                     "final_div_factor", "anneal_strategy", "precision")  # precision: the grad scaler's state
+                     "final_div_factor", "anneal_strategy", "precision", "num_latents", "d_z", "encoder_dim",
+                     "encoder_layers", "encoder_heads", "patch_bytes", "patch_mlp")
 
 
 # Config's sections, by attribute. A section's fields are read from the profile's flat fields (the

@@ -208,6 +208,21 @@ def load_checkpoint(path: Path, rank: int) -> dict:
     return {"path": path, "meta": meta, "weights": weights, "train_state": train_state, "rng": rng}
 
 
+def newest_meta(out_dir: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint whose meta.json reads, and what it says: what a resume can be checked
+    against before anything heavy loads (the checkpoint itself is loaded later, by `resume`)."""
+    for path in reversed(list_checkpoints(out_dir)):
+        try:
+            return path, json.loads((path / META).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def no_checkpoint(out_dir: Path) -> UserError:
+    return UserError(f"no usable checkpoint to resume from in {Path(out_dir) / 'checkpoints'}: there is none")
+
+
 def _on_every_rank(ok: bool) -> bool:
     """Collective: whether `ok` holds on every rank (all_gather_object works on gloo and NCCL)."""
     if not dist.is_initialized():
@@ -233,9 +248,9 @@ def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
         for reason in unreadable:
             warn(f"warning: skipping unreadable checkpoint {reason}")
         return ckpt
-    where = Path(out_dir) / "checkpoints"
     if not unreadable:
-        raise UserError(f"no usable checkpoint to resume from in {where}: there is none")
+        raise no_checkpoint(out_dir)
+    where = Path(out_dir) / "checkpoints"
     older = f" (and {len(unreadable) - 1} older ones)" if len(unreadable) > 1 else ""
     raise UserError(f"no usable checkpoint to resume from in {where}: {unreadable[0]}{older}")
 
@@ -247,8 +262,8 @@ def check_restored_settings(config: dict, saved: dict, restored: tuple[str, ...]
     changed = [f"--{name.replace('_', '-')} {config[name]} (the run's: {saved.get(name)})"
                for name in restored if config[name] != saved.get(name)]
     if changed:
-        raise UserError(f"{', '.join(changed)}: the optimizer and the learning-rate schedule are restored from the "
-                        "checkpoint with the run's values; resume without changing them, or start a new run")
+        raise UserError(f"{', '.join(changed)}: the checkpoint's state (its optimizer and schedule, or its weights' "
+                        "shape) holds the run's values; resume without changing them, or start a new run")
 
 
 def check_weights(state: dict, expected: dict, path: Path, model: str) -> None:
