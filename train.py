@@ -29,14 +29,15 @@ from torch.nn.attention import sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from latentwire.compiling import wire_regions
-from latentwire.config import RESTORED_SETTINGS, OptimizerConfig, load_config
+from latentwire.config import RESTORED_SETTINGS, WIRE_SHAPE, OptimizerConfig, load_config, read_meta
 from latentwire.data import Collator, DataSources, PromptDataset, TrainingSet, describe_data, same_data
 from latentwire.distillation import describe_targets, teacher_targets
 from latentwire.eval.evaluation import evaluate_wire
 from latentwire.eval.settings import EvalSettings
 from latentwire.flops import FlopModel
 from latentwire.harness.checkpoint import (Checkpointer, TrainState, check_restored_settings, checkpoint_dir,
-                                           list_checkpoints, newest_meta, no_checkpoint)
+                                           list_checkpoints, load_weights, newest_meta, no_checkpoint,
+                                           resolve_checkpoint)
 from latentwire.harness.compiling import inductor_cache_dir, stable_shapes
 from latentwire.harness.config import check_can_create
 from latentwire.harness.data import ShardSampler, global_batches, layout_for_world, make_loader, to_device
@@ -85,6 +86,9 @@ def train(cfg, di) -> None:
     # --- Inputs first: a bad out_dir or dataset fails before anything heavy loads. Nothing on
     # disk changes until every input (models, batch sizes, a checkpoint to resume) has passed.
     check_out_dir(out_dir, cfg.run)
+    # --init-from names where a new run starts; resumed (a requeued job keeps its flags), the run
+    # continues from its own checkpoint.
+    init = init_checkpoint(cfg) if cfg.run.init_from and not cfg.run.resume else None
     compile_cache = inductor_cache_dir(cfg.compile.cache, app="latentwire")
     if cfg.compile.enabled:
         check_can_create(compile_cache, "compile_cache")
@@ -190,6 +194,11 @@ def train(cfg, di) -> None:
 
     # --- Trainable model: the byte encoder and one adapter per LLM ----------------------------
     model = WireEncoder.for_llms(cfg.wire, llms).to(device)
+    # --- Initial weights from a checkpoint (--init-from): a new run extends a trained wire -----
+    if init is not None:
+        load_weights(init, model, "this run's model")
+        if di.is_main:
+            print(f"init: the trainable weights of {init}; a new run, with its own optimizer and schedule", flush=True)
     torch.manual_seed(seed + rank)
 
     # --- torch.compile, one region at a time --------------------------------------------------
@@ -285,7 +294,8 @@ def train(cfg, di) -> None:
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, micro, accum), data=training.identity())
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.output.keep_checkpoints,
                                 meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(cfg.wire),
-                                      "data": training.identity(), "versions": {"transformers": transformers.__version__}},
+                                      "data": training.identity(), "init_from": init and str(init),
+                                      "versions": {"transformers": transformers.__version__}},
                                 restored=RESTORED_SETTINGS, model=model, optimizer=optimizer, scheduler=scheduler,
                                 scaler=scaler)
     if cfg.run.resume:
@@ -574,6 +584,20 @@ def closing_line(checkpoint: Path, out_dir: Path, finished: bool, sharded_over: 
     return f"saved {checkpoint}; metrics in {out_dir / 'metrics.jsonl'} and {out_dir / 'tb'}; {nxt}"
 
 
+def init_checkpoint(cfg) -> Path:
+    """--init-from's checkpoint (a run stands for its newest), refused in one line where its
+    trainable weights do not fit this run (another shape) or were trained for other readers."""
+    path = resolve_checkpoint(Path(cfg.run.init_from), "--init-from")
+    saved = read_meta(path)[0].to_dict()
+    ours = cfg.to_dict()
+    different = [f"{name} {saved[name]} (this run: {ours[name]})" for name in (*WIRE_SHAPE, "llama", "qwen")
+                 if saved[name] != ours[name]]
+    if different:
+        raise UserError(f"--init-from {path}: its weights were trained with {', '.join(different)}; give this run "
+                        "the same shape and readers")
+    return path
+
+
 def check_resume_before_loading(out_dir: Path, cfg, fresh_data: dict, is_main: bool) -> bool:
     """What the newest checkpoint's meta.json says of a resume, before anything heavy loads (two
     LLMs take minutes, the teacher's targets more): no checkpoint, a changed setting the state
@@ -586,7 +610,8 @@ def check_resume_before_loading(out_dir: Path, cfg, fresh_data: dict, is_main: b
     if found is None:  # none reads: resume says why, once it has tried each
         return True
     path, meta = found
-    check_restored_settings(cfg.to_dict(), meta.get("config", {}), RESTORED_SETTINGS)
+    check_restored_settings(cfg.to_dict(), meta.get("config", {}), RESTORED_SETTINGS,
+                            new_run=f"start a new run from its weights: --init-from {out_dir} with another --out-dir")
     if "data" in meta:  # checkpoints from before meta.json recorded it: resume compares train_state's
         refuse_resume(cfg.run, path, meta["step"], meta["data"], fresh_data)
     if meta["step"] >= cfg.training.max_steps:

@@ -6,12 +6,14 @@ machinery (profiles, `extends`, flags, --help, sections) is `harness.config`'s.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 from .harness.compiling import CompileConfig
 from .data import DataConfig
+from .harness.checkpoint import META
 from .harness.config import Field, Parser, Schema, flat_of, profile_listing, read_profiles, sections_of
 from .harness.errors import UserError
 from .llm import FrozenConfig
@@ -158,6 +160,7 @@ class RunFlags:
     stop_at_step: int | None = None
     new_data: bool = False  # with resume: a fresh epoch of this run's data, not the checkpoint's position
     given: tuple[str, ...] = ()  # the fields given as flags, over the profile's values
+    init_from: str | None = None  # a run or checkpoint whose trainable weights start this new run
 
 
 # --- the sections the loop reads itself; the others belong to the module that uses them --------
@@ -219,11 +222,12 @@ class Output:
 
 
 # Settings a checkpoint's state carries: the restored optimizer, OneCycle schedule and grad scaler
-# (precision: the scaler's state), and the trainable model's shape, which its weights have. A resume
-# may not change them (harness.checkpoint.check_restored_settings).
+# (precision: the scaler's state), and the trainable model's shape. A resume may not change them
+# (harness.checkpoint.check_restored_settings); --init-from starts a new run from the weights.
+# The trainable model's shape, which its weights have.
+WIRE_SHAPE = ("num_latents", "d_z", "encoder_dim", "encoder_layers", "encoder_heads", "patch_bytes", "patch_mlp")
 RESTORED_SETTINGS = ("max_steps", "lr", "weight_decay", "adam_beta1", "adam_beta2", "pct_start", "div_factor",
-                     "final_div_factor", "anneal_strategy", "precision", "num_latents", "d_z", "encoder_dim",
-                     "encoder_layers", "encoder_heads", "patch_bytes", "patch_mlp")
+                     "final_div_factor", "anneal_strategy", "precision", *WIRE_SHAPE)
 
 
 # Config's sections, by attribute. A section's fields are read from the profile's flat fields (the
@@ -349,6 +353,9 @@ def build_parser(prog: str = "train.py", argv: list[str] | None = None) -> argpa
     p.add_argument("--overwrite", action="store_true", help="start afresh in an out_dir that holds a run")
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="save and exit 0 after this optimizer step (the schedule is unchanged)")
+    p.add_argument("--init-from", metavar="RUN_OR_CHECKPOINT",
+                   help="a new run whose trainable weights start from this run's newest checkpoint (or this "
+                        "checkpoint), with its own optimizer and schedule: to train a wire further")
     p.add_argument("--new-data", action="store_true",
                    help="with --resume: continue the weights, optimizer and schedule on this run's training data, "
                         "which may differ from the checkpoint's, from the start of a fresh epoch")
@@ -369,5 +376,27 @@ def load_config(argv: list[str] | None = None, prog: str = "train.py") -> Config
         raise UserError("--new-data continues a run on other data: it needs --resume")
     run = RunFlags(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
                    stop_at_step=args.stop_at_step, new_data=args.new_data,
-                   given=tuple(name for name in FIELDS if getattr(args, name) is not None))
+                   given=tuple(name for name in FIELDS if getattr(args, name) is not None), init_from=args.init_from)
     return Config.of(values, run)
+
+
+def read_meta(ckpt: Path) -> tuple[Config, int | None]:
+    """The run's configuration from meta.json, every field checked as when it was trained."""
+    where = ckpt / META
+    try:
+        meta = json.loads(where.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{where} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise UserError(f"cannot read {where}: {e.strerror}") from None
+    config = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(config, dict):
+        raise UserError(f"{where} has no 'config' object")
+    # Fields added after the checkpoint was written take their defaults, as an older profile's do,
+    # but for one: a run from before held_out_fraction trained on all of a local file.
+    values = SCHEMA.defaults() | {"held_out_fraction": 0.0}
+    missing = [name for name in FIELDS if name not in config and name not in values]
+    if missing:
+        raise UserError(f"{where}: config has no field {missing[0]!r}")
+    values |= {name: SCHEMA.check_value(name, value, where=str(where)) for name, value in config.items() if name in FIELDS}
+    return Config.of(values, RunFlags(profile=str(meta.get("profile")))), meta.get("step")

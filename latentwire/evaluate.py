@@ -40,8 +40,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import train
 
-from .harness.checkpoint import META, WEIGHTS, check_weights, list_checkpoints
-from .config import FIELDS, SCHEMA, Config, RunFlags
+from .harness.checkpoint import load_weights, resolve_checkpoint
+from .config import read_meta
 from .harness.config import Parser, check_can_create, positive
 from .data import DataSources
 from .harness.distributed import process_group
@@ -55,58 +55,9 @@ from .harness.precision import frozen_weight_dtype
 
 # --- loading a checkpoint ---------------------------------------------------------------------
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory, or a run directory standing for its newest complete checkpoint."""
-    try:
-        if not path.is_dir():
-            raise UserError(f"--ckpt {path} is not a directory")
-        if (path / "checkpoints").is_dir():
-            complete = list_checkpoints(path)
-            if not complete:
-                raise UserError(f"run {path} has no complete checkpoint")
-            path = complete[-1]
-        for name in (WEIGHTS, META):
-            if not (path / name).is_file():
-                raise UserError(f"--ckpt {path} is not a complete checkpoint: it has no {name}")
-    except OSError as e:  # a directory this user may not look into
-        raise UserError(f"--ckpt {path} cannot be read: {e.strerror}") from None
-    return path
-
-
-def read_meta(ckpt: Path) -> tuple[Config, int | None]:
-    """The run's configuration from meta.json, every field checked as when it was trained."""
-    where = ckpt / META
-    try:
-        meta = json.loads(where.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{where} is not valid JSON: {e}") from None
-    except OSError as e:
-        raise UserError(f"cannot read {where}: {e.strerror}") from None
-    config = meta.get("config") if isinstance(meta, dict) else None
-    if not isinstance(config, dict):
-        raise UserError(f"{where} has no 'config' object")
-    # Fields added after the checkpoint was written take their defaults, as an older profile's do,
-    # but for one: a run from before held_out_fraction trained on all of a local file.
-    values = SCHEMA.defaults() | {"held_out_fraction": 0.0}
-    missing = [name for name in FIELDS if name not in config and name not in values]
-    if missing:
-        raise UserError(f"{where}: config has no field {missing[0]!r}")
-    values |= {name: SCHEMA.check_value(name, value, where=str(where)) for name, value in config.items() if name in FIELDS}
-    return Config.of(values, RunFlags(profile=str(meta.get("profile")))), meta.get("step")
-
-
 def load_wire_encoder(ckpt: Path, cfg, llms: dict, device: torch.device) -> WireEncoder:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    path = ckpt / WEIGHTS
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"cannot read {path}: {e}") from None
     model = WireEncoder.for_llms(cfg.wire, llms)
-    check_weights(state, model.state_dict(), path, "the model of its meta.json")
-    model.load_state_dict(state)
+    load_weights(ckpt, model, "the model of its meta.json")
     return model.to(device)
 
 
@@ -129,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    ckpt = resolve_checkpoint(Path(args.ckpt))
+    ckpt = resolve_checkpoint(Path(args.ckpt), "--ckpt")
     cfg, step = read_meta(ckpt)
     device_type = args.device or cfg.card.device
     if device_type == "cuda" and not torch.cuda.is_available():

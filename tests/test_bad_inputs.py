@@ -316,6 +316,10 @@ CASES = {
 
     # --- out_dir ---------------------------------------------------------------------------------
     "train-out-dir-is-a-file": ("train", lambda c: [OW, "--out-dir", str(c.run / "metrics.jsonl")]),
+    "train-init-from-another-shape": ("train", lambda c: {"args": [OW, "--init-from", str(c.run), "--num-latents", "8"],
+                                                          "says": "num_latents 16 (this run: 8)"}),
+    "train-init-from-other-readers": ("train", lambda c: {"args": [OW, "--init-from", str(c.run), "--qwen", "tiny-random"],
+                                                          "says": "qwen tiny (this run: tiny-random)"}),
     "train-compile-cache-is-a-file": ("train", lambda c: [OW, "--compile", "true", "--compile-cache",
                                                           str(c.run / "metrics.jsonl" / "cache")]),
     "train-out-dir-parent-not-writable": ("train", locked_parent(searchable=True)),

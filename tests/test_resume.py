@@ -431,6 +431,24 @@ def test_resume_that_cannot_continue_the_run_is_one_line(finished_run, flags, fr
 
 
 @pytest.mark.slow
+def test_init_from_starts_a_new_run_from_a_trained_wire(finished_run, tmp_path):
+    """--init-from RUN: a new run whose trainable weights are the run's newest checkpoint's (at an
+    lr of 1e-30 Adam's steps round away, so its weights stay those bit for bit), with its own
+    schedule, said and recorded; stopped and resumed (with the flag still given, as a requeued job
+    gives it), it continues from its own checkpoint."""
+    out = tmp_path / "extended"
+    args = [*RUN, "--max-steps", "2", "--lr", "1e-30", "--init-from", str(finished_run), "--out-dir", str(out)]
+    first = ok(run_train([*args, "--stop-at-step", "1"]))
+    assert f"init: the trainable weights of {list_checkpoints(finished_run)[-1]}" in first.stdout
+    meta = json.loads((list_checkpoints(out)[-1] / "meta.json").read_text())
+    assert meta["init_from"] == str(list_checkpoints(finished_run)[-1]) and meta["config"]["lr"] == 1e-30
+    resumed = ok(run_train([*args, "--resume"]))
+    assert "init:" not in resumed.stdout and "resumed from" in resumed.stdout
+    a, b = final_weights(finished_run), final_weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
 def test_a_resume_cannot_mix_datasets_unless_asked_for_a_fresh_epoch(tmp_path):
     """Stopped at step 2 on file a; resumed on file b, or on a changed in place: refused in one line
     naming both, nothing on disk changed. --new-data takes b from a fresh epoch, and says so."""

@@ -255,15 +255,49 @@ def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
     raise UserError(f"no usable checkpoint to resume from in {where}: {unreadable[0]}{older}")
 
 
-def check_restored_settings(config: dict, saved: dict, restored: tuple[str, ...]) -> None:
+def check_restored_settings(config: dict, saved: dict, restored: tuple[str, ...],
+                            new_run: str = "start a new run") -> None:
     """Refuse, in one line, a resume that changes one of the `restored` settings: those the
     checkpoint's optimizer, schedule and scaler state carry, which would silently override a new
-    value while meta.json recorded it."""
+    value while meta.json recorded it. `new_run`: what the line offers instead."""
     changed = [f"--{name.replace('_', '-')} {config[name]} (the run's: {saved.get(name)})"
                for name in restored if config[name] != saved.get(name)]
     if changed:
         raise UserError(f"{', '.join(changed)}: the checkpoint's state (its optimizer and schedule, or its weights' "
-                        "shape) holds the run's values; resume without changing them, or start a new run")
+                        f"shape) holds the run's values; resume without changing them, or {new_run}")
+
+
+def resolve_checkpoint(path: Path, flag: str) -> Path:
+    """A checkpoint directory, or a run directory standing for its newest complete checkpoint, as
+    `flag` (the command-line flag that named it) gave it."""
+    try:
+        if not path.is_dir():
+            raise UserError(f"{flag} {path} is not a directory")
+        if (path / "checkpoints").is_dir():
+            complete = list_checkpoints(path)
+            if not complete:
+                raise UserError(f"run {path} has no complete checkpoint")
+            path = complete[-1]
+        for name in (WEIGHTS, META):
+            if not (path / name).is_file():
+                raise UserError(f"{flag} {path} is not a complete checkpoint: it has no {name}")
+    except OSError as e:  # a directory this user may not look into
+        raise UserError(f"{flag} {path} cannot be read: {e.strerror}") from None
+    return path
+
+
+def load_weights(ckpt: Path, model, what: str) -> None:
+    """A checkpoint's trained weights into `model` (`what` names it in an error), checked first."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = ckpt / WEIGHTS
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    check_weights(state, model.state_dict(), path, what)
+    model.load_state_dict(state)
 
 
 def check_weights(state: dict, expected: dict, path: Path, model: str) -> None:
