@@ -40,7 +40,8 @@ from latentwire.harness.checkpoint import (Checkpointer, TrainState, check_resto
                                            resolve_checkpoint)
 from latentwire.harness.compiling import inductor_cache_dir, stable_shapes
 from latentwire.harness.config import check_can_create
-from latentwire.harness.data import ShardSampler, global_batches, layout_for_world, make_loader, to_device
+from latentwire.harness.data import (ShardSampler, examples_visited, global_batches, layout_for_world, make_loader,
+                                     to_device)
 from latentwire.harness.distributed import (all_reduce_sum, ddp_buffer_options, group_options, leave_together,
                                             torchrun_rank)
 from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
@@ -122,8 +123,8 @@ def train(cfg, di) -> None:
             print(f"batch: {layout.why}" + ("; --lr as given" if lr != layout.lr else ""), flush=True)
 
     # --- A resume refused before the heavy work, from the checkpoint's meta.json --------------
-    if cfg.run.resume and not check_resume_before_loading(out_dir, cfg, training.identity(), di.is_main):
-        return
+    if cfg.run.resume:
+        check_resume_before_loading(out_dir, cfg, training.identity())
 
     # --- Elastic batch: the micro-batch from the memory plan ---------------------------------
     # The plan traces this very configuration on the CPU (FakeTensorMode: real shapes, no memory)
@@ -248,29 +249,6 @@ def train(cfg, di) -> None:
         raise UserError(f"dataset of {len(dataset)} examples is smaller than one global batch "
                         f"({micro} x {accum} x {world} ranks)")
 
-    # --- Distillation: the teacher once per example, not once per step ------------------------
-    # The KD term's teacher (each LLM reading the prompt's text) gives an example the same targets
-    # at every epoch, so they are computed before the first step: each rank a 1/world share, all of
-    # them gathered to every rank (the sampler deals any example to any rank), eagerly (a one-off
-    # pass), in the step's autocast and kernels. The collator adds each batch's rows; a step runs
-    # no teacher. Full rows where they fit (exact), else the top kd_top_k and one bucket.
-    kd_targets = None
-    if objectives.teacher:
-        t_teacher = time.perf_counter()
-        teacher_rows = Collator.for_llms(llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
-                                         teacher=True)
-        with torch.compiler.set_stance("force_eager"), sdpa_kernel(attention_backends), \
-                torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            kd_targets = teacher_targets(llms, dataset, teacher_rows, k=objectives.k_tokens,
-                                         temperature=objectives.kd_temperature, top_k=objectives.kd_top_k,
-                                         batch_size=micro, device=device, rank=rank, world=world)
-        if di.is_main:
-            print(describe_targets(kd_targets, time.perf_counter() - t_teacher), flush=True)
-    collate = Collator.for_llms(llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
-                                kd_targets=kd_targets, word_patch=cfg.wire.word_patch)
-    loader = make_loader(dataset, sampler, collate, micro_batch_size=micro, num_workers=data.num_workers,
-                         prefetch_factor=data.prefetch_factor, device_type=device.type, seed=seed + rank)
-
     # --- Optimizer: AdamW over the trainable parameters only, fused on CUDA (see adamw) ------
     optimizer = adamw(model, cfg.optimizer, device.type)
 
@@ -302,6 +280,38 @@ def train(cfg, di) -> None:
         state = resume(checkpointer, state, cfg.run, steps, di.is_main)
         if state is None:
             return
+    # --- Distillation: the teacher once per example, not once per step ------------------------
+    # The KD term's teacher (each LLM reading the prompt's text) gives an example the same targets
+    # at every epoch, so they are computed before the first step, for the examples the run's steps
+    # draw (the sampler's permutations decide them in advance): a short try pays for its own. The
+    # whole run's, from its first step, whether it stops early or resumes late: a teacher batch of
+    # other examples pads differently, which moves a target by fp32 rounding, and the run that
+    # stopped and resumed must train bitwise as the one that did not; and those from the resumed
+    # position, where --new-data or another layout draws others. Each rank computes a 1/world
+    # share, all of them gathered to every rank (the sampler deals any example to any rank),
+    # eagerly (a one-off pass), in the step's autocast and kernels. The collator adds each batch's
+    # rows; a step runs no teacher. Full rows where they fit (exact), else the top kd_top_k and one
+    # bucket.
+    kd_targets = None
+    if objectives.teacher:
+        draws = dict(seed=seed, world=world, micro=micro, accum=accum)
+        visited = sorted({*examples_visited(len(dataset), **draws, epoch=0, examples_done=0, steps=steps),
+                          *examples_visited(len(dataset), **draws, epoch=state.epoch,
+                                            examples_done=state.examples_done, steps=steps - state.step)})
+        t_teacher = time.perf_counter()
+        teacher_rows = Collator.for_llms(llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
+                                         teacher=True)
+        with torch.compiler.set_stance("force_eager"), sdpa_kernel(attention_backends), \
+                torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            kd_targets = teacher_targets(llms, dataset, teacher_rows, visited, k=objectives.k_tokens,
+                                         temperature=objectives.kd_temperature, top_k=objectives.kd_top_k,
+                                         batch_size=micro, device=device, rank=rank, world=world)
+        if di.is_main:
+            print(describe_targets(kd_targets, len(dataset), time.perf_counter() - t_teacher), flush=True)
+    collate = Collator.for_llms(llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
+                                kd_targets=kd_targets, word_patch=cfg.wire.word_patch)
+    loader = make_loader(dataset, sampler, collate, micro_batch_size=micro, num_workers=data.num_workers,
+                         prefetch_factor=data.prefetch_factor, device_type=device.type, seed=seed + rank)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, global_batch)
 
     # Every input has been checked: only now may --overwrite delete the old run.
@@ -598,27 +608,22 @@ def init_checkpoint(cfg) -> Path:
     return path
 
 
-def check_resume_before_loading(out_dir: Path, cfg, fresh_data: dict, is_main: bool) -> bool:
+def check_resume_before_loading(out_dir: Path, cfg, fresh_data: dict) -> None:
     """What the newest checkpoint's meta.json says of a resume, before anything heavy loads (two
     LLMs take minutes, the teacher's targets more): no checkpoint, a changed setting the state
-    carries, other training data (where meta.json records it), --stop-at-step not after it. False
-    when the run has already finished (said), so nothing loads. `resume` checks the loaded
-    checkpoint again, the one every rank reads."""
+    carries, other training data (where meta.json records it), --stop-at-step not after it.
+    `resume` checks the loaded checkpoint again, the one every rank reads (a newer one that does
+    not load is skipped there, so whether the run has finished is said there too)."""
     if not list_checkpoints(out_dir):
         raise no_checkpoint(out_dir)
     found = newest_meta(out_dir)
     if found is None:  # none reads: resume says why, once it has tried each
-        return True
+        return
     path, meta = found
     check_restored_settings(cfg.to_dict(), meta.get("config", {}), RESTORED_SETTINGS,
                             new_run=f"start a new run from its weights: --init-from {out_dir} with another --out-dir")
     if "data" in meta:  # checkpoints from before meta.json recorded it: resume compares train_state's
         refuse_resume(cfg.run, path, meta["step"], meta["data"], fresh_data)
-    if meta["step"] >= cfg.training.max_steps:
-        if is_main:
-            print(f"{path} is the run's last step ({cfg.training.max_steps}): nothing to do, nothing changed")
-        return False
-    return True
 
 
 def refuse_resume(run, path: Path, saved_step: int, saved_data: dict | None, fresh_data: dict) -> None:

@@ -2,9 +2,11 @@
 
 The KD term's teacher is the frozen LLM reading the prompt as text (latentwire.objectives). Its
 tau-softened next-token distribution at an example's first `k_tokens` answer positions is the
-same at every epoch, so `teacher_targets` computes it for every training example before the first
-step (each rank a 1/world share, gathered to all ranks, since any rank may draw any example in a
-later epoch), and the collator hands each batch its examples' rows. A step then runs no teacher.
+same at every epoch, so `teacher_targets` computes it before the first step, for the training
+examples the run's steps will draw (harness.data.examples_visited: all of them once a run goes
+round an epoch; a short try pays for its own few), each rank a 1/world share, gathered to all
+ranks, since any rank may draw any example in a later epoch; the collator hands each batch its
+examples' rows. A step then runs no teacher.
 
 Full rows (every token's log-probability) are exact. A large vocabulary (128k tokens for Llama-3)
 makes them too big to keep for a dataset: there each position keeps the teacher's `top_k` most
@@ -27,13 +29,15 @@ FULL_ROWS_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class TeacherTargets:
-    """One LLM's targets for every training example, at its first k answer positions:
+    """One LLM's targets for N training examples, at their first k answer positions:
     `logprobs` [N, k, K] (fp32, tau-softened); `ids` [N, k, K] the tokens they belong to, or None
     for full rows (K = the vocabulary, in its order); `rest` [N, k] the log-probability of every
-    other token together, or None for full rows."""
+    other token together, or None for full rows; `row` [dataset size] each example's row, -1 for
+    the examples the run does not draw (None: every example, in order)."""
     logprobs: torch.Tensor
     ids: torch.Tensor | None
     rest: torch.Tensor | None
+    row: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -45,6 +49,9 @@ class TeacherTargets:
         mask picks the first k targets out of the same positions."""
         k = self.logprobs.shape[1]
         span = slice(tail, min(tail + k, width))
+        if self.row is not None:
+            indices = self.row[indices]
+            assert (indices >= 0).all(), "a batch drew an example whose targets were not computed"
         out = {}
         for key, table in (("kd_logprobs", self.logprobs), ("kd_ids", self.ids), ("kd_rest", self.rest)):
             if table is not None:
@@ -61,11 +68,12 @@ def targets_bytes(examples: int, k: int, width: int, vocab: int) -> int:
     return examples * k * per_position
 
 
-def describe_targets(targets: dict[str, TeacherTargets], seconds: float) -> str:
+def describe_targets(targets: dict[str, TeacherTargets], dataset_size: int, seconds: float) -> str:
     parts = [f"{name} {'full rows' if t.ids is None else f'top {t.ids.shape[-1]} + rest'} "
              f"({t.nbytes / 2 ** 20:.0f} MiB)" for name, t in targets.items()]
     n, k = next(iter(targets.values())).logprobs.shape[:2]
-    return (f"distillation targets of {n} examples x {k} answer positions, computed once in {seconds:.1f} s: "
+    of = "" if n == dataset_size else f" (the {n} of {dataset_size} that this run's steps draw)"
+    return (f"distillation targets of {n} examples{of} x {k} answer positions, computed once in {seconds:.1f} s: "
             f"{', '.join(parts)}")
 
 
@@ -90,17 +98,23 @@ def top_k_buckets(logprobs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, tor
 
 
 @torch.no_grad()
-def teacher_targets(llms: dict, dataset, collate, *, k: int, temperature: float, top_k: int, batch_size: int,
-                    device: torch.device, rank: int, world: int) -> dict[str, TeacherTargets]:
-    """Every example's targets for each LLM. `collate` must give the teacher's rows (a
-    data.Collator with teacher=True); the caller sets autocast and the attention kernels as the
-    step does. Rank r computes examples r, r + world, ...; the shares are gathered."""
-    n = len(dataset)
-    mine = list(range(rank, n, world))
+def teacher_targets(llms: dict, dataset, collate, examples: list[int], *, k: int, temperature: float, top_k: int,
+                    batch_size: int, device: torch.device, rank: int, world: int) -> dict[str, TeacherTargets]:
+    """The targets of `examples` (dataset indices, increasing) for each LLM. `collate` must give
+    the teacher's rows (a data.Collator with teacher=True); the caller sets autocast and the
+    attention kernels as the step does. Rank r computes examples[r], examples[r + world], ...; the
+    shares are gathered. Full rows or top-k are chosen for the whole dataset, so a run's terms do
+    not depend on how many of its examples it draws."""
+    n = len(examples)
+    mine = examples[rank::world]
     per_rank = -(-n // world)
     mine += mine[-1:] * (per_rank - len(mine))  # equal shares for the gather; the repeats are dropped
     vocab = {name: llm.model.config.vocab_size for name, llm in llms.items()}
-    width = {name: target_width(n, k, vocab[name], top_k) for name in llms}
+    width = {name: target_width(len(dataset), k, vocab[name], top_k) for name in llms}
+    row = None
+    if n < len(dataset):
+        row = torch.full((len(dataset),), -1, dtype=torch.long)
+        row[examples] = torch.arange(n)
     shares = {name: [] for name in llms}
     for start in range(0, per_rank, batch_size):
         batch = to_device(collate([dataset[i] for i in mine[start:start + batch_size]]), device)
@@ -114,12 +128,14 @@ def teacher_targets(llms: dict, dataset, collate, *, k: int, temperature: float,
     targets = {}
     for name, parts in shares.items():
         pieces = [_gather(torch.cat(piece), n, rank, world) for piece in zip(*parts)]
-        targets[name] = TeacherTargets(*pieces) if len(pieces) == 3 else TeacherTargets(pieces[0], None, None)
+        if len(pieces) == 1:  # full rows: no ids, no rest
+            pieces += [None, None]
+        targets[name] = TeacherTargets(*pieces, row=row)
     return targets
 
 
 def _gather(share: torch.Tensor, n: int, rank: int, world: int) -> torch.Tensor:
-    """Every rank's share, in example order (rank r held examples r, r + world, ...), on the CPU."""
+    """Every rank's share, in row order (rank r held rows r, r + world, ...), on the CPU."""
     if world == 1:
         return share.cpu()
     parts = [torch.empty_like(share) for _ in range(world)]

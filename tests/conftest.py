@@ -58,7 +58,8 @@ def distilled_collator(llms: dict, dataset, objectives: Objectives, max_prompt_b
     from latentwire.distillation import teacher_targets
 
     teacher = Collator.for_llms(llms, max_prompt_bytes, max_answer_tokens, pad_multiple, teacher=True)
-    targets = teacher_targets(llms, dataset, teacher, k=objectives.k_tokens, temperature=objectives.kd_temperature,
+    targets = teacher_targets(llms, dataset, teacher, list(range(len(dataset))), k=objectives.k_tokens,
+                              temperature=objectives.kd_temperature,
                               top_k=objectives.kd_top_k, batch_size=batch_size or len(dataset),
                               device=torch.device("cpu"), rank=0, world=1)
     return Collator.for_llms(llms, max_prompt_bytes, max_answer_tokens, pad_multiple, kd_targets=targets,

@@ -46,8 +46,8 @@ def test_targets_do_not_depend_on_the_teacher_s_batch(llms, dataset):
     """Each example alone (no padding) and all in one left-padded batch: the same targets, to the
     rounding of fp32 attention over a different number of masked keys (the padding tests' bound)."""
     teacher = Collator.for_llms(llms, 512, 16, 32, teacher=True)
-    targets = {size: teacher_targets(llms, dataset, teacher, k=3, temperature=2.0, top_k=64, batch_size=size,
-                                     device=CPU, rank=0, world=1) for size in (1, len(dataset))}
+    targets = {size: teacher_targets(llms, dataset, teacher, list(range(len(dataset))), k=3, temperature=2.0, top_k=64,
+                                     batch_size=size, device=CPU, rank=0, world=1) for size in (1, len(dataset))}
     for name in llms:
         assert targets[1][name].ids is None  # a tiny reader's full rows fit: exact, no buckets
         torch.testing.assert_close(targets[1][name].logprobs, targets[len(dataset)][name].logprobs,
@@ -102,5 +102,5 @@ def test_a_resumed_run_rebuilds_its_targets_and_continues_bitwise(tmp_path):
     ok(run_train([*args, "--out-dir", str(straight)]))
     ok(run_train([*args, "--out-dir", str(split), "--stop-at-step", "3"]))
     proc = ok(run_train([*args, "--out-dir", str(split), "--resume"]))
-    assert "distillation targets of 512 examples" in proc.stdout
+    assert "distillation targets of 48 examples (the 48 of 512 that this run's steps draw)" in proc.stdout
     assert_same_run(straight, split, 3)

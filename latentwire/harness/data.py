@@ -99,6 +99,24 @@ def make_loader(dataset, sampler, collate, *, micro_batch_size: int, num_workers
                       generator=torch.Generator().manual_seed(seed))
 
 
+def examples_visited(n: int, *, seed: int, world: int, micro: int, accum: int, epoch: int, examples_done: int,
+                     steps: int) -> list[int]:
+    """The dataset indices that `steps` optimizer steps will draw, starting `examples_done` into
+    `epoch` (global_batches' position), in increasing order: decided in advance by the sampler's
+    permutation of each epoch (the same for any world size), of which step s takes positions
+    [s x global batch, (s + 1) x global batch), each epoch's incomplete last step dropped."""
+    global_batch = micro * accum * world
+    steps_per_epoch = n // world // micro // accum
+    sampler = ShardSampler(range(n), num_replicas=1, rank=0, seed=seed)
+    visited: set[int] = set()
+    while steps > 0 and len(visited) < n:
+        sampler.start_epoch(epoch)
+        taken = min(steps, steps_per_epoch - examples_done // global_batch)
+        visited.update(itertools.islice(sampler, examples_done, examples_done + taken * global_batch))
+        steps, epoch, examples_done = steps - taken, epoch + 1, 0
+    return sorted(visited)
+
+
 def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, global_batch: int):
     """Yields (epoch, examples of the epoch done after this step, [accum micro-batches]) forever,
     starting `examples_done` into `epoch`; a partial group at an epoch's end is dropped."""
