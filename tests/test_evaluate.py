@@ -360,7 +360,7 @@ def test_the_trained_wire_carries_information_and_content(default_run):
     the kind of answer the question wants: each reader's exact match from the wire beats the best a
     context-free wire could expect, by more than 3 standard errors of that guess. And it carries at
     nearly two thirds of what the readers get from the text (WIRE_EM_BOUND)."""
-    ckpt = command.resolve_checkpoint(default_run)
+    ckpt = command.resolve_checkpoint(default_run, "--ckpt")
     cfg, _ = command.read_meta(ckpt)
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
     model = command.load_wire_encoder(ckpt, cfg, llms, CPU)
