@@ -272,7 +272,7 @@ def train(cfg, di) -> None:
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, micro, accum), data=training.identity())
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.output.keep_checkpoints,
                                 meta={"profile": cfg.run.profile, "config": cfg.to_dict(), "wire": asdict(cfg.wire),
-                                      "data": training.identity(), "init_from": init and str(init),
+                                      "data": training.identity(), "init_from": str(init) if init else None,
                                       "versions": {"transformers": transformers.__version__}},
                                 restored=RESTORED_SETTINGS, model=model, optimizer=optimizer, scheduler=scheduler,
                                 scaler=scaler)

@@ -31,7 +31,6 @@ scoring and greedy decoding; `report.py` the summary, the margins and the JSON /
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

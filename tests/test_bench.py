@@ -4,7 +4,6 @@ The ratios are timings on a shared machine, so only their form is checked, never
 """
 import json
 import math
-import os
 import re
 import signal
 import subprocess

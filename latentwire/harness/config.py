@@ -44,7 +44,8 @@ class Field:
 
 class Schema:
     """A run's fields (name -> Field) and `rules(values, where)`, the checks that tie fields
-    together (raising UserError), run on every resolved profile and on the final settings."""
+    together (raising UserError), run on every resolved profile and on the final settings. --help
+    lists each profile by its `description` field, which a schema therefore has."""
 
     def __init__(self, fields: dict[str, Field], rules: Callable[[dict, str], None] = lambda values, where: None):
         self.fields, self.rules = fields, rules
