@@ -362,12 +362,12 @@ def train(cfg, di) -> None:
             micro_batches = [to_device(b, device) for b in micro_batches]
 
             # --- Exact gradient accumulation ---------------------------------------------
-            # Each loss term of each LLM is its sum over a micro-batch divided by its count in the
-            # whole global batch (all micro-batches, all ranks: answer tokens for the answer's
-            # cross-entropy, first tokens, first-k positions), so the step equals one big batch
-            # however it is split. The counts are made and summed on the device: no host sync. The
-            # stop flag rides along in the same all-reduce: no extra collective, and every rank
-            # learns of a signal any rank received.
+            # Each loss term is its sum over a micro-batch divided by its count in the whole global
+            # batch (all micro-batches, all ranks: the task's counts, here answer tokens, first
+            # tokens, first-k positions per LLM), so the step equals one big batch however it is
+            # split. The counts are made and summed on the device: no host sync. The stop flags (a
+            # scheduler's signal, a Ctrl-C) ride along in the same all-reduce: no extra collective,
+            # and every rank learns of a signal any rank received.
             counts = torch.stack([task.counts(b) for b in micro_batches]).sum(0)
             reduced = all_reduce_sum(torch.cat([counts.flatten(), stop.flags(device)]))
             n_targets = reduced[:-2].view_as(counts).float()
