@@ -93,7 +93,7 @@ def table(rows: list[dict]) -> str:
 def by_attribute(run: Path) -> str:
     """Each reader's wire and text EM per attribute the synthetic set asks about, from the run's
     evaluation report (its answers, matched to the held-out examples it evaluated)."""
-    cfg, _ = read_meta(resolve_checkpoint(run))
+    cfg, _ = read_meta(resolve_checkpoint(run, "--by-attribute"))
     report = json.loads(next((run / "eval").glob("*.json")).read_text())
     sources = DataSources.of(cfg.data, cfg.training.seed)
     examples = sources.held_out_examples(report["examples"], sources.held_out_source())

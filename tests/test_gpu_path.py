@@ -163,10 +163,10 @@ def test_ddp_skips_the_per_forward_buffer_broadcast_under_either_name():
 
 
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])
-def test_fused_adamw_and_pinned_memory_only_on_cuda(device_type):
-    """train.py's optimizer and loader, built for a CUDA device on this CPU: the fused AdamW (one
-    launch for the whole update) and pinned host memory (asynchronous copies) are CUDA's only;
-    frozen parameters get no state, and only matrices decay."""
+def test_fused_adamw_everywhere_and_pinned_memory_only_on_cuda(device_type):
+    """train.py's optimizer and loader, built for a CUDA device on this CPU and for the CPU: AdamW
+    is fused on both (one pass over every tensor; on the CPU it steps here), pinned host memory
+    (asynchronous copies) is CUDA's only; frozen parameters get no state, and only matrices decay."""
     from latentwire.config import OptimizerConfig
     from latentwire.harness.data import make_loader
     from train import adamw
@@ -174,7 +174,11 @@ def test_fused_adamw_and_pinned_memory_only_on_cuda(device_type):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
     model[2].weight.requires_grad_(False)
     optimizer = adamw(model, OptimizerConfig(lr=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8), device_type)
-    assert optimizer.defaults["fused"] is (device_type == "cuda")
+    assert optimizer.defaults["fused"] is True
+    if device_type == "cpu":
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        assert optimizer.state[model[0].weight]["exp_avg"].abs().sum() > 0
     decay, no_decay = optimizer.param_groups
     assert [p.shape for p in decay["params"]] == [(4, 4)] and decay["weight_decay"] == 0.1
     assert len(no_decay["params"]) == 4 and no_decay["weight_decay"] == 0.0

@@ -217,12 +217,13 @@ def test_one_gradient_all_reduce_per_optimizer_step(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc, layout, said", [
-    (1, (16, 4), "global batch 64 (16 x 2 x 2, as the profile lays it out) kept on 1 rank(s) as 16 x 4 x 1"),
-    (2, (16, 2), "global batch 64 (16 x 2 x 2, as the profile lays it out)\n")])
+    (1, (16, 2), "global batch 32 (16 x 1 x 2, as the profile lays it out) kept on 1 rank(s) as 16 x 2 x 1"),
+    (2, (16, 1), "global batch 32 (16 x 1 x 2, as the profile lays it out)\n")])
 def test_the_profile_s_global_batch_on_another_world_size(tmp_path, nproc, layout, said):
-    """The cpu profile is laid out for 2 ranks (16 x 2 x 2 = 64): one process trains the same
-    global batch at the same lr, as 16 x 4, says so in its opening lines, and meta.json records it
-    (before, one process trained 16 x 2 = 32 at the lr tuned for 64, and said only the product)."""
+    """The cpu profile is laid out for 2 ranks (16 x 1 x 2 = 32): one process trains the same
+    global batch at the same lr, as 16 x 2, says so in its opening lines, and meta.json records it
+    (before, one process trained half the global batch at the lr tuned for all of it, and said only
+    the product)."""
     out = tmp_path / "run"
     stdout = ok(run_train(["--profile", "cpu", "--num-examples", "512", "--num-workers", "0", "--kd-weight", "0",
                            "--max-steps", "1", "--out-dir", str(out)], nproc=nproc)).stdout
