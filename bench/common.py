@@ -121,12 +121,12 @@ def bare_step(model, llms: dict, optimizer: torch.optim.Optimizer, micro_batches
 
 # --- processes --------------------------------------------------------------------------------
 
-def launcher(nproc: int) -> list[str]:
-    """train.py as users start it: plain python for one process, torchrun for more."""
+def launcher(nproc: int, repo: Path = REPO) -> list[str]:
+    """`repo`'s train.py as users start it: plain python for one process, torchrun for more."""
     if nproc == 1:
-        return [sys.executable, str(REPO / "train.py")]
+        return [sys.executable, str(repo / "train.py")]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(REPO / "train.py")]
+            str(repo / "train.py")]
 
 
 def child_env(threads: int) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -23,16 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, child_env, summary
-from wire_levers import READERS, binomial_se
+from common import REPO, launcher, summary
+from wire_levers import evaluate_wire, run
 
 
 def train(repo: Path, out_dir: Path, extra: list[str], threads: int) -> float:
     """The default run from `repo`'s train.py; its wall time in seconds."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(repo / "train.py"), "--profile", "cpu", "--out-dir", str(out_dir), "--overwrite", *extra]
     start = time.perf_counter()
-    check(subprocess.run(command, cwd=repo, env=child_env(threads), capture_output=True, text=True), command)
+    run([*launcher(2, repo), "--profile", "cpu", "--out-dir", str(out_dir), "--overwrite", *extra], threads, repo)
     return time.perf_counter() - start
 
 
@@ -40,23 +37,6 @@ def median_step_s(out_dir: Path) -> float:
     windows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     times = [w["step_time_s"] for w in windows if "step_time_s" in w][1:]  # the first holds step 1's start
     return statistics.median(times)
-
-
-def evaluate(repo: Path, out_dir: Path, examples: int, threads: int) -> dict:
-    """Each reader's wire EM (with its standard error) and share of the text's F1."""
-    shutil.rmtree(out_dir / "eval", ignore_errors=True)  # a report of an earlier run is not this one's
-    command = [sys.executable, "-m", "latentwire.evaluate", "--ckpt", str(out_dir), "--eval-examples",
-               str(examples), "--out-dir", str(out_dir / "eval")]
-    check(subprocess.run(command, cwd=repo, env=child_env(2 * threads), capture_output=True, text=True), command)
-    report = json.loads(next((out_dir / "eval").glob("*.json")).read_text())
-    m, n = report["metrics"], report["examples"]
-    return {who: {"em_wire": m[f"em_wire_{who}"], "em_wire_se": binomial_se(m[f"em_wire_{who}"], n),
-                  "f1_share": report["wire_share_of_text"][who]["f1"]} for who in READERS}
-
-
-def check(proc: subprocess.CompletedProcess, command: list[str]) -> None:
-    if proc.returncode != 0:
-        sys.exit(f"error: {' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
 def main() -> None:
@@ -68,6 +48,10 @@ def main() -> None:
     p.add_argument("--out-root", type=Path, default=REPO / "runs" / "default_run")
     args = p.parse_args()
     extra = [] if args.max_steps is None else ["--max-steps", str(args.max_steps)]
+    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "-q", f"{args.before}^{{commit}}"],
+                      capture_output=True).returncode != 0:
+        print(f"error: --before {args.before}: not a commit of this repository", file=sys.stderr)
+        sys.exit(2)
     with tempfile.TemporaryDirectory() as tmp:
         before_repo = Path(tmp) / "before"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(before_repo), args.before],
@@ -78,8 +62,8 @@ def main() -> None:
                 out_dir = args.out_root / name
                 train_s = train(repo, out_dir, extra, args.threads)
                 rows[name] = {"train_s": train_s, "step_s": median_step_s(out_dir),
-                              "wire": None if args.max_steps else evaluate(repo, out_dir, args.eval_examples,
-                                                                           args.threads)}
+                              "wire": None if args.max_steps else evaluate_wire(out_dir, args.eval_examples,
+                                                                                args.threads, repo)[1]}
                 print(f"{name} ({args.before if name == 'before' else 'this checkout'}): "
                       f"trained in {train_s:.1f} s, {1000 * rows[name]['step_s']:.1f} ms a step", flush=True)
                 if rows[name]["wire"]:

@@ -22,6 +22,7 @@ import datetime
 import json
 import math
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -52,20 +53,24 @@ def train_and_evaluate(name: str, flags: str, out_root: Path, examples: int, thr
     start = time.perf_counter()
     run(train, threads)
     train_s = time.perf_counter() - start
-    evaluate = [sys.executable, "-m", "latentwire.evaluate", "--ckpt", str(out_dir), "--eval-examples", str(examples),
-                "--out-dir", str(out_dir / "eval")]
-    run(evaluate, 2 * threads)  # one process: the threads of both ranks
+    n, wire = evaluate_wire(out_dir, examples, threads)
+    return {"lever": name, "flags": flags, "train_s": round(train_s, 1), "examples": n,
+            "command": " ".join(["torchrun --nproc_per_node=2 train.py --profile cpu", flags]).strip(),
+            "date": datetime.date.today().isoformat(), **wire}
+
+
+def evaluate_wire(out_dir: Path, examples: int, threads: int, repo: Path = REPO) -> tuple[int, dict]:
+    """`repo`'s evaluation of the run in `out_dir` on `examples` held-out examples, in one process
+    with the threads of both ranks: how many it scored, and each reader's wire and text EM and F1,
+    the wire EM's standard error and the wire's share of the text's F1."""
+    shutil.rmtree(out_dir / "eval", ignore_errors=True)  # a report of an earlier run is not this one's
+    run([sys.executable, "-m", "latentwire.evaluate", "--ckpt", str(out_dir), "--eval-examples", str(examples),
+         "--out-dir", str(out_dir / "eval")], 2 * threads, repo)
     report = json.loads(next((out_dir / "eval").glob("*.json")).read_text())
     m, n = report["metrics"], report["examples"]
-    row = {"lever": name, "flags": flags, "train_s": round(train_s, 1), "examples": n,
-           "command": " ".join(["torchrun --nproc_per_node=2 train.py --profile cpu", flags]).strip(),
-           "date": datetime.date.today().isoformat()}
-    for who in READERS:
-        em = m[f"em_wire_{who}"]
-        row[who] = {"em_wire": em, "em_wire_se": binomial_se(em, n), "em_text": m[f"em_text_{who}"],
-                    "f1_wire": m[f"f1_wire_{who}"], "f1_text": m[f"f1_text_{who}"],
-                    "f1_share": report["wire_share_of_text"][who]["f1"]}
-    return row
+    return n, {who: {"em_wire": m[f"em_wire_{who}"], "em_wire_se": binomial_se(m[f"em_wire_{who}"], n),
+                     "em_text": m[f"em_text_{who}"], "f1_wire": m[f"f1_wire_{who}"], "f1_text": m[f"f1_text_{who}"],
+                     "f1_share": report["wire_share_of_text"][who]["f1"]} for who in READERS}
 
 
 def binomial_se(percent: float, n: int) -> float:
@@ -74,8 +79,8 @@ def binomial_se(percent: float, n: int) -> float:
     return 100 * math.sqrt(p * (1 - p) / n)
 
 
-def run(command: list[str], threads: int) -> None:
-    proc = subprocess.run(command, cwd=REPO, env=child_env(threads), capture_output=True, text=True)
+def run(command: list[str], threads: int, cwd: Path = REPO) -> None:
+    proc = subprocess.run(command, cwd=cwd, env=child_env(threads), capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"error: {' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
 

@@ -345,12 +345,13 @@ def context_free_em(examples: list[dict]) -> float:
     return sum(1 / choices[answer_text(e)] for e in examples) / len(examples)
 
 
-# The default run's wire EM, at least. Measured on 300 held-out examples: 73.3 / 72.7% (llama / qwen).
-# Rounding alone moves a run: before word patches the same run at micro-batch 32 x 1 (equal in exact
-# arithmetic) ended 7 points below the 16 x 2 run, so a run on another CPU may land that much lower.
-# 54% is that 7 points and 4 standard errors of a 256-example EM (2.8 points) below the lower
-# reader, and far above the 18% of the defaults two rounds ago, which the bound is there to catch.
-WIRE_EM_BOUND = 0.54
+# The default run's wire EM, at least. Measured on 300 held-out examples: 75.3 / 74.3% (llama / qwen).
+# Rounding alone moves a run: earlier defaults at micro-batch 32 x 1 instead of 16 x 2 (equal in
+# exact arithmetic) ended 5 and 7 points lower, so a run on another CPU may land that much lower.
+# 56% is 7 points and 4 standard errors of a 256-example EM (2.7 points) below the lower reader, and
+# far above a 300-step run's 14% and the 18% of the defaults three rounds ago, which it is there to
+# catch.
+WIRE_EM_BOUND = 0.56
 
 
 @pytest.mark.slow
@@ -359,7 +360,7 @@ def test_the_trained_wire_carries_information_and_content(default_run):
     by more than noise (the paired difference over 256 held-out examples). And it carries more than
     the kind of answer the question wants: each reader's exact match from the wire beats the best a
     context-free wire could expect, by more than 3 standard errors of that guess. And it carries at
-    nearly two thirds of what the readers get from the text (WIRE_EM_BOUND)."""
+    least two thirds of what the readers get from the text (WIRE_EM_BOUND)."""
     ckpt = command.resolve_checkpoint(default_run, "--ckpt")
     cfg, _ = command.read_meta(ckpt)
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}

@@ -8,6 +8,10 @@ import torch
 
 from conftest import ALL_TERMS_FLAGS, EXACT, FAST, final_weights, max_rel_diff, ok, read_metrics, run_train
 
+# The cpu profile's shape and batch before November 2026 (one encoder layer, 16 x 1 x 2 since): what the
+# counts and measurements in the bf16 and compile-under-DDP tests were made for.
+TWO_LAYER_BATCH = ["--encoder-layers", "2", "--grad-accum-steps", "2"]
+
 
 def train(tmp_path, name, *args, nproc=1, torchrun=None):
     out = tmp_path / name
@@ -165,7 +169,7 @@ def test_bf16_autocast_tracks_fp32_and_needs_no_scaler(tmp_path):
     # fall at every step in fp32 either (22.1, 23.8, 20.5), so "trains as fp32 does" would need more
     # steps; the matmul path counted above is the same.
     common = ["--profile", "cpu", *FAST, "--dropout", "0", "--max-steps", "3", "--micro-batch-size", "4",
-              "--word-patches", "false"]
+              "--word-patches", "false", *TWO_LAYER_BATCH]
     runs = {p: train(tmp_path, p, *common, "--precision", p) for p in ("fp32", "bf16")}
     fp32, bf16 = read_metrics(runs["fp32"]), read_metrics(runs["bf16"])
     assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2 ** -8 * math.sqrt(3 * 58))
@@ -261,7 +265,7 @@ def test_compiled_loss_equals_eager_under_ddp_with_checkpointing(tmp_path):
     # AVX-512 CPU); at 1e-3 the two runs stay within 7e-7 on every CPU path tried.
     common = ["--profile", "cpu", *FAST, "--dropout", "0", "--precision", "fp32", "--max-steps", "3",
               "--micro-batch-size", "4", "--eval-every", "3", "--eval-examples", "16", "--adam-eps", "1e-3",
-              "--activation-checkpointing", "true"]
+              "--activation-checkpointing", "true", *TWO_LAYER_BATCH]
     eager = train(tmp_path, "eager", *common, "--compile", "false", nproc=2)
     compiled_dir = tmp_path / "compiled"
     cache = tmp_path / "compile_cache"

@@ -27,6 +27,7 @@ class StopFlag:
         self.signal_name: str | None = None
         self.interrupted = False
         self.announce = announce
+        self.deliveries = signal_deliveries()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         signal.signal(signal.SIGINT, self._interrupt)
@@ -35,7 +36,11 @@ class StopFlag:
         self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def _interrupt(self, signum, frame) -> None:
-        if self.interrupted:
+        # Python runs a handler once the main thread is back in the interpreter, so two Ctrl-Cs
+        # within one long C++ call (a step's backward) run it once: counted as one, this rank would
+        # go on to save while its peers had stopped at once, and fail in the next collective. The
+        # interpreter's C-level handler writes a byte for every delivery: count those instead.
+        if self.interrupted or drain(self.deliveries).count(signal.SIGINT) > 1:
             self._say("interrupted again: stopping now, without saving this step")
             record_outcome(INTERRUPTED_EXIT_CODE, None)
             os._exit(INTERRUPTED_EXIT_CODE)
@@ -63,6 +68,36 @@ class StopFlag:
         phases between steps (loading, evaluation); within a step the flags ride the step's own
         all-reduce instead."""
         return stop_code(*all_reduce_max(self.flags(device)).tolist())
+
+
+def signal_deliveries() -> int:
+    """The read end of a pipe into which the interpreter writes each signal's number as it is
+    delivered (signal.set_wakeup_fd), one per process."""
+    global _deliveries
+    if _deliveries is None:
+        read, write = os.pipe()
+        for fd in (read, write):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(write)
+        _deliveries = read
+    return _deliveries
+
+
+_deliveries: int | None = None
+
+
+def drain(fd: int) -> bytes:
+    """Everything a non-blocking pipe holds now."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def stop_code(scheduler: int, person: int) -> int | None:

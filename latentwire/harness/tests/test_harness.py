@@ -167,3 +167,33 @@ def test_the_examples_a_run_draws_are_known_in_advance(epoch, done, steps):
             drawn.update(i for batch in next(batches)[2] for i in batch.tolist())
     assert examples_visited(n, seed=seed, world=world, micro=micro, accum=accum, epoch=epoch, examples_done=done,
                             steps=steps) == sorted(drawn)
+
+
+# Two Ctrl-Cs delivered while the main thread is inside one call that does not return to the
+# interpreter (here a lock wait with SIGINT blocked in that thread; in a run, a step's backward):
+# the interpreter runs the Python handler once, after both.
+TWO_CTRL_CS_IN_ONE_CALL = """
+import os, signal, threading
+from harness.preemption import StopFlag
+stop = StopFlag(announce=True)
+pressed = threading.Event()
+def press_twice():
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # delivered here, not in the main thread
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)
+    pressed.set()
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+threading.Thread(target=press_twice).start()
+pressed.wait()
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+print("went on after", "one Ctrl-C" if stop.interrupted else "none", flush=True)
+"""
+
+
+def test_two_ctrl_cs_within_one_call_stop_at_once():
+    """They are a second Ctrl-C, as when they come apart: the process stops at once with 130 (before,
+    its handler saw one, and the rank went on to save the step while its peers had stopped)."""
+    proc = subprocess.run([sys.executable, "-c", TWO_CTRL_CS_IN_ONE_CALL], cwd=HOME, env=env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 130 and "went on" not in proc.stdout, proc.stdout + proc.stderr
+    assert "interrupted again: stopping now, without saving this step" in proc.stderr
