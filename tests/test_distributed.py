@@ -7,7 +7,8 @@ import pytest
 import torch.distributed as dist
 
 from conftest import REPO, child_env, free_port, ok
-from latentwire.harness.distributed import process_group
+from latentwire.harness import errors
+from latentwire.harness.distributed import leave_together, process_group
 
 # Rank 0 is still busy (as when it writes a report) when rank 1's work is done; each rank records
 # when its body ended and when it left the process group, in a file of its own (two ranks printing
@@ -91,3 +92,18 @@ def test_a_process_that_started_a_group_leaves_without_finalizing(tmp_path, grou
     assert proc.returncode == (2 if bad else 0), proc.stderr
     assert proc.stdout == "done\n" and proc.stderr == ("error: bad input\n" if bad else "")
     assert (tmp_path / "finalized").exists() == (not group)
+
+
+def test_a_body_that_raises_leaves_its_group_standing(monkeypatch):
+    """What keeps a failing rank from hanging on its way out (leave_together's docstring): the
+    group is not destroyed after an error, so no reducer freed later can be the group's last
+    holder and join gloo's threads with the GIL held. The group goes with the process."""
+    monkeypatch.setattr(errors, "process_group_started", False)  # the body sets it; put back after
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(errors.UserError), leave_together():
+            raise errors.UserError("bad input")
+        assert dist.is_initialized() and errors.process_group_started
+    finally:
+        dist.destroy_process_group()
+

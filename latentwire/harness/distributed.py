@@ -66,20 +66,23 @@ def group_options(device: torch.device, timeout_s: int) -> dict:
 
 @contextmanager
 def leave_together() -> Iterator[None]:
-    """The body of a command in its process group (if it joined one), the group torn down however
-    the body ends."""
+    """The body of a command in its process group (if it joined one), the group torn down when
+    the body ends well. A body that raises leaves the group standing: the process is on its way
+    out (errors.leave ends it with os._exit, which ends gloo's threads with it), and tearing the
+    group down is what can hang it. Unregistered, the group dies with the last object holding
+    it, DDP's reducer, when the failed frames or the collector free it: its destructor joins
+    gloo's worker threads while holding the GIL, and a worker still finishing a collective waits
+    for the GIL to free the collective's tensors. Both wait forever (`--resume` from a corrupt
+    checkpoint on 2 ranks hung in some runs, until torchrun killed it 30 s later)."""
     if dist.is_initialized():
         errors.process_group_started = True  # the process will leave without finalizing (errors.leave)
-    try:
-        yield
-        # Leave together: a rank that destroys the group and exits while a peer is still busy
-        # (rank 0 writing a report) can be aborted by gloo's connection threads at exit. Only
-        # on success: after an error the peers may never arrive, and the timeout must decide.
-        if dist.is_initialized():
-            dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    yield
+    # Leave together: a rank that destroys the group and exits while a peer is still busy
+    # (rank 0 writing a report) can be aborted by gloo's connection threads at exit. Only on
+    # success: after an error the peers may never arrive, and the timeout must decide.
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 @contextmanager
