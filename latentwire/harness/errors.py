@@ -71,6 +71,19 @@ def record_outcome(code: int, error: str | None) -> bool:
     return True
 
 
+def a_peer_stopped_at_once() -> bool:
+    """Under the launcher, in a process group: whether another rank has left on a second Ctrl-C
+    (its outcome, 130, is written before it exits). Then this rank's collectives fail for want of
+    that peer, and the failure is the stop, not an error of this rank's: the launcher's relayed
+    signal can reach this rank after its peer has gone, under load."""
+    directory = os.environ.get(OUTCOME_DIR)
+    if not (directory and process_group_started):
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    outcomes = (json.loads(path.read_text()) for path in Path(directory).glob("rank*.json"))  # each whole
+    return any(o["rank"] != rank and o["code"] == INTERRUPTED_EXIT_CODE for o in outcomes)
+
+
 def main_guard(main) -> None:
     """Run `main()`; a HarnessExit becomes `error: ...` on stderr and its exit code. Under
     the launcher (`harness.launch`) every rank leaves its outcome for the launcher instead, which
@@ -91,6 +104,11 @@ def main_guard(main) -> None:
     except KeyboardInterrupt:  # Ctrl-C before a run's handler was installed, or in a command without one
         code = INTERRUPTED_EXIT_CODE
         print("interrupted", file=sys.stderr, flush=True)
+        record_outcome(code, None)
+    except Exception:
+        if not a_peer_stopped_at_once():
+            raise
+        code = INTERRUPTED_EXIT_CODE
         record_outcome(code, None)
     leave(code)  # after the except: the traceback, and the run's frames and loader with it, are gone
 
