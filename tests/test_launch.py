@@ -184,19 +184,26 @@ def test_ctrl_c_to_plain_torchrun_still_saves_the_step(tmp_path):
     assert [p.name for p in list_checkpoints(out)] == [f"step_{logged:08d}"] and left == []
 
 
-@pytest.mark.slow
-def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
-    """The second Ctrl-C comes while the ranks finish a long step (1024 examples a rank): they stop
-    at once, exit 130, and leave no checkpoint of that step, whole or partial."""
-    out = tmp_path / "run"
+def interrupted_in_a_long_step(out, tmp_path) -> subprocess.Popen:
+    """launch.sh on 2 ranks after its first Ctrl-C, which rank 0 has heard, in a long step (1024
+    examples a rank)."""
     job = interactive([str(REPO / "launch.sh"), "--profile", "cpu", *FAST, "--kd-weight", "0", "--num-examples",
                        "4096", "--micro-batch-size", "32", "--grad-accum-steps", "32", "--out-dir", str(out)],
                       tmp_path)
     wait_for_step(out, 1, job)
     os.killpg(job.pid, signal.SIGINT)
-    for line in job.stderr:  # rank 0 has heard it, and the step under way is long
+    for line in job.stderr:
         if line.startswith("interrupted:"):
-            break
+            return job
+    raise AssertionError("the run ended without hearing the Ctrl-C")
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
+    """The second Ctrl-C comes while the ranks finish a long step (1024 examples a rank): they stop
+    at once, exit 130, and leave no checkpoint of that step, whole or partial."""
+    out = tmp_path / "run"
+    job = interrupted_in_a_long_step(out, tmp_path)
     os.killpg(job.pid, signal.SIGINT)
     stdout, stderr, left = exit_and_leftovers(job, str(out))
     assert job.returncode == 130 and "Traceback" not in stdout + stderr, stdout + stderr
@@ -211,14 +218,7 @@ def test_a_rank_whose_peer_stopped_at_once_exits_130_quietly(tmp_path):
     rank, not with a traceback (the test above printed rank 1's "Connection closed by peer" in a
     suite run on two busy cores). Here rank 1 never gets the second Ctrl-C at all."""
     out = tmp_path / "run"
-    job = interactive([str(REPO / "launch.sh"), "--profile", "cpu", *FAST, "--kd-weight", "0", "--num-examples",
-                       "4096", "--micro-batch-size", "32", "--grad-accum-steps", "32", "--out-dir", str(out)],
-                      tmp_path)
-    wait_for_step(out, 1, job)
-    os.killpg(job.pid, signal.SIGINT)
-    for line in job.stderr:
-        if line.startswith("interrupted:"):
-            break
+    job = interrupted_in_a_long_step(out, tmp_path)
     os.kill(rank_pid(str(out), 0), signal.SIGINT)
     stdout, stderr, left = exit_and_leftovers(job, str(out))
     assert job.returncode == 130 and "Traceback" not in stdout + stderr, stdout + stderr
