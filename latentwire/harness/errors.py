@@ -61,7 +61,7 @@ def record_outcome(code: int, error: str | None) -> bool:
     directory = os.environ.get(OUTCOME_DIR)
     if not directory:
         return False
-    rank = int(os.environ.get("RANK", "0"))
+    rank = this_rank()
     path = Path(directory) / f"rank{rank}.json"
     try:  # written whole or not at all: a rank killed mid-write leaves no half outcome
         path.with_suffix(".tmp").write_text(json.dumps({"rank": rank, "code": code, "error": error}))
@@ -79,9 +79,17 @@ def a_peer_stopped_at_once() -> bool:
     directory = os.environ.get(OUTCOME_DIR)
     if not (directory and process_group_started):
         return False
-    rank = int(os.environ.get("RANK", "0"))
-    outcomes = (json.loads(path.read_text()) for path in Path(directory).glob("rank*.json"))  # each whole
-    return any(o["rank"] != rank and o["code"] == INTERRUPTED_EXIT_CODE for o in outcomes)
+    return any(o["rank"] != this_rank() and o["code"] == INTERRUPTED_EXIT_CODE for o in recorded_outcomes(directory))
+
+
+def recorded_outcomes(directory: str | Path) -> list[dict]:
+    """The outcomes the ranks have left in `directory` so far, by rank (each file is whole: see
+    record_outcome)."""
+    return sorted((json.loads(p.read_text()) for p in Path(directory).glob("rank*.json")), key=lambda o: o["rank"])
+
+
+def this_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def main_guard(main) -> None:

@@ -11,7 +11,6 @@ runs one launcher, so each node prints the line.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -19,13 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import INTERRUPTED_EXIT_CODE, OUTCOME_DIR
+from .errors import INTERRUPTED_EXIT_CODE, OUTCOME_DIR, recorded_outcomes
 
 
 def run_outcome(directory: Path) -> dict | None:
     """The outcome of the lowest rank that ended with a non-zero code, or None if none did."""
-    outcomes = sorted((json.loads(p.read_text()) for p in directory.glob("rank*.json")), key=lambda o: o["rank"])
-    return next((o for o in outcomes if o["code"] != 0), None)
+    return next((o for o in recorded_outcomes(directory) if o["code"] != 0), None)
 
 
 def silence_torchrun() -> None:
