@@ -106,4 +106,3 @@ def test_a_body_that_raises_leaves_its_group_standing(monkeypatch):
         assert dist.is_initialized() and errors.process_group_started
     finally:
         dist.destroy_process_group()
-
