@@ -49,7 +49,7 @@ from latentwire.harness.metrics import MetricsLogger, StepMeter
 from latentwire.harness.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic,
                                           sdpa_backends, use_tf32)
 from latentwire.harness.preemption import StopFlag, stop_code
-from latentwire.harness.profiling import HISTORY_ENTRIES, MemorySnapshots, NoProfiler, profiler_options
+from latentwire.harness.profiling import MemorySnapshots, NoProfiler, profiler_options
 from latentwire.llm import (build_frozen_llms, decoder_layers, describe_prompts, fsdp_units, held_per_rank,
                             is_decoder_layer, read_weights, skip_unused_backward_gathers)
 from latentwire.model import WireEncoder, count_parameters
@@ -322,8 +322,7 @@ def train(cfg, di) -> None:
     # The caching allocator records the stack of every allocation; the snapshot, written at the
     # end (and on out-of-memory, with or without history), opens at pytorch.org/memory_viz.
     snapshots = MemorySnapshots(cfg.profiler.memory_snapshot, device, out_dir, rank)
-    if snapshots.recording:
-        torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+    snapshots.start()
 
     # --- Metrics: throughput, MFU and memory per log window; jsonl and TensorBoard -------------
     # MFU against the peak of the arithmetic the matmuls really run in.

@@ -25,6 +25,11 @@ The peak, per device:
   once its steps are done; an allocation the CPU allocator refuses (a RuntimeError) becomes the
   same error.
 
+With `--memory-snapshot true` on CUDA the allocator records every allocation of the trials, with
+the Python line that made it, to OUT_DIR/memory/snapshot_rank<r>.pickle: `python
+bench/peak_allocations.py` on it lists what was live at the peak (what a plan that misses the
+measured peak has not counted); pytorch.org/memory_viz draws it.
+
 The default cap is the profile's target share of the card (target_util x memory_gb), the question
 the plan answers. Trials use no DDP: a rank that ran out of memory inside one of its collectives
 would leave the other ranks waiting in it; DDP's gradient buckets and NCCL's buffers are in the
@@ -47,6 +52,7 @@ from .config import load_config
 from .harness.config import Parser, check_can_create, positive
 from .harness.errors import UserError, main_guard
 from .harness.distributed import process_group
+from .harness.profiling import MemorySnapshots
 from .llm import build_frozen_llms
 from .model import WireEncoder
 from .plan import TRAINING_STEP, write_json
@@ -294,8 +300,15 @@ def find(cfg, args, di) -> None:
     say = print if di.is_main else (lambda *a, **k: None)
     say(f"find_batch {cfg.run.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "
         f"{args.steps} steps per trial, starting at micro-batch {cfg.training.micro_batch_size}", flush=True)
+    # On request (--memory-snapshot true), the allocator's history over the trials: every block
+    # live at a trial's peak and the line that allocated it (bench/peak_allocations.py, memory_viz).
+    snapshots = MemorySnapshots(cfg.profiler.memory_snapshot, di.device, out, di.rank)
+    snapshots.start()
     best, trials = search(lambda m: run_trial(probe, m, di.device), cfg.training.micro_batch_size, args.max_micro_batch,
                           report=lambda t: say(format_trial(t), flush=True))
+    snapshot = snapshots.finish()
+    if snapshot is not None:
+        say(f"memory snapshot: {snapshot}")
     fit = fit_trials(trials)
     if fit is not None:
         say(f"fit: peak = {fit.fixed / GIB:.3f} GiB + {fit.per_sample / GIB:.4f} GiB x micro-batch, R^2 = {fit.r2:.5f}")

@@ -121,3 +121,23 @@ def test_instruct_reader_scores_the_text_under_each_contract(tmp_path):
     assert list(contracts) == ["bare anchor", "chat template", "chat template + instruction"]
     assert [c["contract"].startswith("its chat template") for c in contracts.values()] == [False, True, True]
     assert all(0 <= c["em"] <= c["f1"] <= 100 and len(c["answers"]) == 4 for c in contracts.values())
+
+
+def test_peak_allocations_lists_what_was_live_at_the_peak_and_refuses_other_files(tmp_path):
+    """The report the H100's snapshot was read with: the peak, then its blocks by size and site."""
+    import pickle
+
+    where = [{"filename": "/venv/site-packages/torch/nn/functional.py", "line": 1, "name": "layer_norm"},
+             {"filename": "/repo/latentwire/model.py", "line": 90, "name": "forward"}]
+    trace = [{"action": "alloc", "addr": a, "size": 2 ** 27, "frames": where} for a in range(3)]
+    trace.append({"action": "free_requested", "addr": 0, "size": 2 ** 27})
+    (tmp_path / "snapshot.pickle").write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}))
+    (tmp_path / "other.pickle").write_bytes(pickle.dumps([1, 2]))
+    script = [sys.executable, str(REPO / "bench" / "peak_allocations.py")]
+    lines = ok(subprocess.run([*script, str(tmp_path / "snapshot.pickle")], cwd=REPO, env=child_env(),
+                              capture_output=True, text=True, timeout=120)).stdout.splitlines()
+    assert lines[0].startswith("device 0: 4 events recorded; at their peak 0.375 GiB in 3 blocks")
+    assert lines[2].split() == ["0.375", "|", "3", "x", "128.00", "|", "/repo/latentwire/model.py:90", "forward"]
+    refused = subprocess.run([*script, str(tmp_path / "other.pickle")], cwd=REPO, env=child_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip().endswith("not a memory snapshot: no device_traces")

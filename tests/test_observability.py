@@ -103,7 +103,7 @@ def test_memory_snapshot_selection(monkeypatch, tmp_path):
     assert not off.recording and calls == [] and off.finish() is None
     assert off.dump() == tmp_path / "memory" / "snapshot_rank1.pickle"  # out-of-memory: state only
     on = MemorySnapshots(requested=True, device=torch.device("cuda", 0), out_dir=tmp_path, rank=0)
-    assert on.recording and calls == []  # train.py starts the history (_record_memory_history) when told
+    assert on.recording and calls == []  # start() begins the history (_record_memory_history), when told
     path = on.finish()
     assert path.exists() and calls[-1] == {"enabled": None}
     import pickle
@@ -129,7 +129,32 @@ def test_train_starts_the_allocation_history_when_the_snapshot_records(monkeypat
     monkeypatch.setattr(train, "MemorySnapshots", Recording)
     torch.set_num_threads(1)
     train.main([*SHORT, "--max-steps", "1", "--out-dir", str(tmp_path / "run")])
-    assert calls == [{"max_entries": 200_000}, "finish"]
+    assert calls == [{"max_entries": 200_000, "stacks": "python"}, "finish"]
+
+
+def test_find_batch_records_its_trials_when_the_snapshot_records(monkeypatch, tmp_path, capsys):
+    """find_batch takes train.py's --memory-snapshot: on CUDA the history covers its trials and the
+    snapshot is written once they are done (the CUDA-only calls taken on CPU, as above)."""
+    from latentwire import find_batch
+
+    calls = []
+
+    class Recording(MemorySnapshots):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.available = self.recording = True
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: calls.append("snapshot") or {"device_traces": [[]]})
+    monkeypatch.setattr(find_batch, "MemorySnapshots", Recording)
+    monkeypatch.setattr(find_batch, "run_trial", lambda probe, m, device: calls.append(m) or find_batch.Trial(
+        m, True, 1, None, 0.0, ""))
+    torch.set_num_threads(1)
+    find_batch.main(["--profile", "cpu", "--memory-snapshot", "true", "--micro-batch-size", "2",
+                     "--max-micro-batch", "2", "--out-dir", str(tmp_path / "fb")])
+    assert calls == [{"max_entries": 200_000, "stacks": "python"}, 2, "snapshot", {"enabled": None}]
+    path = tmp_path / "fb" / "memory" / "snapshot_rank0.pickle"
+    assert path.exists() and f"memory snapshot: {path}" in capsys.readouterr().out
 
 
 OOM_AT_STEP_2 = """

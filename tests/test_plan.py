@@ -19,7 +19,7 @@ from latentwire.find_batch import Probe
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
 from latentwire.llm_sources import llm_spec
 from latentwire.llm import build_frozen_llm, is_decoder_layer, load_frozen_llm
-from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, fake_llms, planning_batch
+from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, cuda_kernels, fake_llms, planning_batch
 from latentwire.plan import TRAINING_STEP, main as plan_main
 from latentwire.planner.memory_plan import make_plan, planned_rows
 from latentwire.harness.precision import frozen_weight_dtype
@@ -249,6 +249,20 @@ def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
     per_sample = (large.peak["total"] - small.peak["total"]) / 2
     one_layer_of_bf16_scores = cfg.wire.encoder_heads * (8192 // cfg.wire.patch_bytes) ** 2 * 2
     assert 0 < per_sample < one_layer_of_bf16_scores
+
+
+def test_a_cuda_trace_keeps_what_cuda_autocast_and_fused_dropout_keep():
+    """CUDA's autocast runs layer_norm in fp32 (aten/src/ATen/autocast_mode.cpp), so the norm keeps
+    an fp32 copy of its bf16 input for backward, and CUDA's fused dropout keeps a boolean mask. The
+    trace's CPU tensors do neither by themselves: they keep the bf16 input and a bf16 mask. An H100
+    measured the difference (test_profiles: the h100 plan against its find_batch)."""
+    norm, saved = torch.nn.LayerNorm(16), []
+    x = torch.randn(4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    with (cuda_kernels(), torch.autocast("cpu", dtype=torch.bfloat16),
+          torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)):
+        y = torch.nn.functional.dropout(norm(x), 0.1, training=True)
+    assert y.dtype == torch.float32
+    assert sorted(str(t.dtype) for t in saved if t.shape == x.shape) == ["torch.bool", "torch.float32"]
 
 
 def test_a_cuda_trace_with_distillation_holds_its_targets_and_their_softmax():

@@ -73,19 +73,24 @@ def planning_batch(data: DataConfig, objectives: Objectives, answers: dict[str, 
     return batch
 
 
-# --- CUDA attention on a CPU trace ------------------------------------------------------------
+# --- CUDA's kernels and autocast on a CPU trace ------------------------------------------------
 
-def cuda_attention():
-    """Within it, SDPA runs as train.py runs it on CUDA: flash attention, or memory-efficient
-    attention where there is a padding mask. On a CPU device SDPA takes the math kernel for masked
-    or dropout attention and stores [batch, heads, L, L] scores that the CUDA kernels never store
-    (about 10 GiB per sample for the h100 profile's 4096-byte prompts). A patch of the function,
-    not a TorchFunctionMode: a mode is off inside its own handler, which is where backward, and
-    so the recomputation of checkpointed layers, runs."""
-    return mock.patch.object(F, "scaled_dot_product_attention", cuda_sdpa)
+def cuda_kernels():
+    """Within it, the functions whose CUDA tensors differ from the CPU's run as they do on CUDA:
+    the trace's fake tensors are CPU tensors (a CPU-only torch makes no fake CUDA ones), and an H100
+    measured what that missed (bench/results/h100.json: the byte encoder's layer norms and dropout,
+    7% of the h100 profile's memory per sample, until these). Patches of the functions, not a
+    TorchFunctionMode: a mode is off inside its own handler, which is where backward, and so the
+    recomputation of checkpointed layers, runs."""
+    return mock.patch.multiple(F, scaled_dot_product_attention=cuda_sdpa, layer_norm=cuda_layer_norm,
+                               dropout=cuda_dropout)
 
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """train.py's flash attention, or memory-efficient attention where there is a padding mask. On
+    a CPU device SDPA takes the math kernel for masked or dropout attention and stores [batch, heads,
+    L, L] scores that the CUDA kernels never store (about 10 GiB per sample for the h100 profile's
+    4096-byte prompts)."""
     if attn_mask is None:  # the LLMs: causal, no mask; flash reads grouped K/V heads as they are
         return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
                                                                   scale=scale)[0]
@@ -94,6 +99,29 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p,
                                                                   is_causal, scale=scale)[0]
+
+
+_layer_norm, _dropout = F.layer_norm, F.dropout
+
+
+def cuda_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """CUDA's autocast runs layer_norm in fp32, where the CPU's leaves it in the input's dtype: a
+    bf16 input is copied to fp32, the copy is what the norm keeps for backward, and the fp32 output
+    is cast to bf16 again by each linear that reads it (each keeping its own copy)."""
+    if not torch.is_autocast_enabled("cpu"):  # the trace's CPU autocast stands for CUDA's
+        return _layer_norm(input, normalized_shape, weight, bias, eps)
+    with torch.autocast("cpu", enabled=False):
+        up = lambda t: t if t is None or t.dtype == torch.float32 else t.float()  # noqa: E731
+        return _layer_norm(up(input), normalized_shape, up(weight), up(bias), eps)
+
+
+def cuda_dropout(input, p=0.5, training=True, inplace=False):
+    """CUDA's dropout is one fused kernel that keeps a boolean mask for backward; the CPU's
+    multiplies by a mask in the input's dtype (twice the bytes in bf16)."""
+    if not training or not 0 < p < 1 or input.numel() == 0:
+        return _dropout(input, p, training, inplace)
+    out = torch.native_dropout(input, p, True)[0]
+    return input.copy_(out) if inplace else out
 
 
 # --- tracing ----------------------------------------------------------------------------------
@@ -196,10 +224,10 @@ class StepTracer:
                      lambda *_: seen.update(gradients=tracker.categories()["gradients"])),
                  self.optimizer.register_step_post_hook(
                      lambda *_: seen.update(optimizer=tracker.categories()["optimizer"])))
-        # Around backward too: activation checkpointing recomputes the attention there.
-        attention = cuda_attention() if self.cfg.card.device == "cuda" else nullcontext()
+        # Around backward too: activation checkpointing recomputes the frozen layers there.
+        kernels = cuda_kernels() if self.cfg.card.device == "cuda" else nullcontext()
         every_kernel, _ = sdpa_backends(None, frozen_weight_dtype(self.cfg.numerics.precision))  # traced on the CPU
-        with tracker, attention:
+        with tracker, kernels:
             for _ in range(steps):
                 self.step.run(self.cfg, self.model, self.llms, self.optimizer, batch, every_kernel)
                 tracker.reset_mod_stats()

@@ -197,3 +197,39 @@ def test_two_ctrl_cs_within_one_call_stop_at_once():
                           text=True, timeout=60)
     assert proc.returncode == 130 and "went on" not in proc.stdout, proc.stdout + proc.stderr
     assert "interrupted again: stopping now, without saving this step" in proc.stderr
+
+
+def test_a_snapshot_is_replayed_to_its_peak_and_read_without_running_code(tmp_path):
+    """live_at_peak counts as max_memory_allocated does (a block freed is gone at free_requested,
+    one allocated before the history began is not counted), by_site groups the live blocks by size
+    and by the lines outside torch that allocated them, and read_snapshot refuses a pickle that
+    names a function rather than calling it."""
+    import pickle
+
+    from harness.profiling import by_site, live_at_peak, read_snapshot
+
+    def at(*names):
+        return [{"filename": "/venv/lib/python3.12/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+                *({"filename": "/repo/model.py", "line": line, "name": name} for line, name in names)]
+
+    a, b, c = at((10, "forward"), (20, "step")), at((30, "loss"), (20, "step")), at((40, "backward"))
+    trace = [{"action": "free_requested", "addr": 99, "size": 7},            # allocated before recording
+             {"action": "alloc", "addr": 1, "size": 100, "frames": a},
+             {"action": "alloc", "addr": 2, "size": 100, "frames": a},
+             {"action": "alloc", "addr": 3, "size": 50, "frames": b},
+             {"action": "free_requested", "addr": 3, "size": 50},
+             {"action": "free_completed", "addr": 3, "size": 50},
+             {"action": "alloc", "addr": 4, "size": 120, "frames": c},            # the peak: 320
+             {"action": "free_requested", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 5, "size": 60, "frames": b}]             # 280
+    peak, live = live_at_peak(trace)
+    assert peak == 320 and sorted(e["addr"] for e in live) == [1, 2, 4]
+    sites = by_site(live, depth=2)
+    assert [(s.block_bytes, s.blocks, s.frames) for s in sites] == [
+        (100, 2, ("/repo/model.py:10 forward", "/repo/model.py:20 step")), (120, 1, ("/repo/model.py:40 backward",))]
+
+    (tmp_path / "snapshot.pickle").write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}))
+    assert read_snapshot(tmp_path / "snapshot.pickle")["device_traces"] == [trace]
+    (tmp_path / "evil.pickle").write_bytes(pickle.dumps({"device_traces": [], "x": os.getcwd}))
+    with pytest.raises(pickle.UnpicklingError, match="names posix.getcwd"):
+        read_snapshot(tmp_path / "evil.pickle")
