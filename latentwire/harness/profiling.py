@@ -132,28 +132,29 @@ class Site:
     frames: tuple[str, ...]  # innermost first: "file:line name"
 
 
+def _apply(event: dict, live: dict) -> int:
+    """One event of a history on `live` (address -> its alloc event): the change in allocated bytes."""
+    if event["action"] == "alloc":
+        live[event["addr"]] = event
+        return event["size"]
+    if event["action"] in ("free_requested", "free_completed") and event["addr"] in live:
+        return -live.pop(event["addr"])["size"]
+    return 0
+
+
 def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
     """Replays one device's history (`snapshot["device_traces"][d]`): the most bytes its recorded
     allocations held at once, and the allocation events live at that moment. The allocated count
     falls when a block is freed (free_requested), as torch.cuda.max_memory_allocated counts it;
     blocks allocated before the history began are not in it."""
-    def replay(events):
-        live, total = {}, 0
-        for i, event in enumerate(events):
-            if event["action"] == "alloc":
-                live[event["addr"]] = event
-                total += event["size"]
-            elif event["action"] in ("free_requested", "free_completed") and event["addr"] in live:
-                total -= live.pop(event["addr"])["size"]
-            yield i, total, live
-
-    peak, at = 0, -1
-    for i, total, _ in replay(trace):
+    live, total, peak, at = {}, 0, 0, -1
+    for i, event in enumerate(trace):
+        total += _apply(event, live)
         if total > peak:
             peak, at = total, i
     live = {}
-    for _, _, live in replay(trace[:at + 1]):
-        pass
+    for event in trace[:at + 1]:
+        _apply(event, live)
     return peak, list(live.values())
 
 
