@@ -7,8 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -142,74 +140,20 @@ def child_env(**extra) -> dict:
     return env
 
 
-class Preloaded:
-    """tests/preloaded.py: one command at a time, forked from an interpreter that has made the
-    imports every command makes (torch, transformers, the package), in the environment it was
-    started with."""
-
-    def __init__(self, env: dict):
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded.py")], cwd=REPO, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def run(self, target: str, args: list[str], timeout: int) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryDirectory(prefix="preloaded-") as outputs:
-            out, err = Path(outputs) / "stdout", Path(outputs) / "stderr"
-            self.proc.stdin.write(json.dumps({"target": target, "args": args, "cwd": str(REPO), "stdout": str(out),
-                                              "stderr": str(err), "timeout": timeout}) + "\n")
-            self.proc.stdin.flush()
-            said = self.proc.stdout.readline()
-            assert said, f"tests/preloaded.py exited with code {self.proc.wait()}"
-            return subprocess.CompletedProcess([target, *args], int(said), out.read_text(), err.read_text())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
-
-_IDLE: dict[tuple, list[Preloaded]] = {}  # per environment, the servers no command is using
-_IDLE_LOCK = threading.Lock()
-
-
-def preloaded(target: str, args: list[str], timeout: int, **env) -> subprocess.CompletedProcess:
-    """`python TARGET ARGS` (a script of the repository) or `python -m TARGET ARGS`, with the
-    child_env(**env) environment, forked from a preloaded interpreter: the same process a fresh
-    start would be, 2-3 s of imports sooner. Concurrent calls get servers of their own."""
-    full = child_env(**env)
-    key = tuple(sorted(full.items()))
-    with _IDLE_LOCK:
-        idle = _IDLE.setdefault(key, [])
-        server = idle.pop() if idle else None
-    server = server or Preloaded(full)
-    try:
-        return server.run(target, args, timeout)
-    finally:
-        with _IDLE_LOCK:
-            _IDLE[key].append(server)
-
-
-def pytest_sessionfinish(session, exitstatus):
-    for servers in _IDLE.values():
-        for server in servers:
-            server.close()
-
-
 def run_train(args: list[str], nproc: int = 1, timeout: int = 600, torchrun: bool | None = None,
               **env) -> subprocess.CompletedProcess:
-    """train.py as users run it: `python train.py` for one process (forked from a preloaded
-    interpreter), `torchrun` for more (or for one, with `torchrun`)."""
+    """train.py as users run it: `python train.py` for one process, `torchrun` for more (or for one,
+    with `torchrun`)."""
     if not (nproc > 1 if torchrun is None else torchrun):
-        return preloaded("train.py", args, timeout, **env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "train.py")]
+        cmd = [sys.executable, str(REPO / "train.py")]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "train.py")]
     return subprocess.run(cmd + args, cwd=REPO, env=child_env(**env), capture_output=True, text=True,
                           timeout=timeout)
 
 
 def run_module(module: str, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python -m MODULE`: the project's commands forked from a preloaded interpreter, others (torchrun)
-    started from nothing."""
-    if module.startswith("latentwire."):
-        return preloaded(module, args, timeout)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=child_env(), capture_output=True,
                           text=True, timeout=timeout)
 

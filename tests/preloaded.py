@@ -1,10 +1,9 @@
 """A Python that has already imported what train.py and the latentwire commands import, forking one
-child per command (conftest.preloaded: the tests' `python train.py` and `python -m latentwire.*`).
-Most of a short command's seconds are imports (torch, transformers, FSDP), and a bad input fails
-in its checks before any work: the child of an interpreter that made them once starts where the
-command's own code begins. Each child is still its own process, with its own working directory,
-output files, exit code, alarm and exit handlers; the environment is the server's, so the server is
-started with the one its commands need (imports read it).
+child per command (tests/test_bad_inputs.py). A bad input fails in its checks, seconds before any
+work, and most of those seconds are imports (torch, transformers, FSDP): the child of an interpreter
+that made them once starts where the checks begin. Each child is still its own process, with its
+own working directory, output files, exit code and alarm; the environment is the server's, so the
+server is started with the one its commands need (imports read it).
 
 Requests on stdin, one JSON object a line: {"target": "train.py" or a module ("latentwire.plan"),
 "args": [...], "cwd": DIR, "stdout": FILE, "stderr": FILE, "timeout": SECONDS}. The reply is a
@@ -12,7 +11,6 @@ line with the child's exit code (negative: the signal that ended it, SIGALRM pas
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import runpy
@@ -63,7 +61,6 @@ def main() -> None:
             try:
                 code = child(request)
             finally:
-                atexit._run_exitfuncs()  # as the interpreter's own exit would
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)

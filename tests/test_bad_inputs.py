@@ -5,16 +5,16 @@ afterwards. (tests/test_resume.py's table checks the wording of the common train
 One small real run is trained once for the module. Each case gets a fresh copy of it, snapshots
 every path and file of the copy, runs one bad command that points at the copy (as --out-dir, with
 --resume or --overwrite, as evaluate's --ckpt, or as plan's and find_batch's output directory where
-the case is about something else), and compares. A command forks from an interpreter that has
-already imported torch and the package (conftest.preloaded), except the launcher's and those run as
-another user, which start from nothing as users run them. Commands that would replace a run are
-given --overwrite, so that a bad input that slips through shows up as a changed run, not as "already
-holds a run".
+the case is about something else), and compares. A command with no environment or prefix of its own
+forks from an interpreter that has already imported torch and the package (tests/preloaded.py); the
+rest start from nothing, as users run them. Commands that would replace a run are given --overwrite,
+so that a bad input that slips through shows up as a changed run, not as "already holds a run".
 """
 from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -26,7 +26,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, child_env, ok, preloaded, run_train
+from conftest import REPO, assert_one_line_error, child_env, ok, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -169,11 +169,29 @@ def base_args(entry: str, run: Path) -> list[str]:
     raise ValueError(entry)
 
 
+class Preloaded:
+    """tests/preloaded.py: commands forked from an interpreter that has made their imports, one at
+    a time, all in the environment it was started with."""
+
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded.py")], cwd=REPO,
+                                     env=child_env(**env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, target: str, args: list[str], outputs: Path) -> subprocess.CompletedProcess:
+        out, err = outputs / "stdout", outputs / "stderr"
+        self.proc.stdin.write(json.dumps({"target": target, "args": args, "cwd": str(REPO), "stdout": str(out),
+                                          "stderr": str(err), "timeout": TIMEOUT_S}) + "\n")
+        self.proc.stdin.flush()
+        said = self.proc.stdout.readline()
+        assert said, f"tests/preloaded.py exited with code {self.proc.wait()}"
+        return subprocess.CompletedProcess([target, *args], int(said), out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 def invoke(entry: str, args: list[str], cwd: Path, env: dict, prefix: list[str]) -> subprocess.CompletedProcess:
-    """The command, from nothing; one with no prefix of its own, not the launcher, forked from a
-    preloaded interpreter (conftest.preloaded)."""
-    if not prefix and not entry.startswith("launch"):
-        return preloaded("train.py" if entry == "train" else f"latentwire.{entry}", args, TIMEOUT_S, **env)
     if entry == "train":
         cmd = [sys.executable, str(REPO / "train.py")]
     elif entry.startswith("launch"):
@@ -339,19 +357,34 @@ CASES = {
 }
 
 
-def run_case(entry: str, build, root: Path, reference_run: Path, model_dirs: dict, hf_cache: Path) -> str:
-    """One case in its own directory `root`: what went wrong, or "" if nothing did."""
+def offline_env(hf_cache: Path) -> dict:
+    return {"HF_DATASETS_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def run_case(entry: str, build, root: Path, reference_run: Path, model_dirs: dict, hf_cache: Path,
+             servers: queue.Queue) -> str:
+    """One case in its own directory `root`: what went wrong, or "" if nothing did. A plain command
+    (no environment or prefix of its own, not the launcher) runs on one of the preloaded `servers`."""
     run, scratch = root / "run", root / "inputs"
     shutil.copytree(reference_run, run)
     scratch.mkdir()
     ctx = Ctx(run, scratch, model_dirs)
     spec = build(ctx)
     spec = spec if isinstance(spec, dict) else {"args": spec}
-    env = {"HF_DATASETS_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **spec.get("env", {})}
+    env = {**offline_env(hf_cache), **spec.get("env", {})}
+    plain = not (spec.get("env") or spec.get("prefix") or entry.startswith("launch"))
     before = snapshot(ctx.run)  # the build may have moved the run
     try:
         ctx.lock()
-        proc = invoke(entry, [*base_args(entry, ctx.run), *spec["args"]], scratch, env, spec.get("prefix", []))
+        args = [*base_args(entry, ctx.run), *spec["args"]]
+        if plain:
+            server = servers.get()
+            try:
+                proc = server.run("train.py" if entry == "train" else f"latentwire.{entry}", args, root)
+            finally:
+                servers.put(server)
+        else:
+            proc = invoke(entry, args, scratch, env, spec.get("prefix", []))
         for undo in ctx.cleanup[:1]:
             undo()
         changed = changes(before, snapshot(ctx.run))
@@ -376,13 +409,20 @@ def run_case(entry: str, build, root: Path, reference_run: Path, model_dirs: dic
 @pytest.fixture(scope="module")
 def results(reference_run, model_dirs, hf_cache, tmp_path_factory) -> dict[str, str]:
     """Every case, two at a time: the cases are single-threaded processes (OMP_NUM_THREADS=1), so
-    on CI's two cores that nearly halves the wall time (4.7 to 2.6 minutes here). Forked from
-    preloaded interpreters, most cases are spared 2-3 s of imports each (142 s to 51 s)."""
+    on CI's two cores that nearly halves the wall time (4.7 to 2.6 minutes here). The plain ones
+    fork from two preloaded interpreters, which spares each its 2-3 s of imports (142 s to 51 s)."""
     root = tmp_path_factory.mktemp("cases")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run_case, entry, build, root / name, reference_run, model_dirs, hf_cache)
-                   for name, (entry, build) in CASES.items()}
-        return {name: future.result() for name, future in futures.items()}
+    servers = queue.Queue()
+    for _ in range(2):
+        servers.put(Preloaded(offline_env(hf_cache)))
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {name: pool.submit(run_case, entry, build, root / name, reference_run, model_dirs, hf_cache,
+                                         servers) for name, (entry, build) in CASES.items()}
+            return {name: future.result() for name, future in futures.items()}
+    finally:
+        while not servers.empty():
+            servers.get().close()
 
 
 @pytest.mark.parametrize("case", list(CASES))
