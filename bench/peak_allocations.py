@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repository on sys.path)
+from latentwire.harness.metrics import GIB
 from latentwire.harness.profiling import by_site, live_at_peak, read_snapshot
-
-GIB = 2 ** 30
 
 
 def report(snapshot: dict, top: int) -> str:

@@ -191,14 +191,19 @@ class Preloaded:
         self.proc.wait(timeout=60)
 
 
+def python_target(entry: str) -> str:
+    """What Python runs for an entry point other than the launcher: a script or a module."""
+    return "train.py" if entry == "train" else f"latentwire.{entry}"
+
+
 def invoke(entry: str, args: list[str], cwd: Path, env: dict, prefix: list[str]) -> subprocess.CompletedProcess:
-    if entry == "train":
-        cmd = [sys.executable, str(REPO / "train.py")]
-    elif entry.startswith("launch"):
+    if entry.startswith("launch"):
         cmd = [str(REPO / "launch.sh")]
         env = {"PYTHON": sys.executable, "NPROC_PER_NODE": entry[len("launch"):], **env}
+    elif entry == "train":
+        cmd = [sys.executable, str(REPO / python_target(entry))]
     else:
-        cmd = [sys.executable, "-m", f"latentwire.{entry}"]
+        cmd = [sys.executable, "-m", python_target(entry)]
     return subprocess.run([*prefix, *cmd, *args], cwd=cwd if entry.startswith("launch") else REPO,
                           env=child_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S)
 
@@ -380,7 +385,7 @@ def run_case(entry: str, build, root: Path, reference_run: Path, model_dirs: dic
         if plain:
             server = servers.get()
             try:
-                proc = server.run("train.py" if entry == "train" else f"latentwire.{entry}", args, root)
+                proc = server.run(python_target(entry), args, root)
             finally:
                 servers.put(server)
         else:
