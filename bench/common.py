@@ -22,12 +22,12 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-import train  # noqa: E402
 from latentwire.config import load_config  # noqa: E402
 from latentwire.data import Collator, DataSources, PromptDataset  # noqa: E402
 from latentwire.harness.data import ShardSampler, make_loader as harness_loader  # noqa: E402
 from latentwire.llm import build_frozen_llms  # noqa: E402
 from latentwire.model import WireEncoder  # noqa: E402
+from latentwire.parallelize import prepare_frozen_llms  # noqa: E402
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts  # noqa: E402
 from latentwire.harness.precision import frozen_weight_dtype  # noqa: E402
 
@@ -81,8 +81,8 @@ def build_model(cfg) -> tuple[dict, WireEncoder]:
     torch.manual_seed(cfg.training.seed)
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
-    train.prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
-                              device=CPU)
+    prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
+                        device=CPU)
     model = WireEncoder.for_llms(cfg.wire, llms)
     return llms, model.train()
 
@@ -94,8 +94,8 @@ def make_loader(cfg, llms: dict) -> DataLoader:
     collate = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
                                teacher=cfg.objectives.teacher, word_patch=cfg.wire.word_patch)
     return harness_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.training.seed), collate,
-                          micro_batch_size=cfg.training.micro_batch_size, num_workers=cfg.data.num_workers,
-                          prefetch_factor=cfg.data.prefetch_factor, device_type="cpu", seed=cfg.training.seed)
+                          micro_batch_size=cfg.training.micro_batch_size, num_workers=cfg.loader.num_workers,
+                          prefetch_factor=cfg.loader.prefetch_factor, device_type="cpu", seed=cfg.training.seed)
 
 
 def take(loader: DataLoader, n: int) -> list[dict]:

@@ -48,7 +48,7 @@ import torch
 from common import (REPO, build_model, child_env, forward_backward, make_loader, median, parse_settings, summary,
                     take)
 import train  # found through the repository path that common puts on sys.path
-from latentwire.compiling import wire_regions
+from latentwire.parallelize import prepare_frozen_llms, wire_regions
 from latentwire.harness.compiling import stable_shapes
 from latentwire.config import load_config
 from latentwire.known_llms import LLAMA_3_1_8B, QWEN_2_5_7B
@@ -117,7 +117,7 @@ def whole_step(mode: str, backend: str):
 def regional_step(model, llms: dict, mode: str, backend: str):
     """train.py's compile blocks: each of the step's regions compiled on its own, the decoder layers
     by train.py's own prepare_frozen_llms."""
-    train.prepare_frozen_llms(llms, checkpointing=False, compile_options=compile_kwargs(mode, backend), mesh=None,
+    prepare_frozen_llms(llms, checkpointing=False, compile_options=compile_kwargs(mode, backend), mesh=None,
                               device=None)
     for region in wire_regions(model):
         region.compile(**compile_kwargs(mode, backend))

@@ -63,7 +63,7 @@ def main() -> None:
     _, s = parse_settings(__doc__.splitlines()[0], QUICK, FULL)
     cfg = cpu_config("--num-examples", s.num_examples)
     print(f"model step: {cfg.training.micro_batch_size} x {cfg.training.grad_accum_steps} micro-batches; loader: " + (
-        f"{cfg.data.num_workers} worker(s), prefetch {cfg.data.prefetch_factor}" if cfg.data.num_workers else
+        f"{cfg.loader.num_workers} worker(s), prefetch {cfg.loader.prefetch_factor}" if cfg.loader.num_workers else
         "no workers (the profile's num_workers is 0): it collates in the training process, in series "
         "with the model, so 1/ratio is the share of each step spent loading"), flush=True)
     llms, model = build_model(cfg)
@@ -84,7 +84,7 @@ def main() -> None:
               f"(median of {len(steps)} steps)", flush=True)
     loader_rate, model_rate = median(loader_rates), median(model_rates)
     summary("dataloader", loader_rate / model_rate, loader_samples_per_s=loader_rate,
-            model_samples_per_s=model_rate, num_workers=cfg.data.num_workers)
+            model_samples_per_s=model_rate, num_workers=cfg.loader.num_workers)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ of its own tokenizer. `Collator` builds both, padded to few distinct shapes.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .harness.errors import UserError
+from .harness.resume import data_identity
 
 PAD_BYTE = 256  # byte values are 0..255, so the encoder's byte embedding has 257 rows
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index
@@ -153,7 +153,7 @@ def same_dataset(a: str, b: str) -> bool:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The profile's data fields: which examples, how they are cut and padded, how they load."""
+    """The profile's data fields: which examples, and how they are cut and padded."""
     dataset: str
     eval_dataset: str | None
     held_out_fraction: float
@@ -162,8 +162,6 @@ class DataConfig:
     max_prompt_bytes: int
     max_answer_tokens: int
     pad_multiple: int
-    num_workers: int
-    prefetch_factor: int
 
 
 @dataclass(frozen=True)
@@ -248,21 +246,9 @@ class TrainingSet:
                 "train_examples_dropped": self.dropped}
 
     def identity(self) -> dict:
-        """What a checkpoint records of its training data (`same_data` compares two, and
-        `describe_data` names one)."""
-        return {"dataset": str(Path(self.source).resolve()) if is_local(self.source) else self.source,
-                "examples": len(self.examples), "fingerprint": fingerprint(self.examples),
-                "held_out_fraction": self.held_out_fraction}
-
-
-def same_data(a: dict, b: dict) -> bool:
-    """Two training-set identities are the same examples in the same order, wherever the file now
-    lies."""
-    return (a["examples"], a["fingerprint"]) == (b["examples"], b["fingerprint"])
-
-
-def describe_data(identity: dict) -> str:
-    return f"{identity['dataset']} ({identity['examples']} examples, fingerprint {identity['fingerprint']})"
+        """What a checkpoint records of its training data (harness.resume compares two)."""
+        return data_identity(str(Path(self.source).resolve()) if is_local(self.source) else self.source,
+                             self.examples, held_out_fraction=self.held_out_fraction)
 
 
 def _subset(examples: list[dict], n: int, seed: int) -> list[dict]:
@@ -391,14 +377,6 @@ def check_example(record: dict, index: int, source: str) -> dict:
     if isinstance(starts, list) and len(starts) == len(texts) and all(type(s) is int for s in starts):
         kept["answer_start"] = list(starts)
     return {"context": record["context"], "question": record["question"], "answers": kept}
-
-
-def fingerprint(examples: list[dict]) -> str:
-    """A short hash of the examples as loaded (content and order): what identifies a training set."""
-    digest = hashlib.sha256()
-    for ex in examples:
-        digest.update(json.dumps(ex, sort_keys=True).encode("utf-8") + b"\n")
-    return digest.hexdigest()[:16]
 
 
 # --- answers the prompt limit cuts off ----------------------------------------------------------

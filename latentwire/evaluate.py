@@ -37,9 +37,8 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-import train
-
-from .harness.checkpoint import load_weights, resolve_checkpoint
+from .harness.checkpoint import load_weights
+from .harness.resume import resolve_checkpoint
 from .config import read_meta
 from .harness.config import Parser, check_can_create, positive
 from .data import DataSources
@@ -50,6 +49,7 @@ from .eval.report import build_report, markdown, write_report
 from .eval.settings import EvalSettings
 from .llm import build_frozen_llms, held_per_rank
 from .model import WireEncoder
+from .parallelize import prepare_frozen_llms
 from .harness.precision import frozen_weight_dtype
 
 # --- loading a checkpoint ---------------------------------------------------------------------
@@ -106,7 +106,7 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
     mesh = init_device_mesh(di.device.type, (di.world_size,)) if sharded else None
-    train.prepare_frozen_llms(llms, checkpointing=False, compile_options=None, mesh=mesh, device=di.device)
+    prepare_frozen_llms(llms, checkpointing=False, compile_options=None, mesh=mesh, device=di.device)
     if sharded and di.is_main:
         print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr, flush=True)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)

@@ -55,6 +55,7 @@ from .harness.distributed import process_group
 from .harness.profiling import MemorySnapshots
 from .llm import build_frozen_llms
 from .model import WireEncoder
+from .parallelize import prepare_frozen_llms
 from .plan import TRAINING_STEP, write_json
 from .planner.budget import GIB, Fit, fit_line
 from .planner.memtrace import planning_batch
@@ -294,7 +295,7 @@ def find(cfg, args, di) -> None:
     # Built and wrapped as train.py builds them: the run's prompt contract, its checkpointing.
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
-    TRAINING_STEP.prepare_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
+    prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
                                device=di.device)
     probe = Probe(cfg, llms, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)

@@ -46,8 +46,8 @@ from .planner.memory_plan import Plan, make_plan, trainable_shapes
 from .planner.step import TrainingStep
 
 PROG = "python -m latentwire.plan"
-# train.py's optimizer, step and frozen-LLM wrappers: what is planned is what trains.
-TRAINING_STEP = TrainingStep(adamw=train.adamw, train_step=train.train_step, prepare_llms=train.prepare_frozen_llms)
+# train.py's optimizer and step: what is planned is what trains.
+TRAINING_STEP = TrainingStep(adamw=train.adamw, train_step=train.train_step)
 
 
 # --- the report -------------------------------------------------------------------------------

@@ -13,8 +13,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from conftest import ALL_TERMS
-import train
-from latentwire.compiling import DECODER_LAYER_VARIANTS, wire_regions
+from latentwire.parallelize import DECODER_LAYER_VARIANTS, prepare_frozen_llms, wire_regions
 from latentwire.harness.compiling import stable_shapes
 from latentwire.config import load_config
 from latentwire.data import IGNORE_INDEX, PAD_BYTE
@@ -37,7 +36,7 @@ def build():
     cfg = load_config(["--profile", "cpu", "--dropout", "0"])
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.float32)
-    train.prepare_frozen_llms(llms, checkpointing=True, compile_options=None, mesh=None, device=CPU)
+    prepare_frozen_llms(llms, checkpointing=True, compile_options=None, mesh=None, device=CPU)
     torch.manual_seed(0)
     model = WireEncoder.for_llms(cfg.wire, llms)
     return cfg, model, llms
@@ -88,7 +87,7 @@ def widths(n: int = 20) -> list[tuple[int, dict]]:
 def compile_as_train_py(model, llms):
     """train.py's compile blocks, with the test backend in place of inductor."""
     options = {"backend": BACKEND, "dynamic": True}
-    train.prepare_frozen_llms(llms, checkpointing=False, compile_options=options, mesh=None, device=None)
+    prepare_frozen_llms(llms, checkpointing=False, compile_options=options, mesh=None, device=None)
     for region in wire_regions(model):
         region.compile(**options)
     return stable_shapes()(forward_loss_sums)

@@ -3,13 +3,14 @@ import json
 
 import pytest
 
-from latentwire.config import DEFAULT_PROFILES, FIELDS, SCHEMA, SECTIONS, Config, load_config
+from latentwire.config import DEFAULT_PROFILES, SCHEMA, Config, load_config
 from latentwire.harness.config import flat_names, read_profiles
 from latentwire.harness.errors import UserError
 
 from conftest import assert_one_line_error, run_train
 
 PROFILES = read_profiles(DEFAULT_PROFILES)
+FIELDS = SCHEMA.fields  # the loop's and LatentWire's
 REQUIRED_KEYS = {"cpu", "h100", "h100x4", "h200", "a100-80gb", "a100-40gb", "rtx6000ada", "v100"}
 
 
@@ -68,26 +69,20 @@ def test_broken_profile_names_the_field(tmp_path, mutate, fragments):
         assert fragment in str(e.value)
 
 
-def test_a_profile_file_from_before_the_newer_fields_still_loads(tmp_path):
-    """frozen_sharding and num_gpus came later: a user's own profile without them gets their
-    defaults (whole LLMs, one GPU) instead of a missing-field error."""
-    path = broken(tmp_path, lambda p: [p["cpu"].pop(name) for name in ("frozen_sharding", "num_gpus")])
+def test_an_optional_field_left_out_takes_its_default(tmp_path):
+    """A profile may leave out the fields that have a default (whole LLMs, one GPU, IEEE fp32)."""
+    path = broken(tmp_path, lambda p: [p["cpu"].pop(name) for name in ("frozen_sharding", "num_gpus", "tf32",
+                                                                        "peak_tflops_tf32")])
     cfg = load_config(["--profile", "cpu", "--hw-profiles", path])
-    assert (cfg.frozen.sharding, cfg.training.num_gpus) == ("none", 1)
-
-
-def test_a_profile_file_from_before_tf32_loads_with_ieee_fp32(tmp_path):
-    """tf32 and its peak came after profiles (and checkpoints' meta.json) were written without them."""
-    path = broken(tmp_path, lambda p: [p["cpu"].pop(name) for name in ("tf32", "peak_tflops_tf32")])
-    cfg = load_config(["--profile", "cpu", "--hw-profiles", path])
-    assert (cfg.numerics.tf32, cfg.card.peak_tflops_tf32) == (False, None)
+    assert (cfg.frozen.sharding, cfg.training.num_gpus, cfg.numerics.tf32, cfg.card.peak_tflops_tf32) == \
+        ("none", 1, False, None)
 
 
 def test_every_field_is_read_by_one_section_and_meta_json_keeps_the_flat_names():
     """The typed sections cover the flat fields (profile keys, flags, meta.json) once each, and
     the flat record a checkpoint keeps reads back into the same configuration."""
     owners = {}
-    for attr, section in SECTIONS.items():
+    for attr, section in Config.sections().items():
         for name, flat in flat_names(section).items():
             owners.setdefault(flat, []).append(f"{attr}.{name}")
     assert {flat: where for flat, where in owners.items() if len(where) > 1} == {}
@@ -96,7 +91,7 @@ def test_every_field_is_read_by_one_section_and_meta_json_keeps_the_flat_names()
                        "--adam-beta1", "0.8", "--anchor-text", " A:", "--eval-every", "7", "--profiler", "true",
                        "--frozen-sharding", "fsdp"])
     assert (cfg.compile.enabled, cfg.compile.mode, cfg.optimizer.beta1) == (True, "max-autotune-no-cudagraphs", 0.8)
-    assert (cfg.prompt.anchor, cfg.evaluation.every, cfg.profiler.enabled, cfg.frozen.sharding) == (" A:", 7, True,
+    assert (cfg.prompt.anchor, cfg.output.eval_every, cfg.profiler.enabled, cfg.frozen.sharding) == (" A:", 7, True,
                                                                                                    "fsdp")
     meta = cfg.to_dict()
     assert list(meta) == ["profile", *FIELDS] and meta["compile_mode"] == "max-autotune-no-cudagraphs"

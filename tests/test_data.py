@@ -6,9 +6,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from latentwire.harness.errors import UserError
+from latentwire.harness.resume import fingerprint
 from latentwire.data import (
     PAD_BYTE, Collator, DataSources, PromptDataset, TrainingSet, answer_end_byte, answer_text, answers_past_cut,
-    fingerprint, hotpot_to_squad, load_examples, prompt_text, round_up, synthetic_corpus_text, synthetic_examples,
+    hotpot_to_squad, load_examples, prompt_text, round_up, synthetic_corpus_text, synthetic_examples,
 )
 from latentwire.objectives import Objectives, target_counts
 from latentwire.prompting import PromptContract, PromptFormat

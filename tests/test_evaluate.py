@@ -296,18 +296,6 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, meta, weights, fragment):
     assert_one_line_error(proc, fragment)
 
 
-def test_meta_json_from_before_the_newer_fields_still_reads(tmp_path):
-    """A checkpoint written before tf32, its peak and held_out_fraction existed: the first two take
-    their defaults, and the run is known to have trained on all of its data."""
-    config = load_config(["--profile", "cpu"]).to_dict()
-    for name in ("tf32", "peak_tflops_tf32", "held_out_fraction"):
-        del config[name]
-    ckpt = write_checkpoint(tmp_path, json.dumps({"profile": "cpu", "step": 3, "config": config}))
-    cfg, step = command.read_meta(ckpt)
-    assert (cfg.numerics.tf32, cfg.card.peak_tflops_tf32, cfg.data.held_out_fraction, step) == (False, None, 0.0, 3)
-    assert cfg.wire == load_config(["--profile", "cpu"]).wire
-
-
 def test_weights_of_another_model_are_a_one_line_error(tmp_path, cfg, llms):
     from safetensors.torch import save_file
     state = {k: v.contiguous() for k, v in wire_encoder(cfg, llms).state_dict().items()}

@@ -167,7 +167,7 @@ def test_fused_adamw_everywhere_and_pinned_memory_only_on_cuda(device_type):
     """train.py's optimizer and loader, built for a CUDA device on this CPU and for the CPU: AdamW
     is fused on both (one pass over every tensor; on the CPU it steps here), pinned host memory
     (asynchronous copies) is CUDA's only; frozen parameters get no state, and only matrices decay."""
-    from latentwire.config import OptimizerConfig
+    from latentwire.harness.loop_config import OptimizerConfig
     from latentwire.harness.data import make_loader
     from train import adamw
 
@@ -390,6 +390,7 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     from latentwire.config import load_config
     from latentwire.llm import build_frozen_llms
     from latentwire.model import WireEncoder
+    from latentwire.parallelize import prepare_frozen_llms
     from latentwire.plan import TRAINING_STEP
     from latentwire.planner.memtrace import planning_batch
 
@@ -399,7 +400,7 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     for recompute in (False, True):
         with torch.device("meta"):
             llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.float32)
-        TRAINING_STEP.prepare_llms(llms, checkpointing=recompute, compile_options=None, mesh=None, device=CPU)
+        prepare_frozen_llms(llms, checkpointing=recompute, compile_options=None, mesh=None, device=CPU)
         torch.manual_seed(0)
         model = WireEncoder.for_llms(cfg.wire, llms)
         answers = {n: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)

@@ -16,8 +16,9 @@ from conftest import REPO, child_env, ok
 # What users run: each may import anything below it, and the commands import train.py's step.
 ENTRY_POINTS = {"train", "latentwire.evaluate", "latentwire.plan", "latentwire.find_batch", "latentwire.readers",
                 "latentwire.harness.launch"}
-# Tools above the library: train.py and the commands use them; the library never does.
-TOOL_PACKAGES = ("latentwire.planner", "latentwire.eval")
+# Above the library: the tools train.py and the commands use, and LatentWire's recipe (what train.py
+# asks of the model), which uses the evaluation. The library never imports them.
+TOOL_PACKAGES = ("latentwire.planner", "latentwire.eval", "latentwire.recipe")
 
 
 def module_name(path: Path) -> str:
@@ -67,8 +68,15 @@ def test_the_entry_points_are_the_modules_users_run():
 
 def test_the_graph_is_read_from_every_kind_of_import():
     graph = import_graph()
-    assert "latentwire.config" in graph["train"] and "latentwire.harness.errors" in graph["latentwire.config"]
+    assert "latentwire.recipe" in graph["train"] and "latentwire.harness.errors" in graph["latentwire.config"]
     assert {"latentwire.planner", "latentwire.eval", "latentwire.llm_sources"} <= graph.keys()
+
+
+def test_train_py_reaches_the_model_through_its_recipe_alone():
+    """Besides the harness, train.py imports the recipe and the memory planner (its elastic batch
+    block): what a copy of the loop replaces (docs/loop.md, "Lifting the loop")."""
+    project = {m for m in import_graph()["train"] if m.startswith("latentwire.") and not m.startswith("latentwire.harness")}
+    assert project == {"latentwire.recipe", "latentwire.planner", "latentwire.planner.elastic", "latentwire.planner.step"}
 
 
 def test_no_module_imports_itself_round_a_circle():

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 import train
-from latentwire.config import OptimizerConfig, load_config
+from latentwire.config import load_config
+from latentwire.harness.loop_config import OptimizerConfig
 from latentwire.data import IGNORE_INDEX, Collator, PromptDataset, synthetic_examples
 from latentwire.llm import LLM_NAMES, FrozenLLM, load_frozen_llm
 from latentwire.model import WireEncoder

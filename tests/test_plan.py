@@ -8,12 +8,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
+from latentwire.parallelize import prepare_frozen_llms
 from latentwire.planner.analytic import optimizer_state_bytes, static_memory
 from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
 from latentwire.config import load_config
 from latentwire.harness.errors import UserError, main_guard
 from latentwire.data import IGNORE_INDEX, Collator, PromptDataset
-from latentwire.harness.data import scaled_lr
+from latentwire.harness.layout import scaled_lr
 from latentwire.planner.elastic import elastic_batch
 from latentwire.find_batch import Probe
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
@@ -42,7 +43,7 @@ def specs_and_answers(cfg):
 def profile_fakes(cfg, specs):
     """The profile's frozen LLMs as the plan builds and wraps them (call under a FakeTensorMode)."""
     llms = fake_llms(specs, cfg.numerics.precision)
-    TRAINING_STEP.prepare_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
+    prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
                                device=None)
     return llms
 

@@ -208,84 +208,6 @@ def load_checkpoint(path: Path, rank: int) -> dict:
     return {"path": path, "meta": meta, "weights": weights, "train_state": train_state, "rng": rng}
 
 
-def newest_meta(out_dir: Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint whose meta.json reads, and what it says: what a resume can be checked
-    against before anything heavy loads (the checkpoint itself is loaded later, by `resume`)."""
-    for path in reversed(list_checkpoints(out_dir)):
-        try:
-            return path, json.loads((path / META).read_text())
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def no_checkpoint(out_dir: Path) -> UserError:
-    return UserError(f"no usable checkpoint to resume from in {Path(out_dir) / 'checkpoints'}: there is none")
-
-
-def _on_every_rank(ok: bool) -> bool:
-    """Collective: whether `ok` holds on every rank (all_gather_object works on gloo and NCCL)."""
-    if not dist.is_initialized():
-        return ok
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, ok)
-    return all(flags)
-
-
-def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
-    """Collective: the newest checkpoint that every rank loads (each reads its own RNG file, so
-    ranks can disagree; they must not resume from different steps). A partial or corrupt newer one
-    is skipped with a warning; if none loads, one error line says why the newest did not."""
-    unreadable = []
-    for path in reversed(list_checkpoints(out_dir)):
-        try:
-            ckpt, reason = load_checkpoint(path, rank), None
-        except CorruptCheckpoint as e:
-            ckpt, reason = None, str(e)
-        if not _on_every_rank(ckpt is not None):
-            unreadable.append(reason or f"{path}: unreadable on another rank")
-            continue
-        for reason in unreadable:
-            warn(f"warning: skipping unreadable checkpoint {reason}")
-        return ckpt
-    if not unreadable:
-        raise no_checkpoint(out_dir)
-    where = Path(out_dir) / "checkpoints"
-    older = f" (and {len(unreadable) - 1} older ones)" if len(unreadable) > 1 else ""
-    raise UserError(f"no usable checkpoint to resume from in {where}: {unreadable[0]}{older}")
-
-
-def check_restored_settings(config: dict, saved: dict, restored: tuple[str, ...],
-                            new_run: str = "start a new run") -> None:
-    """Refuse, in one line, a resume that changes one of the `restored` settings: those the
-    checkpoint's optimizer, schedule and scaler state carry, which would silently override a new
-    value while meta.json recorded it. `new_run`: what the line offers instead."""
-    changed = [f"--{name.replace('_', '-')} {config[name]} (the run's: {saved.get(name)})"
-               for name in restored if config[name] != saved.get(name)]
-    if changed:
-        raise UserError(f"{', '.join(changed)}: the checkpoint's state (its optimizer and schedule, or its weights' "
-                        f"shape) holds the run's values; resume without changing them, or {new_run}")
-
-
-def resolve_checkpoint(path: Path, flag: str) -> Path:
-    """A checkpoint directory, or a run directory standing for its newest complete checkpoint, as
-    `flag` (the command-line flag that named it) gave it."""
-    try:
-        if not path.is_dir():
-            raise UserError(f"{flag} {path} is not a directory")
-        if (path / "checkpoints").is_dir():
-            complete = list_checkpoints(path)
-            if not complete:
-                raise UserError(f"run {path} has no complete checkpoint")
-            path = complete[-1]
-        for name in (WEIGHTS, META):
-            if not (path / name).is_file():
-                raise UserError(f"{flag} {path} is not a complete checkpoint: it has no {name}")
-    except OSError as e:  # a directory this user may not look into
-        raise UserError(f"{flag} {path} cannot be read: {e.strerror}") from None
-    return path
-
-
 def load_weights(ckpt: Path, model, what: str) -> None:
     """A checkpoint's trained weights into `model` (`what` names it in an error), checked first."""
     from safetensors import SafetensorError
@@ -317,26 +239,25 @@ class TrainState:
     """Where a run is, besides its weights and optimizer: the last finished optimizer step, and
     the data position after it (the epoch and how many of its examples the steps used) under a
     layout (world size, micro-batch, accumulation) that gives that position its meaning, in the
-    training set `data` names (data.TrainingSet.identity; None in checkpoints from before it)."""
+    training set `data` names (harness.resume.data_identity)."""
     step: int
     epoch: int
     examples_done: int
     layout: tuple[int, int, int]
-    data: dict | None = None
+    data: dict
 
 
 class Checkpointer:
-    """One run's checkpoints: the format written and loaded in one place. It holds the
-    stateful objects, saves them with a TrainState (`save`), and loads them back into the same
-    objects (`resume`). Both are collective: every rank calls them."""
+    """One run's checkpoints: the format written and read in one place. It holds the stateful
+    objects, saves them with a TrainState (`save`, collective: every rank calls it), and puts a
+    loaded checkpoint back into the same objects (`restore`). Which checkpoint a run resumes from
+    is `harness.resume`'s."""
 
-    def __init__(self, out_dir: Path, *, rank: int, keep: int, meta: dict, restored: tuple[str, ...], model,
-                 optimizer, scheduler, scaler):
+    def __init__(self, out_dir: Path, *, rank: int, keep: int, meta: dict, model, optimizer, scheduler, scaler):
         """`meta` goes into meta.json: the run's settings (flat name -> value) under "config", and
-        whatever else the caller records (versions of its own libraries under "versions");
-        `restored` names the settings a resume may not change (check_restored_settings); `keep`
+        whatever else the caller records (versions of its own libraries under "versions"); `keep`
         is how many of the newest checkpoints stay on disk."""
-        self.out_dir, self.rank, self.keep, self.meta, self.restored = Path(out_dir), rank, keep, meta, restored
+        self.out_dir, self.rank, self.keep, self.meta = Path(out_dir), rank, keep, meta
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
 
     def save(self, state: TrainState) -> Path:
@@ -349,18 +270,15 @@ class Checkpointer:
             prune_checkpoints(self.out_dir, self.keep)
         return path
 
-    def resume(self, warn) -> tuple[TrainState, Path]:
-        """Load the newest checkpoint every rank reads into the weights, optimizer, schedule, grad
+    def restore(self, ckpt: dict) -> TrainState:
+        """A loaded checkpoint (load_checkpoint's) back into the weights, optimizer, schedule, grad
         scaler and this process's RNGs; the TrainState is the saved one, layout included."""
-        ckpt = load_newest_checkpoint(self.out_dir, self.rank, warn)
-        state = ckpt["train_state"]
-        check_restored_settings(self.meta["config"], ckpt["meta"]["config"], self.restored)
         check_weights(ckpt["weights"], self.model.state_dict(), ckpt["path"] / WEIGHTS, "the configured model")
         self.model.load_state_dict(ckpt["weights"])
+        state = ckpt["train_state"]
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         restore_rng(ckpt["rng"])
         data = state["data"]
-        return (TrainState(state["step"], data["epoch"], data["examples_done"], tuple(data["layout"]),
-                           data.get("identity")), ckpt["path"])
+        return TrainState(state["step"], data["epoch"], data["examples_done"], tuple(data["layout"]), data["identity"])

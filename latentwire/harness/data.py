@@ -1,58 +1,15 @@
-"""Data for a data-parallel loop, whatever the examples are: the global batch's layout on the
-world that runs it, a sampler that deals each rank a disjoint shard and can start an epoch
-part-way (resume), the DataLoader the loop reads, its global batches of accumulated
-micro-batches, and the copy of a collated batch to the device."""
+"""Data for a data-parallel loop, whatever the examples are: a sampler that deals each rank a
+disjoint shard and can start an epoch part-way (resume), the examples a run's steps will draw,
+the DataLoader the loop reads, its global batches of accumulated micro-batches, and the copy of a
+collated batch to the device. How large those batches are is `harness.layout`'s."""
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
 
 from .preemption import shield_worker_from_stop_signals
-
-
-def scaled_lr(lr: float, old_batch: int, new_batch: int, rule: str) -> float:
-    """sqrt: the square-root rule for Adam-type optimizers (Malladi et al., 2022); linear: the
-    linear rule for SGD (Goyal et al., 2017)."""
-    ratio = new_batch / old_batch
-    return lr * (math.sqrt(ratio) if rule == "sqrt" else ratio)
-
-
-@dataclass(frozen=True)
-class Layout:
-    micro_batch_size: int
-    grad_accum_steps: int
-    lr: float
-    why: str  # one line for the run's start
-
-
-def layout_for_world(micro: int, accum: int, laid_out_for: int, world: int, lr: float, rule: str) -> Layout:
-    """A profile's batch on the world that runs it. The profile means a global batch (micro x
-    accum x the ranks it is laid out for), and its lr was tuned for that batch: another world size
-    keeps it, each rank taking its share in micro-batches no larger than the profile's (so what fit
-    still fits) and as large as an exact split allows. Where no exact split keeps micro-batches of
-    at least half the profile's (the share is not a whole number, or has no such divisor), each rank
-    keeps the profile's micro-batch and accumulation, the global batch follows the world, and the
-    lr follows the profile's `rule` (scaled_lr)."""
-    profile_batch = micro * accum * laid_out_for
-    said = f"global batch {profile_batch} ({micro} x {accum} x {laid_out_for}, as the profile lays it out)"
-    if world == laid_out_for:
-        return Layout(micro, accum, lr, said)
-    share = profile_batch / world
-    if share.is_integer():
-        share = int(share)
-        split = max(d for d in range(1, min(micro, share) + 1) if share % d == 0)
-        if 2 * split >= min(micro, share):
-            return Layout(split, share // split, lr, f"{said} kept on {world} rank(s) as {split} x "
-                                                     f"{share // split} x {world}; lr {lr:.3g} unchanged")
-    new_batch = micro * accum * world
-    new_lr = scaled_lr(lr, profile_batch, new_batch, rule)
-    return Layout(micro, accum, new_lr, f"{said} does not split well over {world} rank(s), so each keeps "
-                                        f"{micro} x {accum}: global batch {new_batch}, lr {lr:.3g} -> {new_lr:.3g} by "
-                                        f"the {rule} rule")
 
 
 class ShardSampler(torch.utils.data.DistributedSampler):
@@ -127,3 +84,16 @@ def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, 
             examples_done += global_batch
             yield epoch, examples_done, [next(it) for _ in range(accum)]
         epoch, examples_done = epoch + 1, 0
+
+
+def run_examples(n: int, *, seed: int, state, steps: int) -> list[int]:
+    """The dataset indices a run of `steps` optimizer steps draws, in increasing order: those of the
+    whole run from its first step, and those from `state`'s position (a TrainState: a resumed run's,
+    whose layout or --new-data may draw others). Work done once per example before training covers
+    the whole run's whether it stops early or resumes late: the same examples then pass through it
+    in the same batches, so a run that stopped and resumed trains bitwise as the one that did not."""
+    world, micro, accum = state.layout
+    draws = dict(seed=seed, world=world, micro=micro, accum=accum)
+    return sorted({*examples_visited(n, **draws, epoch=0, examples_done=0, steps=steps),
+                   *examples_visited(n, **draws, epoch=state.epoch, examples_done=state.examples_done,
+                                     steps=steps - state.step)})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,11 @@ class DistInfo:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1 or dist.is_initialized()
+
+    def say(self, line: str | None, warning: bool = False) -> None:
+        """Print `line` once for the run, from rank 0 (on stderr if a `warning`); None says nothing."""
+        if self.is_main and line is not None:
+            print(line, file=sys.stderr if warning else sys.stdout, flush=True)
 
 
 def select_device(device_type: str, local_rank: int) -> torch.device:

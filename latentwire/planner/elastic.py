@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..harness.data import scaled_lr
+from ..harness.layout import scaled_lr
 from ..harness.errors import UserError
 from .step import TrainingStep
 
@@ -39,11 +39,11 @@ def elastic_batch(cfg, world_size: int, fits: int) -> tuple[int, int, float, str
                                                 f"{world_size} rank(s); lr {cfg.optimizer.lr:.3g} unchanged")
     micro = math.ceil(per_rank / fewest_steps)
     new_global = micro * fewest_steps * world_size
-    lr = scaled_lr(cfg.optimizer.lr, global_batch, new_global, cfg.planning.lr_scaling)
+    lr = scaled_lr(cfg.optimizer.lr, global_batch, new_global, cfg.training.lr_scaling)
     return micro, fewest_steps, lr, (
         head + f"{per_rank} per rank splits exactly only into micro-batches of {exact} or less, so the global "
         f"batch changes {global_batch} -> {new_global} ({micro} x {fewest_steps} x {world_size} rank(s)) and "
-        f"lr {cfg.optimizer.lr:.3g} -> {lr:.3g} by the {cfg.planning.lr_scaling} rule")
+        f"lr {cfg.optimizer.lr:.3g} -> {lr:.3g} by the {cfg.training.lr_scaling} rule")
 
 
 def apply_elastic_batch(cfg, world_size: int, step: TrainingStep):

@@ -17,6 +17,7 @@ from ..known_llms import KNOWN_LLMS, llm_parameter_count
 from ..llm import LLM_NAMES, fsdp_units
 from ..llm_sources import LLMSpec, llm_spec, read_source
 from ..model import WireConfig, WireEncoder
+from ..parallelize import prepare_frozen_llms
 from ..prompting import CHAT_FRAMING_TOKENS, PromptContract, PromptFormat, own_tail_text, uses_chat_template
 from .analytic import StaticMemory, static_memory
 from .budget import Budget, Fit, budget_for, fit_line, largest_fitting
@@ -184,7 +185,7 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
     # (train.py plans before it seeds and builds its real models).
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         llms = fake_llms(specs, cfg.numerics.precision)
-        step.prepare_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
+        prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
                           device=None)
         frozen_params = {name: sum(p.numel() for p in llm.model.parameters()) for name, llm in llms.items()}
         frozen_bytes = sum(p.numel() * p.element_size() for llm in llms.values() for p in llm.model.parameters())

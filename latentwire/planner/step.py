@@ -14,12 +14,11 @@ from ..harness.precision import AMP_DTYPES
 
 @dataclass(frozen=True)
 class TrainingStep:
-    """train.py's `adamw`, `train_step` and `prepare_frozen_llms`, handed in by whoever plans
+    """train.py's `adamw` and `train_step`, handed in by whoever plans
     (train.py for --elastic-batch, the commands import them from it): what is planned and measured
     is what trains, and the planner never imports the script that uses it."""
     adamw: Callable
     train_step: Callable
-    prepare_llms: Callable
 
     def run(self, cfg, model, llms: dict, optimizer, batch: dict, attention_backends: list) -> None:
         """One micro-batch through `train_step` with these SDPA kernels, then the update (no

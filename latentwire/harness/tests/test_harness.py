@@ -132,22 +132,24 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
     """A newest checkpoint whose training state pickles a callable is not run, only refused (its
     one line says why), and resume falls back to the older intact one."""
     from harness.checkpoint import Checkpointer, TrainState
+    from harness.resume import resume
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    checkpointer = Checkpointer(tmp_path, rank=0, keep=2, meta={"config": {"lr": 0.1}}, restored=("lr",),
-                                model=model, optimizer=optimizer,
-                                scheduler=torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4),
+    checkpointer = Checkpointer(tmp_path, rank=0, keep=2, meta={"config": {"lr": 0.1}}, model=model,
+                                optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4),
                                 scaler=torch.amp.GradScaler("cpu", enabled=False))
+    data = {"dataset": "rows", "examples": 16, "fingerprint": "0"}
     for step in (1, 2):
-        newest = checkpointer.save(TrainState(step, 0, 8 * step, layout=(1, 8, 1)))
+        newest = checkpointer.save(TrainState(step, 0, 8 * step, layout=(1, 8, 1), data=data))
     marker = tmp_path / "ran"
     state = torch.load(newest / "train_state.pt", weights_only=True)
     torch.save({**state, "planted": Planted(marker)}, newest / "train_state.pt")
-    warnings = []
-    resumed, path = checkpointer.resume(warn=warnings.append)
+    warnings, said = [], []
+    resumed = resume(checkpointer, TrainState(0, 0, 0, layout=(1, 8, 1), data=data), {"lr": 0.1}, ("lr",),
+                     max_steps=4, say=said.append, warn=warnings.append)
     assert not marker.exists()
-    assert (path.name, resumed.step) == ("step_00000001", 1)
+    assert resumed.step == 1 and "step_00000001" in said[0], said
     assert len(warnings) == 1 and "more than tensors and plain values" in warnings[0], warnings
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from harness.distributed import all_reduce_sum, group_options, leave_together, t
 from harness.errors import main_guard  # noqa: E402
 from harness.metrics import MetricsLogger, StepMeter  # noqa: E402
 from harness.preemption import StopFlag, stop_code  # noqa: E402
+from harness.resume import resume  # noqa: E402
 
 PROFILES = Path(__file__).with_name("toy_profiles.json")
 SCHEMA = Schema({
@@ -128,12 +129,12 @@ def train(args, values: dict, cfg: Toy, di) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=cfg.max_steps)
     scaler = torch.amp.GradScaler(di.device.type, enabled=False)
-    state = TrainState(0, 0, 0, layout=(world, micro, accum))
-    checkpointer = Checkpointer(out, rank=rank, keep=2, meta={"config": values}, restored=("max_steps", "lr"),
-                                model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    identity = {"dataset": "toy", "examples": cfg.num_examples, "fingerprint": f"seed {cfg.seed}"}
+    state = TrainState(0, 0, 0, layout=(world, micro, accum), data=identity)
+    checkpointer = Checkpointer(out, rank=rank, keep=2, meta={"config": values, "data": identity}, model=model,
+                                optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     if args.resume:
-        saved, _ = checkpointer.resume(warn=print)
-        state = replace(saved, layout=state.layout)
+        state = resume(checkpointer, state, values, ("max_steps", "lr"), max_steps=cfg.max_steps)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, global_batch)
     out.mkdir(parents=True, exist_ok=True)
     task, meter = RegressionTask(), StepMeter(di.device, step_flops=lambda micro_batches: 0.0, peak_tflops=None)

@@ -1,0 +1,211 @@
+"""Resume policy: which checkpoint a run continues from, what a resume may not change, and where
+the continued run stands. The format itself (what a checkpoint holds, written whole or not at all)
+is `harness.checkpoint`'s.
+
+- The newest checkpoint that every rank loads is resumed; a partial or corrupt newer one is
+  skipped with a warning (`load_newest_checkpoint`).
+- A setting the checkpoint's state carries (its optimizer, schedule and grad scaler, the model's
+  shape) may not change: the state would silently override the new value while meta.json recorded
+  it. Refused in one line, before anything heavy loads, from the newest meta.json, and again on the
+  checkpoint that loads.
+- A data position means something only in the same training set: each checkpoint records its
+  data's identity (`data_identity`), and a resume on other data is refused unless --new-data starts
+  a fresh epoch of it with the resumed weights and optimizer.
+- `--init-from` starts a new run from a checkpoint's weights, refused where they were trained for
+  another shape (the model's `WEIGHT_FIELDS`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .checkpoint import (META, WEIGHTS, Checkpointer, CorruptCheckpoint, TrainState, list_checkpoints,
+                         load_checkpoint)
+from .errors import UserError
+
+
+# --- the training data's identity ------------------------------------------------------------------
+
+def fingerprint(examples: list) -> str:
+    """A short hash of JSON-able examples as loaded (content and order)."""
+    digest = hashlib.sha256()
+    for ex in examples:
+        digest.update(json.dumps(ex, sort_keys=True).encode("utf-8") + b"\n")
+    return digest.hexdigest()[:16]
+
+
+def data_identity(dataset: str, examples: list, **facts) -> dict:
+    """What a checkpoint records of its training set: its name, size and fingerprint (and any other
+    `facts` the model's data has)."""
+    return {"dataset": dataset, "examples": len(examples), "fingerprint": fingerprint(examples), **facts}
+
+
+def same_data(a: dict, b: dict) -> bool:
+    """Two identities are the same examples in the same order, wherever the file now lies."""
+    return (a["examples"], a["fingerprint"]) == (b["examples"], b["fingerprint"])
+
+
+def describe_data(identity: dict) -> str:
+    return f"{identity['dataset']} ({identity['examples']} examples, fingerprint {identity['fingerprint']})"
+
+
+# --- which checkpoint ---------------------------------------------------------------------------------
+
+def newest_meta(out_dir: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint whose meta.json reads, and what it says: what a resume can be checked
+    against before anything heavy loads (the checkpoint itself is loaded later, by `resume`)."""
+    for path in reversed(list_checkpoints(out_dir)):
+        try:
+            return path, json.loads((path / META).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def no_checkpoint(out_dir: Path) -> UserError:
+    return UserError(f"no usable checkpoint to resume from in {Path(out_dir) / 'checkpoints'}: there is none")
+
+
+def _on_every_rank(ok: bool) -> bool:
+    """Collective: whether `ok` holds on every rank (all_gather_object works on gloo and NCCL)."""
+    if not dist.is_initialized():
+        return ok
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    return all(flags)
+
+
+def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
+    """Collective: the newest checkpoint that every rank loads (each reads its own RNG file, so
+    ranks can disagree; they must not resume from different steps). A partial or corrupt newer one
+    is skipped with a warning; if none loads, one error line says why the newest did not."""
+    unreadable = []
+    for path in reversed(list_checkpoints(out_dir)):
+        try:
+            ckpt, reason = load_checkpoint(path, rank), None
+        except CorruptCheckpoint as e:
+            ckpt, reason = None, str(e)
+        if not _on_every_rank(ckpt is not None):
+            unreadable.append(reason or f"{path}: unreadable on another rank")
+            continue
+        for reason in unreadable:
+            warn(f"warning: skipping unreadable checkpoint {reason}")
+        return ckpt
+    if not unreadable:
+        raise no_checkpoint(out_dir)
+    where = Path(out_dir) / "checkpoints"
+    older = f" (and {len(unreadable) - 1} older ones)" if len(unreadable) > 1 else ""
+    raise UserError(f"no usable checkpoint to resume from in {where}: {unreadable[0]}{older}")
+
+
+def resolve_checkpoint(path: Path, flag: str) -> Path:
+    """A checkpoint directory, or a run directory standing for its newest complete checkpoint, as
+    `flag` (the command-line flag that named it) gave it."""
+    try:
+        if not path.is_dir():
+            raise UserError(f"{flag} {path} is not a directory")
+        if (path / "checkpoints").is_dir():
+            complete = list_checkpoints(path)
+            if not complete:
+                raise UserError(f"run {path} has no complete checkpoint")
+            path = complete[-1]
+        for name in (WEIGHTS, META):
+            if not (path / name).is_file():
+                raise UserError(f"{flag} {path} is not a complete checkpoint: it has no {name}")
+    except OSError as e:  # a directory this user may not look into
+        raise UserError(f"{flag} {path} cannot be read: {e.strerror}") from None
+    return path
+
+
+# --- what a resume may not change ---------------------------------------------------------------------
+
+def check_restored_settings(config: dict, saved: dict, restored: tuple[str, ...],
+                            new_run: str = "start a new run") -> None:
+    """Refuse, in one line, a resume that changes one of the `restored` settings. `new_run`: what
+    the line offers instead."""
+    changed = [f"--{name.replace('_', '-')} {config[name]} (the run's: {saved.get(name)})"
+               for name in restored if config[name] != saved.get(name)]
+    if changed:
+        raise UserError(f"{', '.join(changed)}: the checkpoint's state (its optimizer and schedule, or its weights' "
+                        f"shape) holds the run's values; resume without changing them, or {new_run}")
+
+
+def check_stop_at_step(stop_at_step: int | None, saved_step: int) -> None:
+    if stop_at_step is not None and stop_at_step <= saved_step:
+        raise UserError(f"--stop-at-step {stop_at_step} is not after the resumed step {saved_step}")
+
+
+def check_same_data(path: Path, saved: dict, fresh: dict, new_data: bool) -> None:
+    """Refuse a resume on other training data than the checkpoint's, unless `new_data`."""
+    if not same_data(saved, fresh) and not new_data:
+        raise UserError(f"--resume on other training data: {path.name} trained on {describe_data(saved)}, this "
+                        f"run loads {describe_data(fresh)}; resume with the same data, or add --new-data to "
+                        "train on this data from a fresh epoch with the resumed weights and optimizer")
+
+
+def check_resume_settings(out_dir: Path, config: dict, restored: tuple[str, ...], stop_at_step: int | None) -> None:
+    """What the newest checkpoint's meta.json says of a resume, before anything heavy loads: no
+    checkpoint, a changed restored setting, --stop-at-step not after it. `resume` checks the
+    checkpoint that loads again (a newer one that does not load is skipped there)."""
+    if not list_checkpoints(out_dir):
+        raise no_checkpoint(out_dir)
+    found = newest_meta(out_dir)
+    if found is None:  # none reads: resume says why, once it has tried each
+        return
+    path, meta = found
+    check_restored_settings(config, meta.get("config", {}), restored,
+                            new_run=f"start a new run from its weights: --init-from {out_dir} with another --out-dir")
+    check_stop_at_step(stop_at_step, meta["step"])
+
+
+def check_resume_data(out_dir: Path, fresh: dict, new_data: bool) -> None:
+    """The newest meta.json's training data against this run's, before the model loads."""
+    found = newest_meta(out_dir)
+    if found is not None:
+        check_same_data(found[0], found[1]["data"], fresh, new_data)
+
+
+def check_init_from(path: Path, config: dict, weight_fields: tuple[str, ...]) -> None:
+    """--init-from's checkpoint, refused in one line where its weights were trained with other
+    `weight_fields` (another shape, other frozen parts) than `config`'s."""
+    try:
+        saved = json.loads((path / META).read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--init-from {path}: its {META} does not read ({type(e).__name__}: {e})") from None
+    different = [f"{name} {saved.get(name)} (this run: {config[name]})" for name in weight_fields
+                 if saved.get(name) != config[name]]
+    if different:
+        raise UserError(f"--init-from {path}: its weights were trained with {', '.join(different)}; give this run "
+                        "the same shape")
+
+
+# --- the continued run -------------------------------------------------------------------------------
+
+def resume(checkpointer: Checkpointer, fresh: TrainState, config: dict, restored: tuple[str, ...], *, max_steps: int,
+           stop_at_step: int | None = None, new_data: bool = False, say=print, warn=print) -> TrainState | None:
+    """Collective: the newest checkpoint every rank loads, restored, and continued with this run's
+    layout and data (`fresh`'s); None when the run has already finished. `config`: this run's
+    settings, of which `restored` may not differ from the checkpoint's; `say` and `warn` print."""
+    ckpt = load_newest_checkpoint(checkpointer.out_dir, checkpointer.rank, warn)
+    path = ckpt["path"]
+    check_restored_settings(config, ckpt["meta"]["config"], restored)
+    saved = checkpointer.restore(ckpt)
+    check_stop_at_step(stop_at_step, saved.step)
+    check_same_data(path, saved.data, fresh.data, new_data)
+    if saved.step >= max_steps:
+        say(f"{path} is the run's last step ({max_steps}): nothing to do, nothing changed")
+        return None
+    fresh_epoch = new_data and not same_data(saved.data, fresh.data)  # the same data: its position holds
+    if fresh_epoch:
+        saved = replace(saved, epoch=saved.epoch + 1, examples_done=0)
+    say(f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, {saved.examples_done} examples into it)"
+        + (f"; --new-data: a fresh epoch of {describe_data(fresh.data)}" if fresh_epoch else ""))
+    if saved.layout != fresh.layout:
+        warn(f"note: layout (world, micro-batch, accumulation) is {fresh.layout}, the checkpoint's was "
+             f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an unbroken one only "
+             "for the same layout")
+    return replace(saved, layout=fresh.layout, data=fresh.data)

@@ -1,0 +1,132 @@
+"""LatentWire's recipe: what train.py's setup asks of the model (harness.recipe.Recipe), through
+one object built by one call, `LatentWire(cfg, di, stop)`, as torchtitan's model spec and
+parallelize function serve its trainer. Its parts live in their modules: the examples and batches
+(latentwire.data), the frozen readers and their wrappers in one order (latentwire.llm,
+latentwire.parallelize), the trainable encoder and adapters (latentwire.model), the objectives and
+the step's task (latentwire.objectives), the distillation targets (latentwire.distillation), the
+periodic evaluation (latentwire.eval) and the FLOP model (latentwire.flops).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.attention import sdpa_kernel
+
+from .config import Config
+from .data import Collator, DataSources, PromptDataset, TrainingSet
+from .distillation import describe_targets, teacher_targets
+from .eval.evaluation import evaluate_wire
+from .eval.settings import EvalSettings
+from .flops import FlopModel
+from .harness.compiling import stable_shapes
+from .harness.distributed import DistInfo
+from .harness.precision import AMP_DTYPES, cuda_capability, frozen_weight_dtype, sdpa_backends
+from .llm import build_frozen_llms, describe_prompts, held_per_rank
+from .model import WireEncoder, count_parameters
+from .objectives import WireTask, forward_loss_sums
+from .parallelize import prepare_frozen_llms, wire_regions
+
+
+class LatentWire:
+    """A byte encoder and one adapter per frozen reader (a Llama and a Qwen), which read the wire's
+    soft tokens in place of the prompt's text."""
+    Config = Config
+
+    def __init__(self, cfg: Config, di: DistInfo, stop: Callable[[], int]):
+        """The data, loaded and checked, and what it is said up front: the answers the prompt's cut
+        hides from the encoder, and where the held-out examples come from. The readers load in
+        `build_model`."""
+        self.cfg, self.di, self.stop = cfg, di, stop
+        data = cfg.data
+        sources = DataSources.of(data, seed=cfg.training.seed)
+        self.training = TrainingSet.load(sources, data.num_examples, data.max_prompt_bytes, data.drop_cut_answers)
+        held_out = sources.held_out_source()
+        self.eval_examples = sources.held_out_examples(cfg.evaluation.examples, held_out) if cfg.output.eval_every else []
+        self.dataset = PromptDataset(self.training.examples)
+        self.data_identity, self.data_facts = self.training.identity(), self.training.facts()
+        # The step's numerics, for the teacher's one-off pass.
+        self.amp_dtype = AMP_DTYPES[cfg.numerics.precision]
+        self.attention, _ = sdpa_backends(cuda_capability(di.device), frozen_weight_dtype(cfg.numerics.precision))
+        self.sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
+        self.di.say(f"data: {self.training.summary(data.max_prompt_bytes)}; held out: {sources.describe_held_out(held_out)}")
+
+    def build_model(self, compile_options: dict | None) -> tuple[nn.Module, WireTask]:
+        """The frozen readers, stored in the autocast dtype (no gradients and no optimizer state,
+        so no fp32 master copy), built on the meta device, wrapped and read (prepare_frozen_llms);
+        the trainable encoder and adapters; the step's task."""
+        cfg, device = self.cfg, self.di.device
+        if cfg.frozen.sharding == "fsdp" and not self.sharded:
+            self.di.say("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
+                     warning=True)
+        mesh = init_device_mesh(device.type, (self.di.world_size,)) if self.sharded else None
+        with torch.device("meta"):
+            self.llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
+        self.di.say(f"prompt: {describe_prompts(self.llms)}")  # what each reader reads around the wire
+        started = time.perf_counter()
+        prepare_frozen_llms(self.llms, checkpointing=cfg.frozen.activation_checkpointing,
+                            compile_options=compile_options, mesh=mesh, device=device)
+        self.di.say(f"loaded the frozen LLMs in {time.perf_counter() - started:.1f} s")  # minutes for two 8B models
+        model = WireEncoder.for_llms(cfg.wire, self.llms).to(device)
+        self.flops = FlopModel.of(model, {n: llm.model for n, llm in self.llms.items()}, cfg.wire)
+        forward = stable_shapes()(forward_loss_sums) if compile_options is not None else forward_loss_sums
+        return model, WireTask(self.llms, cfg.objectives, cfg.wire.num_latents, forward)
+
+    def compile_regions(self, model: nn.Module) -> list[nn.Module]:
+        return wire_regions(model)
+
+    def collator(self, visited: list[int]) -> Collator:
+        """Each batch's encoder bytes and readers' rows; with distillation on, the teacher's targets
+        of each `visited` example too, computed first (once per example, not once per step)."""
+        cfg, data = self.cfg, self.cfg.data
+        kd_targets = self.teacher_targets(visited) if cfg.objectives.teacher else None
+        return Collator.for_llms(self.llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
+                                 kd_targets=kd_targets, word_patch=cfg.wire.word_patch)
+
+    def teacher_targets(self, visited: list[int]) -> dict:
+        """The teacher's targets (latentwire.distillation): each rank computes a share, gathered to
+        all; eagerly (a one-off pass), in the step's autocast and attention kernels."""
+        cfg, di, data = self.cfg, self.di, self.cfg.data
+        started = time.perf_counter()
+        rows = Collator.for_llms(self.llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
+                                 teacher=True)
+        with torch.compiler.set_stance("force_eager"), sdpa_kernel(self.attention), \
+                torch.autocast(di.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            targets = teacher_targets(self.llms, self.dataset, rows, visited, k=cfg.objectives.k_tokens,
+                                      temperature=cfg.objectives.kd_temperature, top_k=cfg.objectives.kd_top_k,
+                                      batch_size=cfg.training.micro_batch_size, device=di.device, rank=di.rank,
+                                      world=di.world_size)
+        self.di.say(describe_targets(targets, len(self.dataset), time.perf_counter() - started))
+        return targets
+
+    def step_flops(self, micro_batches: list[dict]) -> float:
+        return self.flops.step_flops(micro_batches)
+
+    def evaluate(self, model: nn.Module) -> dict | None:
+        """The held-out split, sharded over the ranks, equal to `python -m latentwire.evaluate` on
+        these weights; eagerly (its eval-mode, padded, KV-cached calls would recompile every
+        region). A signal during it (minutes with 8B readers) is heard between its chunks."""
+        settings = EvalSettings.of(self.cfg, text_baselines=False, lockstep=self.sharded, stop=self.stop)
+        with torch.compiler.set_stance("force_eager"):
+            return evaluate_wire(model, self.llms, self.eval_examples, settings, self.di.device, self.di.rank,
+                                 self.di.world_size)
+
+    def describe(self, model: nn.Module) -> str:
+        frozen = sum(count_parameters(llm.model, False) for llm in self.llms.values())
+        return (f"trainable {count_parameters(model, True) / 1e6:.2f}M, frozen {frozen / 1e6:.1f}M "
+                f"({held_per_rank(self.llms)})")
+
+    def meta(self) -> dict:
+        return {"wire": asdict(self.cfg.wire), "versions": {"transformers": transformers.__version__}}
+
+    def next_step(self, out_dir: Path) -> str:
+        """A run that sharded its readers over N ranks is evaluated on N ranks, which shard them the
+        same way."""
+        launch = f"torchrun --nproc_per_node={self.di.world_size} -m" if self.sharded else "python -m"
+        return f"evaluate it: {launch} latentwire.evaluate --ckpt {out_dir}"
