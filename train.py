@@ -1,22 +1,18 @@
-"""Train a model with one hand-written data-parallel loop: DDP over NCCL (gloo on a CPU), a sharded
-sampler, bf16 autocast, exact gradient accumulation, clipping, OneCycle, torch.compile and a
-profiler hook, driven by a hardware profile of hw_profiles.json.
+"""One hand-written data-parallel training loop, driven by a profile of hw_profiles.json.
 
     torchrun --nproc_per_node=4 train.py --profile h100     # one node, 4 GPUs
     torchrun --nproc_per_node=2 train.py --profile cpu      # anywhere, 2 gloo processes
-    python train.py --profile cpu --max-steps 20            # one process
 
-main() is the table of contents: resolve the run, build it, train (the loop, then the step). Each
-optimization is a labelled block. The model, LatentWire (a byte encoder and adapters feeding soft
-tokens to two frozen LLMs), comes through one recipe object; latentwire/harness/ holds the loop's
-machinery, and docs/loop.md says what each block does and how to lift the loop onto another model.
+main() is the table of contents; each optimization is a labelled block. The model (LatentWire: a
+byte encoder and adapters feeding soft tokens to two frozen LLMs) comes through one recipe, the
+machinery from latentwire/harness/; docs/loop.md lists the blocks and how to lift the loop.
 """
 from __future__ import annotations
 
 import os
 import random
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +26,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from latentwire.harness.checkpoint import Checkpointer, TrainState, checkpoint_dir, load_weights
 from latentwire.harness.compiling import inductor_cache_dir
 from latentwire.harness.config import check_can_create
-from latentwire.harness.data import ShardSampler, global_batches, make_loader, run_examples, to_device
+from latentwire.harness.data import (ShardSampler, check_one_global_batch, global_batches, make_loader, run_examples,
+                                     to_device)
 from latentwire.harness.distributed import (DistInfo, all_reduce_sum, ddp_buffer_options, group_options,
                                             leave_together, torchrun_rank)
-from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, OutOfMemory, UserError, main_guard
+from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, main_guard, out_of_memory
 from latentwire.harness.layout import laid_out
 from latentwire.harness.loop_config import LoopConfig, OptimizerConfig, load_config
 from latentwire.harness.metrics import MetricsLogger, StepMeter
@@ -63,10 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         if di.device.type == "cuda":
             torch.cuda.set_device(di.device)
         dist.init_process_group(**group_options(di.device, cfg.training.dist_timeout_s))
-    # Out of memory outside the loop (loading, DDP's buckets, the last save) is one line and exit 5 too.
-    with leave_together(), out_of_memory_report(cfg.run.profile):
-        # --- Preemption and Ctrl-C: a signal only sets a flag; ranks agree on it at a step's end, save
-        # and exit (75 preempted, 130 interrupted). Set first, so a signal while loading is heard.
+    # Out of memory outside the loop (loading, the last save) is one line and exit 5 too.
+    with leave_together(), out_of_memory(Recipe.memory_advice(cfg.run.profile)):
+        # --- Preemption and Ctrl-C: a signal only sets a flag; ranks agree on it at a step's end,
+        # save and exit (75 preempted, 130 interrupted). Set first, so a signal while loading is heard.
         stop = StopFlag(announce=di.is_main)
         cfg = resolve_run(cfg, di)
         run = build(cfg, di, stop, started)
@@ -84,14 +81,12 @@ def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
         check_init_from(init, cfg.to_dict(), cfg.WEIGHT_FIELDS)
     if cfg.compile.enabled:
         check_can_create(compile_cache(cfg), "compile_cache")
-    # --- The profile's batch on this world size (harness.layout) ---------------------------------
-    # A profile means a global batch and an lr tuned for it: another world size keeps the batch
-    # where it splits, else the lr follows the profile's rule; said either way.
+    # --- The profile's batch on this world size: kept where it splits, else the lr follows (harness.layout) --
     cfg, why = laid_out(cfg, di.world_size)
     di.say(why)
     # --- Elastic batch: the micro-batch from the memory plan of this very configuration -----------
     # The plan traces the step on the CPU (FakeTensorMode: real shapes, no memory); accumulation
-    # keeps the global batch where an exact split fills the card well.
+    # keeps the global batch.
     if cfg.planning.elastic_batch:
         cfg, why = apply_elastic_batch(cfg, di.world_size, TrainingStep(adamw, train_step))
         di.say(why)
@@ -114,13 +109,13 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     checkpointer: Checkpointer
     state: TrainState
-    batches: object  # harness.data.global_batches
+    batches: object
     snapshots: MemorySnapshots
     meter: StepMeter
     logger: MetricsLogger
     profiler: object
     on_disk: int | None  # the step whose checkpoint exists already (a resumed run's)
-    exit_after_save: SystemExit | None  # a signal heard while building: save at once and leave
+    exit_after_save: SystemExit | None
 
 
 def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run | None:
@@ -131,7 +126,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     recipe = Recipe(cfg, di, stop=lambda: stop.on_any_rank(device))  # the model's data, loaded and checked
     if cfg.run.resume:
         check_resume_data(out_dir, recipe.data_identity, cfg.run.new_data)
-    # --- Seeds: the same on every rank, so the initial weights agree ------------------------------
+    # --- Seeds: the same on every rank, so the initial weights agree -------------------------------
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -146,13 +141,13 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     if tf32:
         torch.set_float32_matmul_precision("high")  # not fp32_precision = "tf32": max-autotune reads this one
 
-    # --- Fused attention kernels: train_step's sdpa_kernel(attention_backends) ----------------------
+    # --- Fused attention kernels: train_step's sdpa_kernel(attention_backends)  ----------------------
     # On sm80+ in bf16/fp16 only flash and memory-efficient: a silent fallback to the O(L^2)-memory
     # math kernel becomes an error (harness.precision.sdpa_backends says why, cuDNN included).
     attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.numerics.precision))
     di.say(why and f"note: {why}", warning=True)
 
-    # --- The model, built and wrapped by its recipe, as torchtitan's parallelize -------------------
+    # --- The model: built and wrapped by its recipe, as torchtitan's parallelize -------------------
     # LatentWire's frozen readers: activation checkpointing, compile per decoder layer and FSDP2
     # (--frozen-sharding fsdp) in one order (latentwire.parallelize), then allocated and read.
     compile_options = {"mode": cfg.compile.mode, "dynamic": True} if cfg.compile.enabled else None
@@ -183,10 +178,8 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     # --- Data: a disjoint shard per rank ---------------------------------------------------------------
     # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank: the
     # same global batches on any world size, and an epoch can start part-way (resume).
+    check_one_global_batch(len(recipe.dataset), micro, accum, world)
     sampler = ShardSampler(recipe.dataset, num_replicas=world, rank=rank, seed=seed)
-    if len(recipe.dataset) < micro * accum * world:  # the loader's drop_last would leave no whole step
-        raise UserError(f"dataset of {len(recipe.dataset)} examples is smaller than one global batch "
-                        f"({micro} x {accum} x {world} ranks)")
 
     # --- Optimizer: AdamW over the trainable parameters only, fused (see adamw) ----------------------
     optimizer = adamw(model, cfg.optimizer, device.type)
@@ -230,13 +223,13 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
                       peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
                            first_record=recipe.data_facts, started=started)
-    di.say(f"profile {cfg.run.profile}: {world} x {device.type}, {cfg.numerics.precision}, global batch {micro} x "
-           f"{accum} x {world} = {micro * accum * world}, {recipe.describe(model)}")
+    di.say(f"profile {cfg.run.profile}: {world} x {device.type}, {cfg.numerics.precision}, global batch "
+           f"{micro} x {accum} x {world} = {micro * accum * world}, {recipe.describe(model)}")
     # --- Profiler: torch.profiler on the profile's wait / warmup / active schedule ---------------------
     # A few steps after the first (compile, allocator warm-up), not the run: one trace per rank.
     profiler = (torch.profiler.profile(**profiler_options(cfg.profiler, out_dir, rank, device))
                 if cfg.profiler.enabled else NoProfiler())
-    # --- A signal while building: the step on disk (or the first save) at once, not after a compile --
+    # --- A signal while building: save at once, not after the first step's compile --------------------
     code = stop.on_any_rank(device)
     return Run(recipe=recipe, model=model, ddp_model=ddp_model, task=task, amp_dtype=amp_dtype,
                attention_backends=attention_backends, scaler=scaler, optimizer=optimizer, scheduler=scheduler,
@@ -252,7 +245,8 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
     global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * world
     exit_after_save, skipped, bad_in_a_row = run.exit_after_save, 0, 0
     run.model.train()
-    with run.profiler, out_of_memory_report(cfg.run.profile, cfg.training.micro_batch_size, run.snapshots):
+    with run.profiler, out_of_memory(Recipe.memory_advice(cfg.run.profile), cfg.training.micro_batch_size,
+                                     run.snapshots):
         while exit_after_save is None and state.step < steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(run.batches)
@@ -279,7 +273,7 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
                 [torch.isfinite(grad_norm).long(), *reduced[-2:], run.task.tokens(n_targets, global_batch)]).tolist()
             stop_requested = stop_code(scheduler_stops, person_stops)
 
-            # --- Non-finite steps are skipped, counted, and stop the run if they persist --
+            # --- Non-finite steps: skipped, counted, and the run stops if they persist ----
             # With fp16 the GradScaler skips the update itself and lowers its scale.
             lr = run.scheduler.get_last_lr()[0]
             if finite or run.scaler.is_enabled():
@@ -298,15 +292,14 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
                 break
             run.meter.add(micro_batches, samples=global_batch, data_wait=data_wait, tokens=tokens)
 
-            # --- Periodic evaluation on the held-out split ---------------------------------
-            # Every rank answers its share; the scores join the step's record after the window's
-            # rates are taken, so evaluation never counts as training time. A preempted step skips it.
+            # --- Periodic evaluation: every rank answers its share of the held-out split --------
+            # Taken after the window's rates, so it never counts as training time; a signal skips it.
             run_ends = state.step == steps or state.step == cfg.run.stop_at_step
             every = cfg.output.eval_every
             eval_scheduled = every > 0 and (state.step % every == 0 or state.step == steps)
             eval_due = eval_scheduled and not stop_requested
 
-            # --- Logging: the loss of the whole global batch, not the last micro-batch ---
+            # --- Logging: the loss of the whole global batch, not the last micro-batch ----
             if state.step == 1 or state.step % cfg.output.log_every == 0 or state.step == steps or eval_due:
                 record = {"step": state.step, "time": time.time(), "epoch": state.epoch,
                           **run.task.record(all_reduce_sum(step_terms)),
@@ -325,7 +318,7 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
                            f"evaluation; the run is done: {run.recipe.next_step(Path(cfg.output.out_dir))}",
                            warning=True)
                 break
-            # --- Preemption: the step is done; save it and leave ------------------------
+            # --- A signal: the step is done; save it and leave ---------------------------
             if stop_requested:
                 exit_after_save = stopped(stop_requested, stop, state.step, di.is_main)
                 break
@@ -352,16 +345,16 @@ def train_step(model, task, micro_batches: list[dict], *, n_targets: torch.Tenso
     gradient norm; the update is the caller's, once it has read whether the norm is finite. The
     memory plan and find_batch trace and measure this same function."""
     step_terms = torch.zeros_like(n_targets)
-    # --- Attention in the kernels the card allows, backward included: activation checkpointing
-    # recomputes there, and a recompute in another kernel saves other tensors (CheckpointError).
+    # --- Attention kernels: the card's, around backward too, where activation checkpointing
+    # recomputes (a recompute in another kernel saves other tensors: CheckpointError).
     with sdpa_kernel(attention_backends):
         for i, batch in enumerate(micro_batches):
-            # --- One gradient all-reduce per optimizer step: no_sync on all but the last -----
+            # --- One gradient all-reduce per optimizer step: no_sync on all but the last ---
             with nullcontext() if i == len(micro_batches) - 1 else no_sync():
                 step_terms += micro_step(model, task, batch, n_targets=n_targets, amp_dtype=amp_dtype, scaler=scaler,
                                          world_size=world_size)
 
-    # --- Gradient clipping (the logged norm is the pre-clip norm) ----------------------------
+    # --- Gradient clipping: the logged norm is the pre-clip norm ---------------------------
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
     return step_terms, grad_norm
@@ -371,16 +364,16 @@ def micro_step(model, task, batch: dict, *, n_targets: torch.Tensor, amp_dtype: 
                world_size: int) -> torch.Tensor:
     """One micro-batch's forward and backward (the body a CUDA graph would capture): its loss
     terms over the global counts, detached."""
-    # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32 ----
+    # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32 --
     with torch.autocast(n_targets.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         sums = task.loss_sums(model, batch)
-    # --- Each term over its count in the whole global batch; DDP averages over ranks, hence x world_size
+    # --- Loss terms over their global counts: DDP averages over ranks, hence x world_size ---
     terms = sums / n_targets
     scaler.scale(task.objective(terms) * world_size).backward()
     return terms.detach()
 
 
-# --- Helpers --------------------------------------------------------------------------------------
+# Helpers ------------------------------------------------------------------------------------------
 
 def adamw(model: nn.Module, config: OptimizerConfig, device_type: str) -> torch.optim.AdamW:
     """Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter). The fused
@@ -394,9 +387,8 @@ def adamw(model: nn.Module, config: OptimizerConfig, device_type: str) -> torch.
 
 
 def one_cycle_pct_start(pct_start: float, max_steps: int) -> float:
-    """OneCycleLR divides by the warm-up's length in steps less one, which is 0 for a warm-up of
-    exactly one step (pct_start 0.1 with --max-steps 10): lengthened by a hair, the first step
-    runs at lr / div_factor as every warm-up's first step does, and the peak comes next."""
+    """OneCycleLR divides by the warm-up's steps less one, 0 for a one-step warm-up (0.1 x 10 steps):
+    lengthened by a hair, its first step runs at lr / div_factor, and the peak comes next."""
     return pct_start * (1 + 1e-6) if pct_start * max_steps == 1.0 else pct_start  # OneCycleLR's own product
 
 
@@ -409,34 +401,15 @@ def init_checkpoint(cfg: LoopConfig) -> Path | None:
 
 
 def compile_cache(cfg: LoopConfig) -> Path:
-    return inductor_cache_dir(cfg.compile.cache, app="latentwire")
+    return inductor_cache_dir(cfg.compile.cache, app=Recipe.__name__.lower())
 
 
 def closing_line(checkpoint: Path, out_dir: Path, next_step: str) -> str:
     return f"saved {checkpoint}; metrics in {out_dir / 'metrics.jsonl'} and {out_dir / 'tb'}; {next_step}"
 
 
-@contextmanager
-def out_of_memory_report(profile: str, micro_batch_size: int | None = None, snapshots: MemorySnapshots | None = None):
-    """Out-of-memory ends the run with one line pointing to the planner: in the loop (a
-    `micro_batch_size` given) also to the memory snapshot; outside it with torch's own words."""
-    plan = f"python -m latentwire.plan --profile {profile}"
-    try:
-        yield
-    except torch.OutOfMemoryError as e:
-        if snapshots is None:
-            torch_says = (str(e).strip().splitlines() or ["torch.OutOfMemoryError"])[0]
-            raise OutOfMemory(f"out of memory outside the training steps ({torch_says}); {plan} says what a rank "
-                              "holds (--frozen-sharding fsdp holds 1/world of the frozen LLMs)") from None
-        path = snapshots.dump()
-        where = f"memory snapshot: {path}" if path else "no memory snapshot on this device"
-        raise OutOfMemory(f"out of memory at micro-batch {micro_batch_size} ({where}); lower "
-                          f"--micro-batch-size or see {plan}") from None
-
-
 def stopped(code: int, stop: StopFlag, step: int, is_main: bool) -> SystemExit:
-    """What a run a signal stopped exits with (`code`: 75 preempted, 130 interrupted), once it has
-    saved `step`."""
+    """The exit of a run a signal stopped (75 preempted, 130 interrupted), once it has saved `step`."""
     if is_main:
         what = ("interrupted (Ctrl-C)" if code == INTERRUPTED_EXIT_CODE
                 else f"preempted ({stop.signal_name or 'signal on another rank'})")
@@ -445,8 +418,7 @@ def stopped(code: int, stop: StopFlag, step: int, is_main: bool) -> SystemExit:
 
 
 def nonfinite_hint(precision: str) -> str:
-    """fp16 overflows where bf16 does not: an LLM trained in bf16 (Qwen2.5 is a known case) may
-    produce inf activations under fp16 autocast on a V100."""
+    """fp16 overflows where bf16 does not (Qwen2.5 under fp16 autocast on a V100 is a known case)."""
     if precision != "fp16":
         return ""
     return ("; in fp16, LLMs trained in bf16 (Qwen2.5 among them) can overflow: lower --lr, or try "

@@ -47,7 +47,6 @@ import torch
 
 from common import (REPO, build_model, child_env, forward_backward, make_loader, median, parse_settings, summary,
                     take)
-import train  # found through the repository path that common puts on sys.path
 from latentwire.parallelize import prepare_frozen_llms, wire_regions
 from latentwire.harness.compiling import stable_shapes
 from latentwire.config import load_config

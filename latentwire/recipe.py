@@ -125,6 +125,11 @@ class LatentWire:
     def meta(self) -> dict:
         return {"wire": asdict(self.cfg.wire), "versions": {"transformers": transformers.__version__}}
 
+    @staticmethod
+    def memory_advice(profile: str) -> str:
+        return (f"python -m latentwire.plan --profile {profile} says what a rank holds (--frozen-sharding fsdp "
+                "holds 1/world of the frozen LLMs)")
+
     def next_step(self, out_dir: Path) -> str:
         """A run that sharded its readers over N ranks is evaluated on N ranks, which shard them the
         same way."""

@@ -9,6 +9,7 @@ import itertools
 import torch
 from torch.utils.data import DataLoader
 
+from .errors import UserError
 from .preemption import shield_worker_from_stop_signals
 
 
@@ -97,3 +98,10 @@ def run_examples(n: int, *, seed: int, state, steps: int) -> list[int]:
     return sorted({*examples_visited(n, **draws, epoch=0, examples_done=0, steps=steps),
                    *examples_visited(n, **draws, epoch=state.epoch, examples_done=state.examples_done,
                                      steps=steps - state.step)})
+
+
+def check_one_global_batch(n: int, micro: int, accum: int, world: int) -> None:
+    """The loader drops an epoch's incomplete last step: a dataset smaller than one global batch
+    would leave none."""
+    if n < micro * accum * world:
+        raise UserError(f"dataset of {n} examples is smaller than one global batch ({micro} x {accum} x {world} ranks)")

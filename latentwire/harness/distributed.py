@@ -81,7 +81,7 @@ def leave_together() -> Iterator[None]:
     for the GIL to free the collective's tensors. Both wait forever (`--resume` from a corrupt
     checkpoint on 2 ranks hung in some runs, until torchrun killed it 30 s later)."""
     if dist.is_initialized():
-        errors.process_group_started = True  # the process will leave without finalizing (errors.leave)
+        errors.started_a_process_group()  # the process will leave without finalizing (errors.leave)
     yield
     # Leave together: a rank that destroys the group and exits while a peer is still busy
     # (rank 0 writing a report) can be aborted by gloo's connection threads at exit. Only on

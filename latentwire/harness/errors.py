@@ -13,10 +13,13 @@ code, and the exit code of a preempted run, which saved and exits quietly.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
-from pathlib import Path
+from contextlib import contextmanager
+
+import torch
+
+from .outcomes import a_peer_left_with, record_outcome
 
 # EX_TEMPFAIL from sysexits.h: "try again later". A checkpoint was saved; `--resume` continues.
 PREEMPTED_EXIT_CODE = 75
@@ -46,50 +49,32 @@ class OutOfMemory(HarnessExit):
     exit_code = 5
 
 
-# Set by distributed.leave_together once this process has joined a process group, for the rest
-# of the process: the group's threads outlive destroy_process_group (see leave).
-process_group_started = False
+@contextmanager
+def out_of_memory(advice: str, micro_batch_size: int | None = None, snapshots=None):
+    """Out-of-memory ends the run with one line and `advice` (where to see what fits): in the loop
+    (a `micro_batch_size` given) also where the memory snapshot is (`snapshots.dump()`); outside it
+    with torch's own words."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        if snapshots is None:
+            torch_says = (str(e).strip().splitlines() or ["torch.OutOfMemoryError"])[0]
+            raise OutOfMemory(f"out of memory outside the training steps ({torch_says}); {advice}") from None
+        path = snapshots.dump()
+        where = f"memory snapshot: {path}" if path else "no memory snapshot on this device"
+        raise OutOfMemory(f"out of memory at micro-batch {micro_batch_size} ({where}); lower --micro-batch-size; "
+                          f"{advice}") from None
 
 
-# Where the launcher (`harness.launch`) waits for every rank's outcome: exit code and error line.
-OUTCOME_DIR = "HARNESS_OUTCOME_DIR"
+# Whether this process joined a process group: it then leaves without finalizing (see leave). Set
+# by `started_a_process_group`, for the rest of the process: the group's threads outlive
+# destroy_process_group.
+_in_a_process_group = False
 
 
-def record_outcome(code: int, error: str | None) -> bool:
-    """Leave this rank's outcome for the launcher, if one is waiting for it; True if so (the
-    launcher then prints the error line, once for all ranks)."""
-    directory = os.environ.get(OUTCOME_DIR)
-    if not directory:
-        return False
-    rank = this_rank()
-    path = Path(directory) / f"rank{rank}.json"
-    try:  # written whole or not at all: a rank killed mid-write leaves no half outcome
-        path.with_suffix(".tmp").write_text(json.dumps({"rank": rank, "code": code, "error": error}))
-        os.replace(path.with_suffix(".tmp"), path)
-    except OSError:
-        return False
-    return True
-
-
-def a_peer_stopped_at_once() -> bool:
-    """Under the launcher, in a process group: whether another rank has left on a second Ctrl-C
-    (its outcome, 130, is written before it exits). Then this rank's collectives fail for want of
-    that peer, and the failure is the stop, not an error of this rank's: the launcher's relayed
-    signal can reach this rank after its peer has gone, under load."""
-    directory = os.environ.get(OUTCOME_DIR)
-    if not (directory and process_group_started):
-        return False
-    return any(o["rank"] != this_rank() and o["code"] == INTERRUPTED_EXIT_CODE for o in recorded_outcomes(directory))
-
-
-def recorded_outcomes(directory: str | Path) -> list[dict]:
-    """The outcomes the ranks have left in `directory` so far, by rank (each file is whole: see
-    record_outcome)."""
-    return sorted((json.loads(p.read_text()) for p in Path(directory).glob("rank*.json")), key=lambda o: o["rank"])
-
-
-def this_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+def started_a_process_group() -> None:
+    global _in_a_process_group
+    _in_a_process_group = True
 
 
 def main_guard(main) -> None:
@@ -114,7 +99,7 @@ def main_guard(main) -> None:
         print("interrupted", file=sys.stderr, flush=True)
         record_outcome(code, None)
     except Exception:
-        if not a_peer_stopped_at_once():
+        if not (_in_a_process_group and a_peer_left_with(INTERRUPTED_EXIT_CODE)):
             raise
         code = INTERRUPTED_EXIT_CODE
         record_outcome(code, None)
@@ -129,7 +114,7 @@ def leave(code: int) -> None:
     exception", pytorch/pytorch#190489; 3 of 60 sharded evaluations under load). First, while the
     interpreter is whole, what is left is collected (a DataLoader's workers stop when their
     iterator goes) and the output flushed."""
-    if process_group_started:
+    if _in_a_process_group:
         gc.collect()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -3,7 +3,7 @@
 Plain torchrun exits 1 whatever its ranks' codes were, prints a bad input's `error:` line once per
 rank, and adds its own traceback. launch.sh runs this module instead: the same torchrun (its flag
 parser and its `run`, in this process), with every rank leaving its outcome, exit code and error
-line, in a directory named by HARNESS_OUTCOME_DIR (`errors.main_guard` writes it). At the end
+line, in a directory named by HARNESS_OUTCOME_DIR (`errors.main_guard` writes it: harness.outcomes). At the end
 the run's error line is printed once and the run's code is the exit code: the lowest rank's
 non-zero code (2 bad input, 3 diverged, 4 checkpoint write failed, 5 out of memory, 75 preempted);
 else 1 with one line naming what failed (a rank's traceback is above it). Under SLURM each node
@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import INTERRUPTED_EXIT_CODE, OUTCOME_DIR, recorded_outcomes
+from .errors import INTERRUPTED_EXIT_CODE
+from .outcomes import OUTCOME_DIR, recorded_outcomes
 
 
 def run_outcome(directory: Path) -> dict | None:

@@ -14,7 +14,8 @@ import signal
 import torch
 
 from .distributed import all_reduce_max
-from .errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, record_outcome
+from .errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from .outcomes import record_outcome
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -75,3 +75,7 @@ class Recipe(Protocol):
 
     def next_step(self, out_dir: Path) -> str:
         """What to run once training has finished, for the closing line."""
+
+    @staticmethod
+    def memory_advice(profile: str) -> str:
+        """Where an out-of-memory line sends the user to see what fits (a profile's memory plan)."""

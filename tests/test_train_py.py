@@ -1,0 +1,125 @@
+"""train.py as people read it and copy it: short functions, few comments per line of code, the
+block table of docs/loop.md in the file's order, and the loop lifted onto another model as
+docs/loop.md ("Lifting the loop") says."""
+import ast
+import difflib
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tokenize
+
+import pytest
+
+from conftest import REPO, child_env, ok
+
+TRAIN_PY = (REPO / "train.py").read_text()
+MAX_FUNCTION_LINES = 120
+MAX_COMMENT_RATIO = 0.35
+MAX_LIFT_LINES = 40
+
+
+def docstring_lines(tree: ast.Module) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                lines.update(range(first.lineno, first.end_lineno + 1))
+    return lines
+
+
+def comment_and_code_lines(source: str) -> tuple[set[int], set[int]]:
+    """(lines that are only a comment or a docstring, lines of code)."""
+    comments, code = set(), set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments.add(tok.start[0])
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER):
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    docs = docstring_lines(ast.parse(source))
+    code -= docs
+    return (comments - code) | docs, code
+
+
+def test_no_function_of_train_py_is_longer_than_a_screenful_or_two():
+    lengths = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(TRAIN_PY))
+               if isinstance(node, ast.FunctionDef)}
+    assert max(lengths.values()) <= MAX_FUNCTION_LINES, lengths
+
+
+def test_train_py_says_why_in_few_lines():
+    comments, code = comment_and_code_lines(TRAIN_PY)
+    assert len(comments) <= MAX_COMMENT_RATIO * len(code), (len(comments), len(code))
+
+
+def test_the_counts_are_measured_on_real_source():
+    comments, code = comment_and_code_lines('"""Doc\nstring."""\n# a comment\nx = 1  # why\ny = (\n    2)\n')
+    assert (sorted(comments), sorted(code)) == ([1, 2, 3], [4, 5, 6])
+
+
+def block_titles(source: str) -> list[str]:
+    """Each labelled block's title: `# --- Title: why` (or `# --- Title ---`)."""
+    return [re.match(r"\s*# --- (.*?)(?::|\s-{2,}|$)", line).group(1).strip()
+            for line in source.splitlines() if re.match(r"\s*# --- ", line)]
+
+
+def test_docs_list_the_blocks_of_train_py_in_its_order():
+    table = re.search(r"\| block in `train.py` \| why \|\n\|---\|---\|\n((?:\|.*\n)+)",
+                      (REPO / "docs" / "loop.md").read_text()).group(1)
+    documented = [row.split("|")[1].strip() for row in table.splitlines()]
+    assert documented == block_titles(TRAIN_PY)
+
+
+# --- Lifting the loop ---------------------------------------------------------------------------------
+
+LIFT = REPO / "tests" / "lift"
+
+
+def lifted(source: str) -> str:
+    """train.py as docs/loop.md says to lift it: the harness imported as the copied folder, the
+    toy's recipe named in place of LatentWire's, and the elastic batch block (LatentWire's memory
+    planner) taken out with its imports."""
+    source = source.replace("from latentwire.harness.", "from harness.")
+    source = source.replace("from latentwire.recipe import LatentWire as Recipe", "from toy_recipe import Toy as Recipe")
+    source = re.sub(r"from latentwire\.planner\.\w+ import \w+\n", "", source)
+    return re.sub(r"\n *# --- Elastic batch.*?\n *di\.say\(why\)\n", "\n", source, flags=re.DOTALL)
+
+
+def lines_beyond_imports(source: str) -> list[str]:
+    imports = {line for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.Import, ast.ImportFrom))
+               for line in range(node.lineno, node.end_lineno + 1)}
+    return [line for i, line in enumerate(source.splitlines(), 1) if i not in imports]
+
+
+def test_lifting_changes_few_lines_of_train_py_beyond_its_imports():
+    copy = lifted(TRAIN_PY)
+    changed = [line for line in difflib.unified_diff(lines_beyond_imports(TRAIN_PY), lines_beyond_imports(copy),
+                                                     lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert 0 < len(changed) <= MAX_LIFT_LINES, changed
+    _, code = comment_and_code_lines(copy)
+    assert not [line for i, line in enumerate(copy.splitlines(), 1) if i in code and "latentwire" in line]
+
+
+@pytest.mark.slow
+def test_the_loop_lifted_onto_another_model_trains_it_on_two_ranks(tmp_path):
+    """train.py beside latentwire/harness/ copied unchanged, one profile and a recipe of another
+    model, where nothing of LatentWire can be imported: it trains on 2 gloo ranks, logs every step
+    and saves a checkpoint of that model."""
+    shutil.copytree(REPO / "latentwire" / "harness", tmp_path / "harness",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(LIFT / "toy_recipe.py", tmp_path)
+    shutil.copy(LIFT / "hw_profiles.json", tmp_path)
+    (tmp_path / "train.py").write_text(lifted(TRAIN_PY))
+    env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
+    proc = ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              "train.py", "--profile", "toy", "--out-dir", "out"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300))
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(r["loss"] == r["loss"] for r in records) and records[-1]["loss"] < records[0]["loss"]
+    assert "global batch 4 x 1 x 2 = 8, a regressor of" in proc.stdout
+    assert (tmp_path / "out" / "checkpoints" / "step_00000006" / "trainable.safetensors").is_file()
