@@ -18,7 +18,8 @@
 # Preemption: SIGTERM or SIGUSR1 to this script reaches the training processes as SIGTERM; they
 # finish the step, save it and exit with code 75. Under SLURM that comes 120 s before the time
 # limit (or on scancel --signal=USR1 / preemption); the script then requeues the job, and the
-# requeued job adds --resume by itself. On every node the signal goes from latentwire.harness.launch
+# requeued job adds --requeued by itself: it resumes where the run saved, and starts the run where
+# it never did (preempted while loading). On every node the signal goes from latentwire.harness.launch
 # straight to its ranks, which take as long as the save needs: torchrun itself is never told, so
 # its shutdown timeout (fixed at 30 s before torch 2.13) does not apply.
 #
@@ -132,7 +133,7 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     port="${MASTER_PORT:-29500}"
     resume=()
     if [[ "${SLURM_RESTART_COUNT:-0}" -gt 0 && " $* " != *" --resume "* ]]; then
-        resume=(--resume)  # a requeued job continues where the preempted one saved
+        resume=(--requeued)  # a requeued job resumes where the preempted one saved, or starts if it never did
     fi
     echo "launch.sh: SLURM job $SLURM_JOB_ID, $nodes node(s) x $nproc process(es), rendezvous $head_node:$port"
     srun --ntasks-per-node=1 --kill-on-bad-exit=1 \

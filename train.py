@@ -13,7 +13,7 @@ import os
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +39,9 @@ from latentwire.harness.precision import (AMP_DTYPES, cuda_capability, frozen_we
 from latentwire.harness.preemption import StopFlag, stop_code
 from latentwire.harness.profiling import MemorySnapshots, NoProfiler, profiler_options
 from latentwire.harness.recipe import Task
-from latentwire.harness.resume import (check_init_from, check_resume_data, check_resume_settings, resolve_checkpoint,
-                                       resume)
-from latentwire.harness.run_dir import check_out_dir, prepare_out_dir
+from latentwire.harness.resume import (check_init_from, check_resume_data, check_resume_settings, requeued,
+                                       resolve_checkpoint, resume)
+from latentwire.harness.run_dir import check_out_dir, one_run_at_a_time, prepare_out_dir
 from latentwire.planner.elastic import apply_elastic_batch
 from latentwire.planner.step import TrainingStep
 from latentwire.recipe import LatentWire as Recipe  # the model this loop trains
@@ -65,16 +65,21 @@ def main(argv: list[str] | None = None) -> None:
         # --- Preemption and Ctrl-C: a signal only sets a flag; ranks agree on it at a step's end,
         # save and exit (75 preempted, 130 interrupted). Set first, so a signal while loading is heard.
         stop = StopFlag(announce=di.is_main)
-        cfg = resolve_run(cfg, di)
-        run = build(cfg, di, stop, started)
-        if run is not None:  # None: a resumed run that had already finished
-            train(cfg, di, stop, run)
+        # --- One run at a time in out_dir: a lock rank 0 holds, which the kernel drops when it exits
+        with one_run_at_a_time(Path(cfg.output.out_dir), di):
+            cfg = resolve_run(cfg, di)
+            run = build(cfg, di, stop, started)
+            if run is not None:  # None: a resumed run that had already finished
+                train(cfg, di, stop, run)
 
 
 def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
     """Every input checked before anything heavy loads or anything on disk changes, and the batch
     this world runs: the configuration returned is final."""
     out_dir = Path(cfg.output.out_dir)
+    run, why = requeued(cfg.run, out_dir)  # resumed where it saved, started where it never did
+    cfg = replace(cfg, run=run)
+    di.say(why)
     check_out_dir(out_dir, cfg.run.resume, cfg.run.overwrite)
     init = init_checkpoint(cfg)
     if init is not None:
@@ -91,7 +96,7 @@ def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
         cfg, why = apply_elastic_batch(cfg, di.world_size, TrainingStep(adamw, train_step))
         di.say(why)
     if cfg.run.resume:
-        check_resume_settings(out_dir, cfg.to_dict(), cfg.restored(), cfg.run.stop_at_step)
+        check_resume_settings(out_dir, cfg.to_dict(), cfg.restored(), cfg.run)
     return cfg
 
 
@@ -200,8 +205,8 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
                                 optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     if cfg.run.resume:
         state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), max_steps=steps,
-                       stop_at_step=cfg.run.stop_at_step, new_data=cfg.run.new_data, say=di.say,
-                       warn=lambda line: di.say(line, warning=True))
+                       stop_at_step=cfg.run.stop_at_step, new_data=cfg.run.new_data, setting=cfg.run.setting,
+                       say=di.say, warn=lambda line: di.say(line, warning=True))
         if state is None:
             return None
 

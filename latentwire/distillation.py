@@ -99,12 +99,16 @@ def top_k_buckets(logprobs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, tor
 
 @torch.no_grad()
 def teacher_targets(llms: dict, dataset, collate, examples: list[int], *, k: int, temperature: float, top_k: int,
-                    batch_size: int, device: torch.device, rank: int, world: int) -> dict[str, TeacherTargets]:
+                    batch_size: int, device: torch.device, rank: int, world: int,
+                    stop=lambda: None) -> dict[str, TeacherTargets] | None:
     """The targets of `examples` (dataset indices, increasing) for each LLM. `collate` must give
     the teacher's rows (a data.Collator with teacher=True); the caller sets autocast and the
     attention kernels as the step does. Rank r computes examples[r], examples[r + world], ...; the
     shares are gathered. Full rows or top-k are chosen for the whole dataset, so a run's terms do
-    not depend on how many of its examples it draws."""
+    not depend on how many of its examples it draws. `stop()` is asked before each batch, on every
+    rank alike (every rank has as many batches: a collective may answer it): the pass over two 8B
+    readers and SQuAD takes minutes, longer than a scheduler's grace before SIGKILL, so a signal
+    ends it within a batch, and None is returned."""
     n = len(examples)
     mine = examples[rank::world]
     per_rank = -(-n // world)
@@ -117,6 +121,8 @@ def teacher_targets(llms: dict, dataset, collate, examples: list[int], *, k: int
         row[examples] = torch.arange(n)
     shares = {name: [] for name in llms}
     for start in range(0, per_rank, batch_size):
+        if stop():
+            return None
         batch = to_device(collate([dataset[i] for i in mine[start:start + batch_size]]), device)
         for name, llm in llms.items():
             rows = batch["answers"][name]

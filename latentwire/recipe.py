@@ -85,13 +85,15 @@ class LatentWire:
         """Each batch's encoder bytes and readers' rows; with distillation on, the teacher's targets
         of each `visited` example too, computed first (once per example, not once per step)."""
         cfg, data = self.cfg, self.cfg.data
-        kd_targets = self.teacher_targets(visited) if cfg.objectives.teacher else None
+        kd_targets = self.teacher_targets(visited) if cfg.objectives.teacher else None  # None: a signal stopped it
         return Collator.for_llms(self.llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
                                  kd_targets=kd_targets, word_patch=cfg.wire.word_patch)
 
-    def teacher_targets(self, visited: list[int]) -> dict:
+    def teacher_targets(self, visited: list[int]) -> dict | None:
         """The teacher's targets (latentwire.distillation): each rank computes a share, gathered to
-        all; eagerly (a one-off pass), in the step's autocast and attention kernels."""
+        all; eagerly (a one-off pass), in the step's autocast and attention kernels. None when a
+        signal stopped the pass: the run then saves where it stands and leaves, as a signal while
+        loading does."""
         cfg, di, data = self.cfg, self.di, self.cfg.data
         started = time.perf_counter()
         rows = Collator.for_llms(self.llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
@@ -101,8 +103,10 @@ class LatentWire:
             targets = teacher_targets(self.llms, self.dataset, rows, visited, k=cfg.objectives.k_tokens,
                                       temperature=cfg.objectives.kd_temperature, top_k=cfg.objectives.kd_top_k,
                                       batch_size=cfg.training.micro_batch_size, device=di.device, rank=di.rank,
-                                      world=di.world_size)
-        self.di.say(describe_targets(targets, len(self.dataset), time.perf_counter() - started))
+                                      world=di.world_size, stop=self.stop)
+        seconds = time.perf_counter() - started
+        self.di.say(f"a signal stopped the distillation teacher's pass after {seconds:.1f} s" if targets is None
+                    else describe_targets(targets, len(self.dataset), seconds))
         return targets
 
     def step_flops(self, micro_batches: list[dict]) -> float:

@@ -28,6 +28,7 @@ TWENTY = {1: [*RUN, "--max-steps", "20"], 2: [*RUN, "--max-steps", "20", "--micr
 
 # Every extra loss term on at once, as train.py's flags and as the Objectives they make; k_tokens 2
 # is fewer than most answers' targets.
+NOBODY = 65534  # the user a root test runs a command as, where root would be allowed anything
 ALL_TERMS_FLAGS = ["--first-token-weight", "0.5", "--k-token-weight", "0.5", "--k-tokens", "2", "--kd-weight", "1"]
 ALL_TERMS = Objectives(first_token_weight=0.5, k_token_weight=0.5, kd_weight=1.0, k_tokens=2)
 # A minimal chat template, as an instruct model's tokenizer ships one: BOS, a user turn, the

@@ -26,7 +26,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, child_env, ok, run_train
+from conftest import NOBODY, REPO, assert_one_line_error, child_env, ok, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,6 @@ NO_ANSWERS = {"context": GOOD["context"], "question": GOOD["question"]}
 EMPTY_ANSWERS = {**GOOD, "answers": {"text": []}}
 CUT_ANSWER = {**GOOD, "context": "Nothing happened. " * 40 + GOOD["context"]}  # the answer at byte ~760
 TIMEOUT_S = 300
-NOBODY = 65534
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,19 @@ def test_slurm_preemption_saves_requeues_and_the_requeued_job_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_job_requeued_before_its_first_save_starts_the_run(tmp_path):
+    """Preempted before it saved anything (while its LLMs loaded, at a rendezvous), the requeued
+    job has no checkpoint to resume from: it starts the run, and says so (it was refused, exit 2)."""
+    bin_dir, out = fake_slurm_bin(tmp_path), tmp_path / "run"
+    env = dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="78", SLURM_NNODES="1",
+               SLURM_JOB_NODELIST="node1", MASTER_PORT=str(free_port()), SLURM_RESTART_COUNT="1")
+    proc = ok(launch(["--profile", "cpu", *FAST, "--max-steps", "2", "--micro-batch-size", "2", "--out-dir", str(out)],
+                     tmp_path, **env))
+    assert "requeued before the run's first checkpoint: starting it" in proc.stdout
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.slow
 def test_sigterm_to_launch_sh_with_loader_workers_saves_the_step_and_resumes_exactly(tmp_path, straight):
     """2 ranks with 2 loader workers each: the run's own code 75 (plain torchrun exits 1), the
     step that was running saved, and the resumed run bitwise the unbroken one."""

@@ -161,14 +161,15 @@ OOM_AT_STEP_2 = """
 import sys, torch
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
+import latentwire.recipe as recipe
 from latentwire.harness.errors import main_guard
-real, calls = train.forward_loss_sums, [0]
+real, calls = recipe.forward_loss_sums, [0]
 def oom(*args):
     calls[0] += 1
     if calls[0] == 2:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     return real(*args)
-train.forward_loss_sums = oom
+recipe.forward_loss_sums = oom
 main_guard(lambda: train.main(sys.argv[1:]))
 """
 
@@ -177,23 +178,24 @@ OOM_IN = """
 import os, sys, torch
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
+import {module} as target
 from latentwire.harness.errors import main_guard
-real = train.{name}
+real = target.{name}
 def oom(*args, **kwargs):
     if os.environ.get("RANK", "1") == "1":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.00 GiB")
     return real(*args, **kwargs)
-train.{name} = oom
+target.{name} = oom
 main_guard(lambda: train.main(sys.argv[1:]))
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, nproc", [("read_weights", 1), ("DDP", 2)])
-def test_out_of_memory_before_the_loop_is_one_line_and_exit_5(tmp_path, name, nproc):
+@pytest.mark.parametrize("module, name, nproc", [("latentwire.parallelize", "read_weights", 1), ("train", "DDP", 2)])
+def test_out_of_memory_before_the_loop_is_one_line_and_exit_5(tmp_path, module, name, nproc):
     """While an LLM is read into place (one process), or while DDP starts on rank 1 of two."""
     script = tmp_path / "oom.py"
-    script.write_text(OOM_IN.format(repo=str(REPO), train=str(REPO / "train.py"), name=name))
+    script.write_text(OOM_IN.format(repo=str(REPO), train=str(REPO / "train.py"), module=module, name=name))
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     proc = subprocess.run([sys.executable, *launcher, str(script), *SHORT, "--dist-timeout-s", "30",
                            "--out-dir", str(tmp_path / "run")], cwd=REPO, env=child_env(), capture_output=True,

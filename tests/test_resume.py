@@ -1,20 +1,23 @@
 """Checkpoints, exact resume, preemption, non-finite steps and a failing rank."""
 import json
 import math
+import os
 import random
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (REPO, RUN, TWENTY, assert_one_line_error, assert_same_run, child_env, final_weights, ok,
+from conftest import (NOBODY, REPO, RUN, TWENTY, assert_one_line_error, assert_same_run, child_env, final_weights, ok,
                       exit_and_leftovers, read_metrics, run_train, wait_for_step)
 from latentwire.harness.checkpoint import list_checkpoints, load_checkpoint
-from latentwire.config import load_config
+from latentwire.config import DEFAULT_PROFILES, load_config
 from latentwire.data import synthetic_examples
 
 
@@ -254,12 +257,13 @@ def run_with_fault(tmp_path, fault: str, args) -> subprocess.CompletedProcess:
 
 
 NAN_AT = """
-real, calls = train.forward_loss_sums, [0]
+import latentwire.recipe as recipe
+real, calls = recipe.forward_loss_sums, [0]
 def poisoned(*args):
     calls[0] += 1
     out = real(*args)
     return out * float("nan") if calls[0] in {bad} else out
-train.forward_loss_sums = poisoned
+recipe.forward_loss_sums = poisoned
 """
 
 
@@ -327,13 +331,14 @@ RAISE_ON_RANK_1 = """
 import os, sys
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
-real, calls = train.forward_loss_sums, [0]
+import latentwire.recipe as recipe
+real, calls = recipe.forward_loss_sums, [0]
 def failing(*args):
     calls[0] += 1
     if os.environ["RANK"] == "1" and calls[0] == 3:
         raise RuntimeError("injected failure on rank 1")
     return real(*args)
-train.forward_loss_sums = failing
+recipe.forward_loss_sums = failing
 train.main(sys.argv[1:])
 """
 
@@ -430,6 +435,17 @@ def test_resume_that_cannot_continue_the_run_is_one_line(finished_run, flags, fr
     assert snapshot(finished_run) == before
 
 
+def test_a_resume_refused_for_an_edited_profile_names_the_profile_not_a_flag(finished_run, tmp_path):
+    """Nobody gave --lr: the line names the profile and its file, where the value changed."""
+    profiles = json.loads(DEFAULT_PROFILES.read_text())
+    profiles["cpu"]["lr"] = 0.002
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(profiles))
+    proc = run_train([*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--resume", "--hw-profiles", str(path)])
+    line = assert_one_line_error(proc, f"lr 0.002 from profile 'cpu' of {path} (the run's: 0.001)")
+    assert "--lr" not in line
+
+
 @pytest.mark.slow
 def test_init_from_starts_a_new_run_from_a_trained_wire(finished_run, tmp_path):
     """--init-from RUN: a new run whose trainable weights are the run's newest checkpoint's (at an
@@ -444,6 +460,8 @@ def test_init_from_starts_a_new_run_from_a_trained_wire(finished_run, tmp_path):
     assert meta["init_from"] == str(list_checkpoints(finished_run)[-1]) and meta["config"]["lr"] == 1e-30
     resumed = ok(run_train([*args, "--resume"]))
     assert "init:" not in resumed.stdout and "resumed from" in resumed.stdout
+    meta = json.loads((list_checkpoints(out)[-1] / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["init_from"] == str(list_checkpoints(finished_run)[-1])  # every checkpoint's
     a, b = final_weights(finished_run), final_weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -583,3 +601,101 @@ def test_resume_on_another_layout_keeps_the_sample_order(tmp_path, straight):
     assert max_rel_diff(final_weights(straight(1)), final_weights(moved)) < 1e-4
     for a, b in zip(read_metrics(straight(1)), read_metrics(moved), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+# --- what a scheduler or a person does that nobody expects -------------------------------------------
+
+@pytest.mark.slow
+def test_a_second_run_in_the_same_directory_is_refused_and_the_first_is_untouched(tmp_path):
+    """A second run started on a directory a run is using (an sbatch sent twice, a second terminal)
+    is one line and exit 2 before anything heavy loads; the first trains on, saves and resumes from
+    its own checkpoints."""
+    out = tmp_path / "run"
+    args = [*RUN, "--max-steps", "200", "--checkpoint-every", "2", "--out-dir", str(out)]
+    first = popen_train(args)
+    wait_for_step(out, 2, first)
+    second = run_train([*args, "--resume"])
+    assert_one_line_error(second, f"{out} is in use by another run")
+    assert "data:" not in second.stdout
+    first.send_signal(signal.SIGTERM)
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 75, stdout + stderr
+    logged = [m["step"] for m in read_metrics(out)]
+    assert logged == list(range(1, logged[-1] + 1)) and list_checkpoints(out)[-1].name == f"step_{logged[-1]:08d}"
+    ok(run_train([*args, "--stop-at-step", str(logged[-1] + 1), "--resume"]))
+
+
+@pytest.fixture
+def read_only_checkpoints():
+    """An out_dir this user may write whose checkpoints/ it may not, and the command's prefix and
+    environment: as root (who may write anywhere) the command runs as nobody, in a directory nobody
+    owns below one anyone may search (pytest's own are root's alone)."""
+    top = Path(tempfile.mkdtemp(prefix="latentwire-read-only-"))
+    top.chmod(0o755)
+    out, home = top / "run", top / "home"
+    (out / "checkpoints").mkdir(parents=True)
+    home.mkdir()
+    prefix = []
+    if os.geteuid() == 0:
+        for path in (out, home):
+            os.chown(path, NOBODY, NOBODY)
+        prefix = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    (out / "checkpoints").chmod(0o555)
+    yield out, prefix, {"HOME": str(home)}
+    (out / "checkpoints").chmod(0o755)
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_the_run_cannot_write_is_refused_before_it_trains(read_only_checkpoints):
+    """Found when the run starts (exit 2, one line), not at its first save after the training."""
+    out, prefix, env = read_only_checkpoints
+    proc = subprocess.run([*prefix, sys.executable, str(REPO / "train.py"), *RUN, "--max-steps", "2",
+                           "--out-dir", str(out)], cwd=REPO, env=child_env(**env), capture_output=True, text=True,
+                          timeout=300)
+    assert_one_line_error(proc, f"the checkpoint directory {out / 'checkpoints'} cannot be created")
+    assert proc.returncode == 2 and "loaded the frozen LLMs" not in proc.stdout
+
+
+# The second checkpoint's temporary directory cannot be made (a mount gone read-only, a quota).
+READ_ONLY_AT_SECOND_SAVE = """
+import errno, pathlib
+real, saves = pathlib.Path.mkdir, set()
+def mkdir(self, *args, **kwargs):
+    if self.name.endswith(".tmp") and self.name.startswith(".step_"):
+        saves.add(self.name)
+        if len(saves) == 2:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+    return real(self, *args, **kwargs)
+pathlib.Path.mkdir = mkdir
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_checkpoint_write_that_fails_later_is_exit_4_on_every_rank(tmp_path, nproc):
+    """The temporary directory's mkdir, on one process and under launch.sh on 2 ranks: one line,
+    exit 4, the earlier checkpoint intact, no rank left waiting for rank 0."""
+    out = tmp_path / "run"
+    (tmp_path / "fault").mkdir()
+    (tmp_path / "fault" / "sitecustomize.py").write_text(READ_ONLY_AT_SECOND_SAVE)
+    args = [*RUN, "--max-steps", "6", "--checkpoint-every", "2", "--micro-batch-size", "2", "--out-dir", str(out)]
+    command = [sys.executable, str(REPO / "train.py")] if nproc == 1 else [str(REPO / "launch.sh")]
+    proc = subprocess.run([*command, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=child_env(PYTHONPATH=str(tmp_path / "fault"), PYTHON=sys.executable,
+                                        NPROC_PER_NODE=str(nproc)))
+    assert_one_line_error(proc, "saving checkpoint step_00000004 failed: OSError: Read-only file system",
+                          "earlier checkpoints are intact")
+    assert proc.returncode == 4
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_teacher_pass_stops_it_within_a_batch(tmp_path):
+    """Rank 1 is signalled as it starts its first of 40 teacher batches: no rank starts another,
+    the run saves its start (step 0) and exits 75, as a signal while loading does."""
+    out = tmp_path / "run"
+    proc = popen_signalled(tmp_path, [*TWENTY[2], "--out-dir", str(out)], "latentwire.distillation", "to_device", nth=1)
+    assert "a call after the signal" not in proc.stderr, proc.stderr
+    assert "a signal stopped the distillation teacher's pass" in proc.stdout and "exitcode  : 75" in proc.stderr
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000000"]

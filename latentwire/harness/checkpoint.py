@@ -75,11 +75,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def first_non_finite(weights: dict) -> str | None:
     """The name of the first tensor holding a NaN or an inf; all are checked in one host sync."""
     finite = torch.stack([torch.isfinite(t).all() for t in weights.values()]).tolist()
@@ -87,7 +82,9 @@ def first_non_finite(weights: dict) -> str | None:
 
 
 def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, meta: dict, rank: int) -> Path:
-    """Collective: every rank calls it. Rank 0 writes the shared state, each rank its RNG.
+    """Collective: every rank calls it. Rank 0 writes the shared state, each rank its RNG, in three
+    phases (the temporary directory, the files, the rename); a write that fails on any rank in any
+    phase ends every rank with the same CheckpointWriteFailed (exit 4), none left waiting for it.
     Non-finite weights are never saved: resuming from them could only diverge again. (A finite
     gradient times a bad learning rate makes them so without the gradient norm noticing.)"""
     from safetensors.torch import save_file
@@ -99,24 +96,35 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
                        f"good checkpoint is {newest[-1].name if newest else 'none'}; is the learning rate sane?")
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a job killed mid-save
-        tmp.mkdir(parents=True)
-    _barrier()
-    try:
+
+    def phase(write) -> None:
+        """Run this rank's part of a phase; every rank learns whether any failed (exit 4 on all)."""
+        try:
+            write()
+            failed = None
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - each writer reports a full disk in its own way
+            failed = str(_write_failed(tmp, final, e, rank))
+        failed = _first_failure(failed)
+        if failed is not None:
+            raise CheckpointWriteFailed(failed)
+
+    def make_tmp() -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a job killed mid-save
+            tmp.mkdir(parents=True)
+
+    def write_files() -> None:
         torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
         if rank == 0:
             save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / WEIGHTS))
             torch.save(train_state, tmp / TRAIN_STATE)
             record = {**meta, "step": step, "versions": {**versions(), **meta.get("versions", {})}}
             (tmp / META).write_text(json.dumps(record, indent=2))
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as e:  # noqa: BLE001 - each writer reports a full disk in its own way
-        raise _write_failed(tmp, final, e, rank) from None
-    _barrier()
-    if rank == 0:
-        try:
+
+    def publish() -> None:
+        if rank == 0:
             for f in tmp.iterdir():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
@@ -125,10 +133,19 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
                 remove_checkpoint(final)
             os.replace(tmp, final)
             _fsync_dir(final.parent)
-        except OSError as e:
-            raise _write_failed(tmp, final, e, rank) from None
-    _barrier()
+
+    for part in (make_tmp, write_files, publish):
+        phase(part)
     return final
+
+
+def _first_failure(failed: str | None) -> str | None:
+    """Collective: the first rank's failure of a phase, on every rank (also its barrier)."""
+    if not dist.is_initialized():
+        return failed
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failed)
+    return next((f for f in failures if f is not None), None)
 
 
 def _write_failed(tmp: Path, final: Path, error: Exception, rank: int) -> CheckpointWriteFailed:
@@ -272,7 +289,8 @@ class Checkpointer:
 
     def restore(self, ckpt: dict) -> TrainState:
         """A loaded checkpoint (load_checkpoint's) back into the weights, optimizer, schedule, grad
-        scaler and this process's RNGs; the TrainState is the saved one, layout included."""
+        scaler and this process's RNGs, and where the run's weights began (`init_from`, which every
+        later checkpoint records too); the TrainState is the saved one, layout included."""
         check_weights(ckpt["weights"], self.model.state_dict(), ckpt["path"] / WEIGHTS, "the configured model")
         self.model.load_state_dict(ckpt["weights"])
         state = ckpt["train_state"]
@@ -280,5 +298,6 @@ class Checkpointer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         restore_rng(ckpt["rng"])
+        self.meta = {**self.meta, "init_from": ckpt["meta"].get("init_from")}
         data = state["data"]
         return TrainState(state["step"], data["epoch"], data["examples_done"], tuple(data["layout"]), data["identity"])

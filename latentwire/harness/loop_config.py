@@ -176,6 +176,14 @@ class RunFlags:
     new_data: bool = False  # with resume: a fresh epoch of this run's data, not the checkpoint's position
     given: tuple[str, ...] = ()  # the fields given as flags, over the profile's values
     init_from: str | None = None  # a run or checkpoint whose trainable weights start this new run
+    requeued: bool = False  # a requeued job: resume where the run saved, else start it (launch.sh adds it)
+    hw_profiles: str = ""  # the profile file
+
+    def setting(self, field: str, value) -> str:
+        """A setting and its value as the user gave it: its flag, or its profile's field."""
+        if field in self.given:
+            return f"--{field.replace('_', '-')} {value}"
+        return f"{field} {value} from profile {self.profile!r} of {self.hw_profiles}"
 
 
 @dataclass(frozen=True)
@@ -245,6 +253,9 @@ def build_parser(schema: Schema, profiles: Path, prog: str, argv: list[str] | No
     p.add_argument("--init-from", metavar="RUN_OR_CHECKPOINT",
                    help="a new run whose trainable weights start from this run's newest checkpoint (or this "
                         "checkpoint), with its own optimizer and schedule: to train a model further")
+    p.add_argument("--requeued", action="store_true",
+                   help="a requeued job (launch.sh adds it under SLURM): --resume where the run has a checkpoint, "
+                        "else start the run, saying which")
     p.add_argument("--new-data", action="store_true",
                    help="with --resume: continue the weights, optimizer and schedule on this run's training data, "
                         "which may differ from the checkpoint's, from the start of a fresh epoch")
@@ -258,7 +269,7 @@ def load_config(config_type: type[LoopConfig], argv: list[str] | None, profiles:
     args = build_parser(schema, profiles, prog, argv).parse_args(argv)
     path = Path(args.hw_profiles)
     values = schema.with_flags(schema.resolve_profile(read_profiles(path), args.profile, path), args)
-    if args.resume and args.overwrite:
+    if args.resume and args.overwrite:  # a requeued job may keep --overwrite: its own checkpoint wins then
         raise UserError("--resume and --overwrite exclude each other")
     if args.stop_at_step is not None and args.stop_at_step <= 0:
         raise UserError(f"--stop-at-step must be > 0, got {args.stop_at_step}")
@@ -267,5 +278,5 @@ def load_config(config_type: type[LoopConfig], argv: list[str] | None, profiles:
     run = RunFlags(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
                    stop_at_step=args.stop_at_step, new_data=args.new_data,
                    given=tuple(name for name in schema.fields if getattr(args, name) is not None),
-                   init_from=args.init_from)
+                   init_from=args.init_from, requeued=args.requeued, hw_profiles=str(path))
     return config_type.of(values, run)

@@ -123,11 +123,13 @@ def resolve_checkpoint(path: Path, flag: str) -> Path:
 
 # --- what a resume may not change ---------------------------------------------------------------------
 
-def check_restored_settings(config: dict, saved: dict, restored: tuple[str, ...],
+def check_restored_settings(config: dict, saved: dict, restored: tuple[str, ...], setting=None,
                             new_run: str = "start a new run") -> None:
-    """Refuse, in one line, a resume that changes one of the `restored` settings. `new_run`: what
-    the line offers instead."""
-    changed = [f"--{name.replace('_', '-')} {config[name]} (the run's: {saved.get(name)})"
+    """Refuse, in one line, a resume that changes one of the `restored` settings, each named as it
+    was given (`setting(name, value)`: its flag, or its profile's field; by default the flag).
+    `new_run`: what the line offers instead."""
+    setting = setting or (lambda name, value: f"--{name.replace('_', '-')} {value}")
+    changed = [f"{setting(name, config[name])} (the run's: {saved.get(name)})"
                for name in restored if config[name] != saved.get(name)]
     if changed:
         raise UserError(f"{', '.join(changed)}: the checkpoint's state (its optimizer and schedule, or its weights' "
@@ -147,19 +149,20 @@ def check_same_data(path: Path, saved: dict, fresh: dict, new_data: bool) -> Non
                         "train on this data from a fresh epoch with the resumed weights and optimizer")
 
 
-def check_resume_settings(out_dir: Path, config: dict, restored: tuple[str, ...], stop_at_step: int | None) -> None:
+def check_resume_settings(out_dir: Path, config: dict, restored: tuple[str, ...], run) -> None:
     """What the newest checkpoint's meta.json says of a resume, before anything heavy loads: no
     checkpoint, a changed restored setting, --stop-at-step not after it. `resume` checks the
-    checkpoint that loads again (a newer one that does not load is skipped there)."""
+    checkpoint that loads again (a newer one that does not load is skipped there). `run`: the
+    run's flags (RunFlags)."""
     if not list_checkpoints(out_dir):
         raise no_checkpoint(out_dir)
     found = newest_meta(out_dir)
     if found is None:  # none reads: resume says why, once it has tried each
         return
     path, meta = found
-    check_restored_settings(config, meta.get("config", {}), restored,
+    check_restored_settings(config, meta.get("config", {}), restored, run.setting,
                             new_run=f"start a new run from its weights: --init-from {out_dir} with another --out-dir")
-    check_stop_at_step(stop_at_step, meta["step"])
+    check_stop_at_step(run.stop_at_step, meta["step"])
 
 
 def check_resume_data(out_dir: Path, fresh: dict, new_data: bool) -> None:
@@ -183,16 +186,30 @@ def check_init_from(path: Path, config: dict, weight_fields: tuple[str, ...]) ->
                         "the same shape")
 
 
+def requeued(run, out_dir: Path):
+    """A requeued job's flags (`--requeued`): it resumes where its run has a checkpoint, even if
+    the command said --overwrite (its first start did that), and starts the run where it has none
+    (preempted before the first save: while loading, or at a multi-node rendezvous); and the line
+    that says which."""
+    if not run.requeued or run.resume:
+        return run, None
+    if list_checkpoints(out_dir):
+        return replace(run, resume=True, overwrite=False), "requeued: resuming the run from its newest checkpoint"
+    return run, "requeued before the run's first checkpoint: starting it"
+
+
 # --- the continued run -------------------------------------------------------------------------------
 
 def resume(checkpointer: Checkpointer, fresh: TrainState, config: dict, restored: tuple[str, ...], *, max_steps: int,
-           stop_at_step: int | None = None, new_data: bool = False, say=print, warn=print) -> TrainState | None:
+           stop_at_step: int | None = None, new_data: bool = False, setting=None, say=print,
+           warn=print) -> TrainState | None:
     """Collective: the newest checkpoint every rank loads, restored, and continued with this run's
     layout and data (`fresh`'s); None when the run has already finished. `config`: this run's
-    settings, of which `restored` may not differ from the checkpoint's; `say` and `warn` print."""
+    settings, of which `restored` may not differ from the checkpoint's (`setting` names one as it
+    was given); `say` and `warn` print."""
     ckpt = load_newest_checkpoint(checkpointer.out_dir, checkpointer.rank, warn)
     path = ckpt["path"]
-    check_restored_settings(config, ckpt["meta"]["config"], restored)
+    check_restored_settings(config, ckpt["meta"]["config"], restored, setting)
     saved = checkpointer.restore(ckpt)
     check_stop_at_step(stop_at_step, saved.step)
     check_same_data(path, saved.data, fresh.data, new_data)

@@ -1,26 +1,94 @@
 """The run's directory (`--out-dir`): one run at a time in it, checked before anything is written.
 
-A directory that already holds a run (its metrics or a checkpoint) is refused unless the run is
-resumed (`--resume`) or replaced (`--overwrite`), and `--overwrite` deletes the old run's files
-only once every input has been checked, so a refused run never damages what is on disk.
+- One run at a time: rank 0 holds an exclusive lock (`flock`) on `<out_dir>/.lock` for the run's
+  life. A second run started on the same directory (an `sbatch` sent twice, a second terminal) is
+  refused in one line before anything heavy loads, and the first is untouched: two runs in one
+  directory would each overwrite the other's checkpoints and metrics. The kernel drops the lock
+  when the holder exits, however it exits, so a killed run never leaves it stuck.
+- A directory that already holds a run (its metrics or a checkpoint) is refused unless the run is
+  resumed (`--resume`) or replaced (`--overwrite`), and `--overwrite` deletes the old run's files
+  only once every input has been checked, so a refused run never damages what is on disk.
+- The run must be able to write where it writes (the directory and its `checkpoints/`): checked
+  before anything heavy loads, not found at the first save after hours of training.
 """
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .checkpoint import list_checkpoints
 from .config import check_can_create
+from .distributed import DistInfo, broadcast_from_main
 from .errors import UserError
 
 # What a run writes under its directory, and `--overwrite` removes.
 RUN_FILES = ("metrics.jsonl", "tb", "checkpoints", "traces")
+LOCK = ".lock"
+
+
+@contextmanager
+def one_run_at_a_time(out_dir: Path, di: DistInfo) -> Iterator[None]:
+    """Collective: the body runs while this run holds `out_dir`'s lock, or every rank raises a
+    UserError naming it if another run holds it. A directory made here for the lock is removed
+    again if the body refuses the run (UserError) before writing anything else into it."""
+    created, fd, refusal = False, None, None
+    if di.is_main:
+        try:
+            check_can_create(out_dir, "out_dir")  # first: a directory this user may not look into
+            created = not out_dir.exists()
+            fd = _take_lock(out_dir)
+        except UserError as e:
+            refusal = str(e)
+        if fd is None and refusal is None:
+            refusal = (f"{out_dir} is in use by another run, which holds {out_dir / LOCK}; wait for it to end, or "
+                       "give this run another --out-dir")
+    refusal = broadcast_from_main(refusal)
+    if refusal is not None:
+        raise UserError(refusal)
+    try:
+        yield
+    except UserError:
+        if di.is_main and created:
+            os.close(fd)
+            (out_dir / LOCK).unlink(missing_ok=True)
+            _remove_if_empty(out_dir)
+        raise
+
+
+def _take_lock(out_dir: Path) -> int | None:
+    """The lock's file descriptor, held open for the process's life; None if another process holds
+    it. A filesystem without locks holds none and refuses none."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out_dir / LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(f"cannot create out_dir {out_dir}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        pass
+    return fd
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
 
 
 def check_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to mix two runs in one directory unless asked to resume or overwrite, and refuse a
-    directory that cannot be created, before anything is written."""
+    run that could not write its metrics or checkpoints there, before anything is written."""
     check_can_create(out_dir, "out_dir")  # first: the look inside needs a directory this user may search
+    check_can_create(out_dir / "checkpoints", "the checkpoint directory")
     holds_run = (out_dir / "metrics.jsonl").exists() or bool(list_checkpoints(out_dir))
     if holds_run and not (resume or overwrite):
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")

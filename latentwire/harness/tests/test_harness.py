@@ -235,3 +235,41 @@ def test_a_snapshot_is_replayed_to_its_peak_and_read_without_running_code(tmp_pa
     (tmp_path / "evil.pickle").write_bytes(pickle.dumps({"device_traces": [], "x": os.getcwd}))
     with pytest.raises(pickle.UnpicklingError, match="names posix.getcwd"):
         read_snapshot(tmp_path / "evil.pickle")
+
+
+HOLD_THE_DIRECTORY = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {home!r})
+import torch
+from harness.distributed import DistInfo
+from harness.run_dir import one_run_at_a_time
+with one_run_at_a_time(Path({out!r}), DistInfo(0, 0, 1, torch.device("cpu"), joins_group=False)):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_run_directory_holds_one_run_and_a_killed_run_leaves_it_free(tmp_path):
+    """A second run is refused while the first holds the directory; SIGKILLed, the first leaves
+    no lock behind (the kernel drops it), and a refused run leaves no directory it made."""
+    from harness.distributed import DistInfo
+    from harness.errors import UserError
+    from harness.run_dir import one_run_at_a_time
+
+    out, di = tmp_path / "run", DistInfo(0, 0, 1, torch.device("cpu"), joins_group=False)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_DIRECTORY.format(home=str(HOME), out=str(out))],
+                              env=env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        with pytest.raises(UserError, match="is in use by another run"), one_run_at_a_time(out, di):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with one_run_at_a_time(out, di):
+        pass
+    fresh = tmp_path / "refused"
+    with pytest.raises(UserError, match="bad input"), one_run_at_a_time(fresh, di):
+        raise UserError("bad input")
+    assert not fresh.exists()
