@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from conftest import CHAT_TEMPLATE, FAST, assert_one_line_error, instruct_reader, ok, run_module, run_train
-from latentwire.config import SCHEMA
 from latentwire.eval import generation as gen
 from latentwire.data import Collator, PromptDataset, synthetic_examples
 from latentwire.llm import LLM_NAMES, load_frozen_llm
@@ -102,11 +101,6 @@ def test_auto_gives_each_reader_its_own_contract_and_false_the_bare_anchor():
     assert bare.tail == tuple(plain.tokenizer(DEFAULT_ANCHOR, add_special_tokens=False)["input_ids"])
     anchored = PromptContract.of(instruct.tokenizer, PromptFormat(chat_template="false"))
     assert not anchored.chat and anchored.lead == (instruct.tokenizer.bos_token_id,)
-
-
-@pytest.mark.parametrize("profile_value, reads_as", [(True, "true"), (False, "false")])
-def test_a_boolean_chat_template_from_before_auto_still_reads(profile_value, reads_as):
-    assert SCHEMA.check_value("chat_template", profile_value, where="meta.json") == reads_as
 
 
 def test_a_chat_template_the_tokenizer_lacks_is_a_one_line_error(tmp_path):

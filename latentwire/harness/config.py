@@ -37,9 +37,7 @@ class Field:
     positive: bool = False  # > 0 (numbers only)
     non_negative: bool = False  # >= 0 (numbers only)
     refused: dict = dataclasses.field(default_factory=dict)  # value -> why it is not (yet) taken
-    # Fields added after profiles were written have a default, so a user's own profile file from
-    # before them still loads; the rest must be given.
-    default: object = REQUIRED
+    default: object = REQUIRED  # a field with a default may be left out of a profile; the rest must be given
 
 
 class Schema:
@@ -51,7 +49,7 @@ class Schema:
         self.fields, self.rules = fields, rules
 
     def defaults(self) -> dict:
-        """The fields that have a default (those added after profiles were written), with it."""
+        """The fields that have a default, with it."""
         return {name: spec.default for name, spec in self.fields.items() if spec.default is not REQUIRED}
 
     def check_value(self, field: str, value, where: str):
@@ -62,8 +60,6 @@ class Schema:
             raise UserError(f"{where}: field {field!r} must not be null")
         if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if spec.kind is str and isinstance(value, bool) and "true" in spec.choices:
-            value = str(value).lower()  # a field that was a bool before it grew more choices: old files still read
         if type(value) is not spec.kind:
             raise UserError(f"{where}: field {field!r} must be {spec.kind.__name__}, got {value!r}")
         if spec.kind is float and not math.isfinite(value):  # JSON's Infinity/NaN, or --lr inf
