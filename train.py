@@ -35,6 +35,7 @@ from latentwire.distillation import describe_targets, teacher_targets
 from latentwire.eval.evaluation import evaluate_wire
 from latentwire.eval.settings import EvalSettings
 from latentwire.flops import FlopModel
+from latentwire.fp8 import check_fp8, convert_frozen_linears, describe_fp8
 from latentwire.harness.checkpoint import (Checkpointer, TrainState, check_restored_settings, checkpoint_dir,
                                            list_checkpoints, load_weights, newest_meta, no_checkpoint,
                                            resolve_checkpoint)
@@ -155,6 +156,8 @@ def train(cfg, di) -> None:
     amp_dtype = AMP_DTYPES[cfg.numerics.precision]
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.numerics.precision == "fp16")
     capability = cuda_capability(device)
+    if cfg.frozen.fp8:  # float8 frozen readers (below) only where the card has FP8 tensor cores
+        check_fp8(device, cfg.numerics.precision, eager_backward=not cfg.compile.enabled)
     tf32 = use_tf32(cfg.numerics.tf32, capability)
     if tf32:
         torch.set_float32_matmul_precision("high")
@@ -189,9 +192,11 @@ def train(cfg, di) -> None:
     compile_options = {"mode": cfg.compile.mode, "dynamic": True} if cfg.compile.enabled else None
     t_load = time.perf_counter()
     prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=compile_options,
-                        mesh=mesh, device=device)
+                        mesh=mesh, device=device, fp8=cfg.frozen.fp8)
     if di.is_main:  # minutes for two 8B models: the first lines should not be silence
         print(f"loaded the frozen LLMs in {time.perf_counter() - t_load:.1f} s", flush=True)
+        if cfg.frozen.fp8:
+            print(describe_fp8(llms, device.type), flush=True)
 
     # --- Trainable model: the byte encoder and one adapter per LLM ----------------------------
     model = WireEncoder.for_llms(cfg.wire, llms).to(device)
@@ -472,13 +477,15 @@ def adamw(model: torch.nn.Module, config: OptimizerConfig, device_type: str) -> 
                              fused=device_type in ("cuda", "cpu"))
 
 
-def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dict | None, mesh, device) -> None:
+def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dict | None, mesh, device,
+                        fp8: bool = False) -> None:
     """The frozen LLMs' wrappers, in one place and one order (torchtitan's), for everything that
     builds them: training, the memory plan, find_batch, evaluation and the compile bench, so what is
     planned and measured is what trains. Each LLM, built on the meta device (the planner's under
     FakeTensorMode), is wrapped for activation checkpointing if `checkpointing`, its decoder layers
     compiled with `compile_options` (torch.compile's arguments; None: eager), sharded over `mesh`
-    (None: whole), and allocated on `device` and read (None: left as built, the planner's fakes)."""
+    (None: whole), and allocated on `device` and read (None: left as built, the planner's fakes),
+    then its decoder layers' linears converted to float8 if `fp8` (latentwire.fp8)."""
     for llm in llms.values():
         # --- Activation checkpointing: gradients flow through the frozen layers to the wire, so
         # their activations would be kept for backward; each decoder layer is recomputed instead
@@ -507,6 +514,10 @@ def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dic
         if device is not None:
             llm.model.to_empty(device=device)
             read_weights(llm)
+        # --- FP8 frozen readers (--frozen-fp8): last, as each weight is cast to float8 once from the
+        # values read_weights filled in; compile traces the swapped linears at the first step.
+        if fp8:
+            convert_frozen_linears(llm)
 
 
 def train_step(model, task, micro_batches: list[dict], *, n_targets: torch.Tensor, amp_dtype: torch.dtype | None,

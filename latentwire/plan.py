@@ -104,11 +104,14 @@ def format_plan(plan: Plan) -> str:
               f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at the second size",
               f"  {'steady state':<40}{'traced ' + unit:>10}{'analytic':>10}{'diff':>10}"]
     for label, traced, analytic in (
-            (f"parameters, frozen ({cfg.numerics.precision}{frozen_share(plan)})", plan.params_frozen_bytes, a.frozen),
+            (f"parameters, frozen ({cfg.numerics.precision}{', fp8 linears' if cfg.frozen.fp8 else ''}"
+             f"{frozen_share(plan)})", plan.params_frozen_bytes, a.frozen),
             ("parameters, trainable (fp32)", plan.params_trainable_bytes, a.trainable),
             ("gradients (trainable only)", plan.gradients, a.gradients),
             ("optimizer state (AdamW)", plan.optimizer, a.optimizer_state)):
         lines.append(_row(label, (traced, analytic), size) + _diff(traced, analytic))
+    if cfg.frozen.fp8:
+        lines.append("  (--frozen-fp8: the decoder layers' linears hold 1 byte per weight, the analytic column 2)")
     lines += ["", f"  {'at the peak (' + unit + '), micro-batch':<40}" + "".join(f"{t.micro_batch:>10}" for t in plan.traces)]
     for key in ("parameters", "buffers", "gradients", "optimizer", "activations", "temporaries", "other",
                 *(["gathered"] if plan.gathered_bytes else []), "total"):

@@ -22,7 +22,8 @@ RATIO = re.compile(r"(?:^|\s)ratio=(\S+)$")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["loop_overhead", "dataloader", "compile", "ddp_scaling", "distillation"])
+@pytest.mark.parametrize("script", ["loop_overhead", "dataloader", "compile", "ddp_scaling", "distillation",
+                                    "fp8_numerics"])
 def test_quick_run_ends_in_a_ratio(script):
     proc = ok(subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), "--quick"], cwd=REPO,
                              env=child_env(), capture_output=True, text=True, timeout=600))
