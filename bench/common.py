@@ -82,7 +82,7 @@ def build_model(cfg) -> tuple[dict, WireEncoder]:
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
-                        device=CPU)
+                        device=CPU, fp8=cfg.frozen.fp8)
     model = WireEncoder.for_llms(cfg.wire, llms)
     return llms, model.train()
 

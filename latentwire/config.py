@@ -19,7 +19,7 @@ from .harness.errors import UserError
 from .harness.loop_config import LoopConfig, RunFlags, model_schema
 from .harness.loop_config import build_parser as build_loop_parser
 from .harness.loop_config import load_config as load_loop_config
-from .harness.precision import frozen_weight_dtype, sdpa_backends
+from .harness.precision import fp8_refusal, frozen_weight_dtype, sdpa_backends
 from .llm import FrozenConfig
 from .model import WireConfig
 from .objectives import Objectives
@@ -35,6 +35,9 @@ FIELDS: dict[str, Field] = {
     "frozen_sharding": Field(str, "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded "
                                   "over the ranks by FSDP2, a decoder layer gathered only while it runs)",
                              choices=("none", "fsdp"), default="none"),
+    "frozen_fp8": Field(bool, "run the frozen LLMs' decoder-layer linears in float8 (torchao: forward and input "
+                              "gradients; bf16, compiled, a card with FP8 tensor cores or the CPU's emulation; "
+                              "MFU stays counted against the bf16 peak)", default=False),
     "llama": Field(str, "Llama-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), 'tiny-random', "
                         "or 'random:HUB_ID_OR_CONFIG_JSON'"),
     "qwen": Field(str, "Qwen-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), 'tiny-random', "
@@ -129,8 +132,23 @@ def check_consistency(v: dict, where: str) -> None:
     if v["encoder_dim"] // v["encoder_heads"] % 2:
         raise UserError(f"{where}: the byte encoder's head width, encoder_dim / encoder_heads = "
                         f"{v['encoder_dim'] // v['encoder_heads']}, must be even (rotary positions rotate pairs)")
+    if v["frozen_fp8"]:
+        check_fp8_profile(v, where)
     if fused_attention_only(v["device"], v["precision"], v["supports_bf16"]):
         check_fused_head_widths(v["encoder_dim"], v["d_z"], v["encoder_heads"], where)
+
+
+def check_fp8_profile(v: dict, where: str) -> None:
+    """--frozen-fp8 refused where the profile alone says it cannot run or help (its card is checked
+    when the run starts), or beside --frozen-sharding fsdp (latentwire.fp8 says why)."""
+    why = fp8_refusal(v["device"], None, v["precision"], eager_backward=not v["compile"])
+    if why:
+        raise UserError(f"{where}: frozen_fp8: {why}")
+    if v["frozen_sharding"] == "fsdp":
+        raise UserError(f"{where}: frozen_fp8 with frozen_sharding fsdp: the float8 weights are cast once after they "
+                        "are read, and FSDP2 shards them before (torchao's float8 FSDP keeps bf16 shards and casts "
+                        "them every step); use frozen_sharding none, where float8 holds the decoder layers' weights "
+                        "in half the bytes")
 
 
 def fused_attention_only(device: str, precision: str, sm80: bool) -> bool:

@@ -47,6 +47,7 @@ from .harness.errors import UserError, main_guard
 from .eval.evaluation import evaluate_examples
 from .eval.report import build_report, markdown, write_report
 from .eval.settings import EvalSettings
+from .fp8 import check_fp8
 from .llm import build_frozen_llms, held_per_rank
 from .model import WireEncoder
 from .parallelize import prepare_frozen_llms
@@ -102,11 +103,14 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     examples = sources.held_out_examples(args.eval_examples, dataset)
     # Built, sharded and read as train.py does; no backward here, so no checkpointing, and eager.
     # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
+    if cfg.frozen.fp8:  # the readers the run trained with, which need FP8 tensor cores on a card
+        check_fp8(di.device, cfg.numerics.precision, eager_backward=False)  # no backward here
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
     mesh = init_device_mesh(di.device.type, (di.world_size,)) if sharded else None
-    prepare_frozen_llms(llms, checkpointing=False, compile_options=None, mesh=mesh, device=di.device)
+    prepare_frozen_llms(llms, checkpointing=False, compile_options=None, mesh=mesh, device=di.device,
+                        fp8=cfg.frozen.fp8)
     if sharded and di.is_main:
         print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr, flush=True)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)

@@ -53,6 +53,7 @@ from .harness.config import Parser, check_can_create, positive
 from .harness.errors import UserError, main_guard
 from .harness.distributed import process_group
 from .harness.profiling import MemorySnapshots
+from .fp8 import check_fp8
 from .llm import build_frozen_llms
 from .model import WireEncoder
 from .parallelize import prepare_frozen_llms
@@ -287,6 +288,8 @@ def find(cfg, args, di) -> None:
     if cfg.frozen.sharding == "fsdp":
         raise UserError("find_batch measures with whole frozen LLMs on each rank; for --frozen-sharding fsdp, "
                         f"plan the micro-batch with python -m latentwire.plan --profile {cfg.run.profile}")
+    if cfg.frozen.fp8:
+        check_fp8(di.device, cfg.numerics.precision, eager_backward=not cfg.compile.enabled)
     out = Path(cfg.output.out_dir)
     json_path, tb_dir = Path(args.json or out / "find_batch.json"), Path(args.tb_dir or out / "find_batch_tb")
     check_can_create(json_path.parent, "output directory")
@@ -296,7 +299,7 @@ def find(cfg, args, di) -> None:
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
-                               device=di.device)
+                               device=di.device, fp8=cfg.frozen.fp8)
     probe = Probe(cfg, llms, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)
     say(f"find_batch {cfg.run.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "

@@ -25,7 +25,8 @@ class FrozenConfig:
     qwen: str
     activation_checkpointing: bool  # recompute each decoder layer in backward
     sharding: str  # none (whole on every rank) or fsdp
-    FLAT_NAMES: ClassVar[dict] = {"sharding": "frozen_sharding"}
+    fp8: bool  # the decoder layers' linears in float8 (latentwire.fp8)
+    FLAT_NAMES: ClassVar[dict] = {"sharding": "frozen_sharding", "fp8": "frozen_fp8"}
 
     def source(self, name: str) -> str:
         return getattr(self, name)
@@ -224,11 +225,22 @@ def describe_prompts(llms: dict[str, FrozenLLM]) -> str:
     return "; ".join(f"{name}: {llm.contract.describe()}" for name, llm in llms.items())
 
 
-def held_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters that this rank holds: its shards where FSDP sharded them."""
-    from torch.distributed.tensor import DTensor
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor holds: a wrapper subclass's are its inner tensors' (a DTensor's, this rank's
+    shard; a float8 weight's, 1 byte per element and its scale), not its shape times the dtype it
+    shows."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+    if is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()  # a DTensor's names its device mesh too, not a tensor
+        return sum(stored_bytes(t) for t in (getattr(tensor, name) for name in inner) if isinstance(t, torch.Tensor))
+    return tensor.nbytes
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters that this rank holds: its shards where FSDP sharded them,
+    1 byte per weight where they are float8."""
+    return sum(stored_bytes(p) for p in model.parameters())
 
 
 def held_per_rank(llms: dict[str, FrozenLLM]) -> str:

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
 from torch.distributed.fsdp import fully_shard
 
+from .fp8 import convert_frozen_linears
 from .llm import decoder_layers, fsdp_units, is_decoder_layer, read_weights, skip_unused_backward_gathers
 
 # Variants of CheckpointWrapper.forward the step compiles: 2 LLMs (layer classes and widths differ)
@@ -51,11 +52,13 @@ from .llm import decoder_layers, fsdp_units, is_decoder_layer, read_weights, ski
 DECODER_LAYER_VARIANTS = 2 * 2
 
 
-def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dict | None, mesh, device) -> None:
+def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dict | None, mesh, device,
+                        fp8: bool = False) -> None:
     """Each LLM, built on the meta device, wrapped for activation checkpointing if `checkpointing`,
     its decoder layers compiled with `compile_options` (torch.compile's arguments; None: eager),
     sharded over `mesh` (None: whole), and allocated on `device` and read (None: left as built, the
-    planner's fakes)."""
+    planner's fakes), then its decoder layers' linears converted to float8 if `fp8`: last, since
+    each weight is cast once from the values read (latentwire.fp8)."""
     for llm in llms.values():
         if checkpointing:
             apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
@@ -71,6 +74,8 @@ def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dic
         if device is not None:
             llm.model.to_empty(device=device)
             read_weights(llm)
+        if fp8:
+            convert_frozen_linears(llm)
 
 
 def wire_regions(wire_encoder: nn.Module) -> list[nn.Module]:

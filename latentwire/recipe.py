@@ -25,6 +25,7 @@ from .distillation import describe_targets, teacher_targets
 from .eval.evaluation import evaluate_wire
 from .eval.settings import EvalSettings
 from .flops import FlopModel
+from .fp8 import check_fp8, describe_fp8
 from .harness.compiling import stable_shapes
 from .harness.distributed import DistInfo
 from .harness.precision import AMP_DTYPES, cuda_capability, frozen_weight_dtype, sdpa_backends
@@ -62,6 +63,8 @@ class LatentWire:
         so no fp32 master copy), built on the meta device, wrapped and read (prepare_frozen_llms);
         the trainable encoder and adapters; the step's task."""
         cfg, device = self.cfg, self.di.device
+        if cfg.frozen.fp8:  # float8 readers only where the card has FP8 tensor cores
+            check_fp8(device, cfg.numerics.precision, eager_backward=compile_options is None)
         if cfg.frozen.sharding == "fsdp" and not self.sharded:
             self.di.say("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
                      warning=True)
@@ -71,8 +74,10 @@ class LatentWire:
         self.di.say(f"prompt: {describe_prompts(self.llms)}")  # what each reader reads around the wire
         started = time.perf_counter()
         prepare_frozen_llms(self.llms, checkpointing=cfg.frozen.activation_checkpointing,
-                            compile_options=compile_options, mesh=mesh, device=device)
+                            compile_options=compile_options, mesh=mesh, device=device, fp8=cfg.frozen.fp8)
         self.di.say(f"loaded the frozen LLMs in {time.perf_counter() - started:.1f} s")  # minutes for two 8B models
+        if cfg.frozen.fp8:
+            self.di.say(describe_fp8(self.llms, device.type))
         model = WireEncoder.for_llms(cfg.wire, self.llms).to(device)
         self.flops = FlopModel.of(model, {n: llm.model for n, llm in self.llms.items()}, cfg.wire)
         forward = stable_shapes()(forward_loss_sums) if compile_options is not None else forward_loss_sums

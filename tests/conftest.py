@@ -2,6 +2,7 @@
 it wrote."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -26,9 +27,9 @@ RUN = ["--profile", "cpu", *EXACT, *FAST, "--micro-batch-size", "4", "--grad-acc
 # 20 steps on one process, and the same global batch on two ranks under torchrun.
 TWENTY = {1: [*RUN, "--max-steps", "20"], 2: [*RUN, "--max-steps", "20", "--micro-batch-size", "2"]}
 
+NOBODY = 65534  # the user a root test runs a command as, where root would be allowed anything
 # Every extra loss term on at once, as train.py's flags and as the Objectives they make; k_tokens 2
 # is fewer than most answers' targets.
-NOBODY = 65534  # the user a root test runs a command as, where root would be allowed anything
 ALL_TERMS_FLAGS = ["--first-token-weight", "0.5", "--k-token-weight", "0.5", "--k-tokens", "2", "--kd-weight", "1"]
 ALL_TERMS = Objectives(first_token_weight=0.5, k_token_weight=0.5, kd_weight=1.0, k_tokens=2)
 # A minimal chat template, as an instruct model's tokenizer ships one: BOS, a user turn, the
@@ -236,3 +237,21 @@ def assert_same_run(straight, resumed, from_step):
     assert losses(resumed) == losses(straight)  # every step once, the resumed ones identical
     last = read_metrics(straight)[-1]["step"]
     assert [m["step"] for m in read_metrics(resumed)][from_step:] == list(range(from_step + 1, last + 1))
+
+
+@pytest.fixture(scope="session")
+def torchao_site(tmp_path_factory) -> str:
+    """Where torchao, the optional dependency of --frozen-fp8, imports from for the tests that need
+    it: this environment if it has it (""), else a directory pip installs requirements-fp8.txt into
+    for the session, on this process's path and for a child's PYTHONPATH. Not the environment's own:
+    transformers imports torchao in every process that finds it (0.8 s each), which the rest of the
+    suite would pay. Skipped where pip cannot fetch it (offline)."""
+    if importlib.util.find_spec("torchao"):
+        return ""
+    site = tmp_path_factory.mktemp("torchao")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), "-r",
+                           str(REPO / "requirements-fp8.txt")], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.skip(f"torchao could not be installed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    sys.path.insert(0, str(site))
+    return str(site)

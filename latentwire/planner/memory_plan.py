@@ -14,7 +14,7 @@ import torch
 
 from ..harness.errors import UserError
 from ..known_llms import KNOWN_LLMS, llm_parameter_count
-from ..llm import LLM_NAMES, fsdp_units
+from ..llm import LLM_NAMES, fsdp_units, held_bytes
 from ..llm_sources import LLMSpec, llm_spec, read_source
 from ..model import WireConfig, WireEncoder
 from ..parallelize import prepare_frozen_llms
@@ -63,6 +63,7 @@ class Plan:
         return {
             "profile": cfg.run.profile, "world_size": self.world_size, "device": cfg.card.device,
             "precision": cfg.numerics.precision, "activation_checkpointing": cfg.frozen.activation_checkpointing,
+            "frozen_fp8": cfg.frozen.fp8,
             "frozen_sharding": self.sharding, "fsdp_gathered_bytes": self.gathered_bytes,
             "llms": {name: {"source": spec.source, "config_from": spec.origin, "params": self.frozen_params[name]}
                      for name, spec in self.specs.items()},
@@ -186,9 +187,9 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         llms = fake_llms(specs, cfg.numerics.precision)
         prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
-                          device=None)
+                          device=None, fp8=cfg.frozen.fp8)
         frozen_params = {name: sum(p.numel() for p in llm.model.parameters()) for name, llm in llms.items()}
-        frozen_bytes = sum(p.numel() * p.element_size() for llm in llms.values() for p in llm.model.parameters())
+        frozen_bytes = sum(held_bytes(llm.model) for llm in llms.values())
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
         tracer = StepTracer(cfg, llms, answers, step)
         first = shard_trace(tracer.trace(cfg.training.micro_batch_size, steps=2), frozen_bytes, held, gathered)
