@@ -14,7 +14,7 @@ import random
 import shutil
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -352,7 +352,8 @@ def train(cfg, di) -> None:
     # --- The loop ----------------------------------------------------------------------------
     model.train()
     skipped, bad_in_a_row = 0, 0
-    with profiler, out_of_memory_report(cfg.run.profile, micro, snapshots):
+    # closing(batches): every way out, a failure included, stops the loader's workers first.
+    with profiler, closing(batches), out_of_memory_report(cfg.run.profile, micro, snapshots):
         # Preempted or diverged: leave the loop, save, then exit with exit_after_save's code.
         while exit_after_save is None and state.step < steps:
             t_wait = time.perf_counter()
@@ -447,7 +448,6 @@ def train(cfg, di) -> None:
                 checkpointer.save(state)
 
     # Every way out of the loop (done, --stop-at-step, preempted, diverged) saves the same way.
-    batches.close()  # the loader's workers stop here: nothing more to load
     path = checkpointer.save(state) if state.step != on_disk else checkpoint_dir(out_dir, state.step)
     snapshots.finish()
     logger.close()
