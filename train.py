@@ -325,8 +325,10 @@ def train(cfg, di) -> None:
     snapshots.start()
 
     # --- Metrics: throughput, MFU and memory per log window; jsonl and TensorBoard -------------
-    # MFU against the peak of the arithmetic the matmuls really run in.
-    meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg.wire).step_flops,
+    # MFU against the peak of the arithmetic the matmuls really run in; HFU counts the recompute too.
+    flops = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg.wire,
+                         recompute=cfg.frozen.activation_checkpointing)
+    meter = StepMeter(device, flops.step_flops, hardware_flops=flops.step_hardware_flops,
                       peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
                            first_record=training.facts(), started=started)

@@ -356,7 +356,8 @@ def test_a_rank_that_raises_ends_the_whole_job(tmp_path):
 FAIL_FIRST_STEP = """
 import atexit, multiprocessing, sys, torch
 def failing(*args):
-    atexit.register(lambda: print(f"workers at exit: {{len(multiprocessing.active_children())}}", file=sys.stderr))
+    alive = lambda: len(multiprocessing.active_children())
+    atexit.register(lambda: print(f"workers at exit: {{alive()}}", file=sys.stderr))
     raise {error}
 train.forward_loss_sums = failing
 """
