@@ -3,6 +3,9 @@
 - `torch.profiler` on the profile's wait/warmup/active schedule writes one trace per rank under
   `out_dir/traces` (TensorBoard's profiler plugin, Perfetto, chrome://tracing read it), with
   switches for input shapes, memory and Python stacks.
+- `summarize_trace` reads such a trace back as a few lines: the device's kernels by their time
+  (a CPU's operators where the trace has no device), and the device's idle share over the
+  profiled steps.
 - A CUDA memory snapshot (`torch.cuda.memory._record_memory_history`) shows every live block and
   the stack that allocated it (drag the pickle into https://pytorch.org/memory_viz). On request
   it records from the start and is written at the end; on out-of-memory it is always written, with
@@ -12,7 +15,9 @@
 """
 from __future__ import annotations
 
+import gzip
 import io
+import json
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass
@@ -61,6 +66,71 @@ def profiler_options(config: ProfilerConfig, out_dir: Path, rank: int, device: t
                 schedule=schedule(wait=config.wait, warmup=config.warmup, active=config.active, repeat=1),
                 on_trace_ready=tensorboard_trace_handler(str(Path(out_dir) / "traces"), worker_name=f"rank{rank}"),
                 record_shapes=config.shapes, profile_memory=config.memory, with_stack=config.stacks)
+
+
+# --- What a trace says -----------------------------------------------------------------------
+
+# Chrome-trace categories of the device's own work: what it executes, and copies and fills.
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def summarize_trace(path: Path, top: int = 15) -> dict:
+    """A torch.profiler trace (Chrome JSON, as `profiler_options` writes it) as numbers: over the
+    profiled steps (from the first ProfilerStep's start to the last one's end), how long the
+    device was busy (the union of its kernels, copies and fills) and idle, and the kernels with
+    the most time, summed by name. A CPU run's trace has no device activity: its operators stand
+    in, each by its self time (less the operators it called), and busy is the union of them."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in events if e.get("cat") in ("user_annotation", "cpu_op")
+             and e.get("name", "").startswith("ProfilerStep#")]
+    device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
+    work = device or [e for e in events if e.get("cat") == "cpu_op" and not e["name"].startswith("ProfilerStep#")]
+    timed = steps or work
+    start, end = min(e["ts"] for e in timed), max(e["ts"] + e["dur"] for e in timed)
+    busy, reach = 0.0, start
+    for e in sorted(work, key=lambda e: e["ts"]):  # the union of the intervals, within the steps
+        lo, hi = max(e["ts"], reach), min(e["ts"] + e["dur"], end)
+        if hi > lo:
+            busy, reach = busy + hi - lo, hi
+    spent, calls = defaultdict(float), defaultdict(int)
+    for e, own in zip(work, [e["dur"] for e in work] if device else _self_times(work)):
+        spent[e["name"]] += own
+        calls[e["name"]] += 1
+    total = sum(spent.values()) or 1.0
+    ranked = sorted(spent, key=spent.get, reverse=True)[:top]
+    return {"activity": "device kernels" if device else "CPU operators", "steps": len(steps),
+            "span_ms": (end - start) / 1e3, "busy_ms": busy / 1e3, "idle_share": 1 - busy / max(end - start, 1e-9),
+            "total_ms": total / 1e3,
+            "top": [{"name": n, "ms": spent[n] / 1e3, "share": spent[n] / total, "calls": calls[n]} for n in ranked]}
+
+
+def _self_times(ops: list[dict]) -> list[float]:
+    """Each operator's duration less that of the operators it called (nested in it, same thread)."""
+    own = [e["dur"] for e in ops]
+    by_thread = defaultdict(list)
+    for i, e in enumerate(ops):
+        by_thread[e.get("tid")].append(i)
+    for indices in by_thread.values():
+        stack = []
+        for i in sorted(indices, key=lambda i: (ops[i]["ts"], -ops[i]["dur"])):
+            while stack and ops[stack[-1]]["ts"] + ops[stack[-1]]["dur"] <= ops[i]["ts"]:
+                stack.pop()
+            if stack:
+                own[stack[-1]] -= ops[i]["dur"]
+            stack.append(i)
+    return own
+
+
+def format_trace_summary(summary: dict) -> str:
+    """summarize_trace's numbers as a short text: the idle share, then the top kernels."""
+    lines = [f"{summary['steps']} profiled steps, {summary['span_ms']:.1f} ms: {summary['activity']} busy "
+             f"{summary['busy_ms']:.1f} ms, idle {100 * summary['idle_share']:.1f}%",
+             f"top {summary['activity']} by time (of {summary['total_ms']:.1f} ms summed):"]
+    lines += [f"  {100 * t['share']:5.1f}%  {t['ms']:9.1f} ms  {t['calls']:6d} calls  {t['name'][:140]}"
+              for t in summary["top"]]
+    return "\n".join(lines) + "\n"
 
 
 # Allocations the history keeps, the newest ones: torch's own default for the memory visualizer.
