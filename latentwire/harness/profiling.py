@@ -95,7 +95,7 @@ def summarize_trace(path: Path, top: int = 15) -> dict:
         if hi > lo:
             busy, reach = busy + hi - lo, hi
     spent, calls = defaultdict(float), defaultdict(int)
-    for e, own in zip(work, [e["dur"] for e in work] if device else _self_times(work)):
+    for e, own in zip(work, [e["dur"] for e in work] if device else _self_times(work), strict=True):
         spent[e["name"]] += own
         calls[e["name"]] += 1
     total = sum(spent.values()) or 1.0
