@@ -145,6 +145,20 @@ def test_a_stopped_part_takes_its_whole_process_group_with_it(tmp_path):
     assert process_state(grandchild) in (None, "Z")
 
 
+def test_a_watched_line_is_timed_to_the_part_s_exit(tmp_path):
+    """The failing part's measure (the seconds from its error line to its exit) on a child that
+    prints one and exits with its code."""
+    from gpu_validation import Clock, Runner
+
+    run = Runner(tmp_path / "log", Clock(deadline_s=60, margin_s=1), child_env())
+    child = run([sys.executable, "-c", "import sys; print('warming up'); print('error: out of memory', flush=True); "
+                 "sys.exit(5)"], budget_s=30, watch=r"^error: ")
+    assert (child.status, child.exit) == ("failed", 5) and child.seen_s is not None
+    assert 0 <= child.seen_s <= child.seconds
+    quiet = run([sys.executable, "-c", "print('fine')"], budget_s=30, watch=r"^error: ")
+    assert (quiet.status, quiet.seen_s) == ("done", None)
+
+
 def process_state(pid: int) -> str | None:
     """A process's state letter (Z: a zombie, dead and not yet reaped), None once it is gone."""
     try:
