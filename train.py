@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -223,8 +223,8 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     # --- Memory snapshot: allocation history on request, and always one on out-of-memory ------------
     snapshots = MemorySnapshots(cfg.profiler.memory_snapshot, device, out_dir, rank)
     snapshots.start()
-    # --- Metrics: throughput, MFU against the peak of the arithmetic the matmuls run in, memory ------
-    meter = StepMeter(device, recipe.step_flops,
+    # --- Metrics: throughput, MFU against the peak of the arithmetic the matmuls run in, HFU, memory -
+    meter = StepMeter(device, recipe.step_flops, hardware_flops=recipe.step_hardware_flops,
                       peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
                            first_record=recipe.data_facts, started=started)
@@ -250,8 +250,9 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
     global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * world
     exit_after_save, skipped, bad_in_a_row = run.exit_after_save, 0, 0
     run.model.train()
-    with run.profiler, out_of_memory(Recipe.memory_advice(cfg.run.profile), cfg.training.micro_batch_size,
-                                     run.snapshots):
+    # closing(batches): every way out, a failure included, stops the loader's workers at once.
+    with run.profiler, closing(run.batches), out_of_memory(Recipe.memory_advice(cfg.run.profile),
+                                                            cfg.training.micro_batch_size, run.snapshots):
         while exit_after_save is None and state.step < steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(run.batches)
@@ -331,7 +332,6 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
                 run.checkpointer.save(state)
 
     # Every way out of the loop (done, --stop-at-step, preempted, diverged) saves the same way.
-    run.batches.close()  # the loader's workers stop here: nothing more to load
     out_dir = Path(cfg.output.out_dir)
     path = run.checkpointer.save(state) if state.step != run.on_disk else checkpoint_dir(out_dir, state.step)
     run.snapshots.finish()

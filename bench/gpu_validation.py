@@ -1,34 +1,54 @@
 """A lent GPU's measurements in one command that fits its lease.
 
-The card's attention-kernel facts, the profile end to end (step time, tokens/s, MFU, memory,
-compile time, recompiles), an evaluation with text baselines, the eager lever, find_batch against
-the memory plan, then what time is left: no recompute, the plan's largest micro-batch.
+Validation (the default): the card's attention-kernel facts, the profile end to end (step time,
+tokens/s, MFU, memory, compile time, recompiles), an evaluation with text baselines, the eager
+lever, find_batch against the memory plan, then what time is left: no recompute, the plan's
+largest micro-batch. Levers (`--levers`): the profile's compiled run as the same machine's
+baseline; compiled without activation checkpointing at the largest micro-batch the plan for the
+check's rows fits (halved while it runs out of memory), with expandable segments; FP8 frozen
+linears, compiled, without and with checkpointing; a torch.profiler summary of the fastest's
+steady steps (top kernels, the GPU's idle share: <out>/profile.txt); and a run made to fail at its
+first step (a micro-batch that cannot fit, the profile's 8 pinned-memory loader workers), timed
+from its error line to its exit. Every run entry has `mfu`, `hfu` (the recompute counted) and
+`ratio_to_baseline` (its samples/s over the baseline's).
 
     python bench/gpu_validation.py --out $OUT --deadline 530      # on the GPU machine (one command, 570 s limit)
+    python bench/gpu_validation.py --levers --out $OUT --deadline 480   # the levers (one command, 540 s limit)
     python bench/gpu_validation.py --out /tmp/v --cpu-check        # here: the cpu profile, the same code path
+    python bench/gpu_validation.py --levers --out /tmp/v --cpu-check
     python bench/gpu_validation.py --prepare                       # here, before a GPU: the plans it compares with
     python bench/gpu_validation.py --out $OUT --deadline 530 --compile-mode max-autotune-no-cudagraphs \
         --budget preflight=0 --budget main=400                     # a second command: max-autotune's cost and gain
+
+The next lent H100 runs the levers: `python bench/gpu_validation.py --levers --out $OUT --deadline
+480` with a 540 s timeout, about 8 minutes of parts after the machine's 1-2 minutes of start
+(expected: baseline 75 s, no recompute 70 s, each FP8 run 75 s where train.py has --frozen-fp8,
+the profile 55 s, the failing run 25 s); the plans it reads are shipped.
 
 A lent GPU gives minutes, and a command stopped at its limit returns only the files it had already
 written, so nothing waits for the end: each part runs in its own process group, under
 min(its budget, the time left to --deadline less --margin), and is stopped (SIGTERM, then SIGKILL)
 when that runs out, its entry then saying "timed out" with whatever metrics it had flushed.
-`<out>/<profile>.json` is rewritten atomically after every part, and every child's output goes to
-`<out>/validation.log` as it comes. Data, run directories, checkpoints and compile caches live in
-`--work` (a temporary directory by default), so two small files come back.
+`<out>/<profile>.json` (`<profile>-levers.json`) is rewritten atomically after every part, every
+child's output goes to `<out>/validation.log` as it comes, and in the levers mode every run's
+metrics.jsonl records are appended to `<out>/metrics.jsonl` as soon as it ends. Data, run
+directories, checkpoints, traces and compile caches live in `--work` (a temporary directory by
+default), so at most four small files come back.
 
 Without network the LLMs are `random:` (the real architectures, seeded random weights: the same
 FLOPs and memory), read through their family's tiny tokenizer; the data is a local .json of
-SQuAD-length synthetic examples. The memory plan is traced on the CPU (minutes of single-threaded
-Python that a GPU lease should not pay for): `--prepare` writes it to bench/results/, and the
-driver reads it from there when its flags match, tracing it itself only when they do not.
+synthetic examples shaped like SQuAD's: contexts of its length, answers of its answer lengths in
+tokens (squad_length_examples). The memory plan is traced on the CPU for the longest of these rows
+(minutes of single-threaded Python that a GPU lease should not pay for): `--prepare` writes it to
+bench/results/, and the driver reads it from there when its flags match, tracing it itself only
+when they do not.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -49,16 +69,31 @@ from common import REPO, child_env
 REAL_LLMS = ["--llama", "random:meta-llama/Llama-3.1-8B", "--qwen", "random:Qwen/Qwen2.5-7B"]
 # SQuAD contexts are about 750 characters; the profile cuts prompts at max_prompt_bytes.
 SQUAD_CONTEXT_BYTES = 750
+# SQuAD v1.1's answers in the readers' tokens, as a log-normal: median 3 tokens, mean 4.2 (SQuAD's
+# mean of about 3.2 words at the 1.3 tokens a word of English BPE vocabularies such as Llama-3's
+# and Qwen2.5's), so a fifth are one token, 8% ten or more and a few in a thousand 30 or more.
+# Derived from those two figures, not from the dataset's own histogram, which is not on this
+# machine; the realised lengths are recorded beside the results (rows_summary).
+ANSWER_TOKENS_MEDIAN, ANSWER_TOKENS_SIGMA = 3.0, 0.82
 RESULTS = REPO / "bench" / "results"
 # Seconds a stopped part gets between SIGTERM and SIGKILL.
 GRACE_S = 5
 
 
 def squad_length_examples(path: Path, n: int, seed: int = 0) -> Path:
-    """`n` synthetic examples whose contexts are padded with other examples' facts to SQuAD's length,
-    the answer's fact kept first, written as one JSON document (read without `datasets`)."""
-    from latentwire.data import synthetic_examples
+    """`n` synthetic examples shaped like SQuAD's, written as one JSON document (read without
+    `datasets`): contexts padded with other examples' facts to SQuAD's length (the answer's fact
+    kept first), and answers that are spans of the context as long, in the Llama reader's tokens,
+    as SQuAD's answer lengths (ANSWER_TOKENS_*), so a micro-batch pads to its longest answer as
+    real training does. The readers are `random:` architectures read through their family's tiny
+    tokenizer, so the ids stay in its small vocabulary while the head is the real one, which is
+    what the loss costs."""
+    import random
 
+    from latentwire.data import synthetic_examples
+    from latentwire.llm_sources import tiny_tokenizer
+
+    tok, rng = tiny_tokenizer("llama"), random.Random(seed)
     pool = synthetic_examples(n * 4, seed)
     examples = []
     for i, ex in enumerate(pool[:n]):
@@ -66,9 +101,37 @@ def squad_length_examples(path: Path, n: int, seed: int = 0) -> Path:
         while len(context.encode()) < SQUAD_CONTEXT_BYTES:
             context += " " + pool[k % len(pool)]["context"]
             k += n
-        examples.append({**ex, "context": context})
+        length = max(1, round(rng.lognormvariate(math.log(ANSWER_TOKENS_MEDIAN), ANSWER_TOKENS_SIGMA)))
+        spans = tok(context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        at = context.index(ex["answers"]["text"][0])
+        first = min(next(j for j, (_, end) in enumerate(spans) if end > at), max(len(spans) - length, 0))
+        start, end = spans[first][0], spans[min(first + length, len(spans)) - 1][1]
+        answer = context[start:end].strip()
+        examples.append({**ex, "context": context,
+                         "answers": {"text": [answer], "answer_start": [context.index(answer, start)]}})
     path.write_text(json.dumps(examples))
     return path
+
+
+def rows_summary(path: Path, max_answer_tokens: int, pad_multiple: int) -> dict:
+    """What the check's rows are, measured: each reader family's answer lengths in its own tokens
+    (cut at `max_answer_tokens`, as the collator cuts them) and the longest prompt, which sets the
+    `--max-prompt-bytes` the plan traces (rounded up to `pad_multiple`, as the collator pads)."""
+    from latentwire.data import answer_text, answer_token_ids, prompt_text, round_up
+    from latentwire.llm_sources import tiny_tokenizer
+
+    examples = json.loads(Path(path).read_text())
+    answers = [answer_text(ex) for ex in examples]
+    summary = {"examples": len(examples),
+               "prompt_bytes_max": max(len(prompt_text(ex).encode()) for ex in examples)}
+    summary["max_prompt_bytes"] = round_up(summary["prompt_bytes_max"], pad_multiple)
+    for family in ("llama", "qwen"):
+        lengths = sorted(min(len(ids), max_answer_tokens) for ids in answer_token_ids(tiny_tokenizer(family), answers))
+        summary[f"answer_tokens_{family}"] = {
+            "mean": round(statistics.fmean(lengths), 2), "median": statistics.median(lengths),
+            "p90": lengths[int(0.9 * (len(lengths) - 1))], "max": lengths[-1],
+            "one_token": round(lengths.count(1) / len(lengths), 3)}
+    return summary
 
 
 # --- the card's attention kernels (run in a child: `--kernel-facts`) --------------------------------
@@ -181,6 +244,7 @@ class Child:
     exit: int | None = None
     seconds: float = 0.0
     output: str = ""
+    seen_s: float | None = None  # when the watched line appeared (Runner's `watch`), from the start
 
     def entry(self) -> dict:
         return {"status": self.status, "exit": self.exit, "seconds": round(self.seconds, 1)}
@@ -193,7 +257,9 @@ class Runner:
     def __init__(self, log: Path, clock: Clock, env: dict):
         self.log, self.clock, self.env = log, clock, env
 
-    def __call__(self, cmd: list[str], budget_s: float, env: dict | None = None) -> Child:
+    def __call__(self, cmd: list[str], budget_s: float, env: dict | None = None, watch: str | None = None) -> Child:
+        """`watch`: a regular expression; the time its first matching line of output appeared is
+        kept (Child.seen_s), to a tenth of a second."""
         limit = self.clock.limit(budget_s)
         if limit < 1:
             return Child("skipped")
@@ -204,8 +270,12 @@ class Runner:
             started = time.monotonic()
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**self.env, **(env or {})})
+            seen = None
             try:
-                code, status = proc.wait(timeout=limit), None
+                if watch is None:
+                    code, status = proc.wait(timeout=limit), None
+                else:
+                    (code, seen), status = wait_watching(proc, limit, self.log, offset, re.compile(watch, re.M)), None
             except subprocess.TimeoutExpired:
                 code, status = stop_group(proc), "timed out"
             seconds = time.monotonic() - started
@@ -215,7 +285,24 @@ class Runner:
         status = status or ("done" if code == 0 else "failed")
         with open(self.log, "a") as log:
             log.write(f"({status}, exit {code}, {seconds:.0f} s)\n")
-        return Child(status, code, seconds, output)
+        return Child(status, code, seconds, output, seen)
+
+
+def wait_watching(proc: subprocess.Popen, limit: float, log: Path, offset: int, pattern) -> tuple[int, float | None]:
+    """proc.wait(limit), reading its output in `log` from `offset` meanwhile: its exit code, and
+    the seconds from now to the first line `pattern` matches (None if none did)."""
+    started, seen = time.monotonic(), None
+    while True:
+        code = proc.poll()
+        if seen is None:
+            with open(log, "r", errors="replace") as f:
+                f.seek(offset)
+                seen = time.monotonic() - started if pattern.search(f.read()) else None
+        if code is not None:
+            return code, seen
+        if time.monotonic() - started > limit:
+            raise subprocess.TimeoutExpired(proc.args, limit)
+        time.sleep(0.1)
 
 
 def stop_group(proc: subprocess.Popen) -> int:
@@ -253,37 +340,51 @@ class Results:
 
 # --- the plan, traced on the CPU --------------------------------------------------------------------
 
-def plan_flags(profile: str, readers: list[str], recompute: bool) -> list[str]:
-    return ["--profile", profile, *readers, "--activation-checkpointing", str(recompute).lower()]
+def plan_flags(profile: str, readers: list[str], recompute: bool, rows: list[str]) -> list[str]:
+    """The flags the plan is traced for and the runs share: `rows`, the longest rows of the
+    check's data (check_rows), so the plan traces those and not the profile's longest."""
+    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", str(recompute).lower()]
 
 
 def plan_path(profile: str, recompute: bool) -> Path:
     return RESULTS / f"plan-{profile}{'' if recompute else '-no-recompute'}.json"
 
 
-def shipped_plan(profile: str, readers: list[str], recompute: bool) -> dict | None:
+def shipped_plan(flags: list[str], profile: str, recompute: bool) -> dict | None:
     """The plan `--prepare` traced for exactly these flags, if it is in bench/results/."""
     path = plan_path(profile, recompute)
     if not path.exists():
         return None
     shipped = json.loads(path.read_text())
-    return shipped["plan"] if shipped["flags"] == plan_flags(profile, readers, recompute) else None
+    return shipped["plan"] if shipped["flags"] == flags else None
 
 
-def trace_plan(flags: list[str], path: Path, run) -> dict | str:
+def trace_plan(flags: list[str], path: Path, run, budget_s: float = 300) -> dict | str:
     """`python -m latentwire.plan` for `flags` (through `run`, a Runner): the plan, or why there is none."""
-    child = run([sys.executable, "-m", "latentwire.plan", *flags, "--json", str(path)], 300)
+    child = run([sys.executable, "-m", "latentwire.plan", *flags, "--json", str(path)], budget_s)
     return json.loads(path.read_text()) if child.status == "done" else f"plan {child.status}: {error_line(child.output)}"
 
 
-def the_plan(run, profile: str, readers: list[str], recompute: bool, work: Path) -> tuple[dict | str, str]:
+def the_plan(run, profile: str, readers: list[str], recompute: bool, rows: list[str],
+             work: Path) -> tuple[dict | str, str]:
     """The plan for these flags, and where it came from: bench/results/ where it is shipped, else
     traced now."""
-    plan = shipped_plan(profile, readers, recompute)
+    flags = plan_flags(profile, readers, recompute, rows)
+    plan = shipped_plan(flags, profile, recompute)
     if plan is not None:
         return plan, str(plan_path(profile, recompute).relative_to(REPO))
-    flags = plan_flags(profile, readers, recompute)
     return trace_plan(flags, work / f"plan-{recompute}.json", run), "traced by this run"
+
+
+def check_rows(profile: str, work: Path, examples: int) -> tuple[Path, dict, list[str]]:
+    """The check's data (squad_length_examples), what its rows are (rows_summary) and the flag
+    that makes the plan trace its longest rows: the runs' batches are the same with it."""
+    from latentwire.config import load_config
+
+    data = load_config(["--profile", profile]).data
+    path = squad_length_examples(work / "squad_length.json", examples)
+    rows = rows_summary(path, data.max_answer_tokens, data.pad_multiple)
+    return path, rows, ["--max-prompt-bytes", str(rows["max_prompt_bytes"])]
 
 
 def planned_peak_gib(plan: dict, micro_batch: int) -> float:
@@ -307,7 +408,8 @@ def steady_state(records: list[dict]) -> dict:
 
     step = median("step_time_s")
     return {"steps_logged": timed[-1]["step"], "step_time_s": step, "samples_per_s": median("samples_per_s"),
-            "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "tflops_per_gpu": median("tflops_per_gpu"),
+            "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "hfu": median("hfu"),
+            "tflops_per_gpu": median("tflops_per_gpu"),
             "data_wait_frac": median("data_wait_frac"), "peak_mem_gb": max(r["run_peak_mem_gb"] for r in timed),
             "peak_reserved_gb": max((r.get("peak_reserved_gb") or 0) for r in timed) or None,
             "first_step_s": timed[0]["step_time_s"],
@@ -315,30 +417,41 @@ def steady_state(records: list[dict]) -> dict:
             "loss_first": timed[0]["loss"], "loss_last": timed[-1]["loss"]}
 
 
-def train_run(run, name: str, flags: list[str], work: Path, budget_s: float) -> dict:
+def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env: dict | None = None,
+              watch: str | None = None) -> dict:
     """train.py in one process (no process group, no DDP), its steady state, recompiles and graph
-    breaks; a run stopped at its time keeps the records it had flushed."""
+    breaks; a run stopped at its time keeps the records it had flushed (`records`). A run refused
+    in one line (exit 2: a flag this train.py lacks, a lever this device cannot run) says so."""
     from latentwire.config import load_config
+    from latentwire.harness.errors import UserError
 
     run_dir = work / "runs" / name
     started = time.time()
     child = run([sys.executable, "train.py", *flags, "--out-dir", str(run_dir), "--overwrite"], budget_s,
-                env={"TORCH_LOGS": "recompiles,graph_breaks"})
-    cfg = load_config([*flags, "--out-dir", str(run_dir)])
-    entry = {"name": name, **child.entry(), "profile": cfg.run.profile,
-             "micro_batch_size": cfg.training.micro_batch_size, "grad_accum_steps": cfg.training.grad_accum_steps,
-             "compile": cfg.compile.enabled, "compile_mode": cfg.compile.mode if cfg.compile.enabled else None,
-             "activation_checkpointing": cfg.frozen.activation_checkpointing,
-             "recompiles": child.output.count("Recompiling function"),
-             "graph_breaks": len(re.findall(r"Graph break", child.output)), "run_dir": str(run_dir)}
+                env={"TORCH_LOGS": "recompiles,graph_breaks", **(env or {})}, watch=watch)
+    entry = {"name": name, **child.entry(), "flags": flags, "run_dir": str(run_dir), "env": env or {}}
+    try:
+        cfg = load_config([*flags, "--out-dir", str(run_dir)])
+    except (UserError, SystemExit):  # what train.py refused is in its error line
+        cfg = None
+    if cfg is not None:
+        entry |= {"profile": cfg.run.profile, "micro_batch_size": cfg.training.micro_batch_size,
+                  "grad_accum_steps": cfg.training.grad_accum_steps, "compile": cfg.compile.enabled,
+                  "compile_mode": cfg.compile.mode if cfg.compile.enabled else None,
+                  "activation_checkpointing": cfg.frozen.activation_checkpointing,
+                  "fp8": bool(cfg.to_dict().get("frozen_fp8", False))}
+    entry |= {"recompiles": child.output.count("Recompiling function"),
+              "graph_breaks": len(re.findall(r"Graph break", child.output))}
     metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    entry |= steady_state(records)
-    timed = [r for r in records if "step_time_s" in r]
+    entry["records"] = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    entry |= steady_state(entry["records"])
+    timed = [r for r in entry["records"] if "step_time_s" in r]
     if timed:  # process start, imports, data and the LLMs' loading: up to the first step's start
         entry["startup_s"] = round(timed[0]["time"] - timed[0]["step_time_s"] - started, 1)
     if child.status == "failed":
         entry["error"] = error_line(child.output)
+    if child.seen_s is not None:
+        entry["exit_after_error_s"] = round(child.seconds - child.seen_s, 1)
     return entry
 
 
@@ -395,27 +508,313 @@ def ratio(run: dict, reference: dict, key: str = "samples_per_s") -> float | Non
 # is expected to take about half of each (a cold compile of the two LLMs' layers is most of main).
 BUDGETS_S = {"preflight": 60, "main": 270, "evaluate": 60, "eager": 60, "find_batch": 90, "no_recompute": 60,
              "plan_micro_batch": 60}
+# The levers mode's parts (--levers), in order. Each compiled run compiles its own graphs (about
+# 45 s cold on an H100, then 0.4-0.7 s a step), so each gets its start, its compile and 12 steps;
+# a run that runs out of memory is retried at half the micro-batch within what is left of its
+# budget. The profile reruns the fastest with a warm compile cache; the failing part loads the
+# LLMs and fails at its first step.
+LEVER_BUDGETS_S = {"baseline": 120, "no_recompute": 140, "fp8_no_recompute": 100, "fp8_recompute": 100,
+                   "profile": 80, "fails_at_first_step": 45}
+# What the allocator runs with in the no-recompute parts: expandable segments grow a segment in
+# place instead of stranding freed blocks of other sizes, the fragmentation that runs out of
+# memory first where the micro-batch is near the card's limit. The CUDA-named variable is read by
+# torch 2.11-2.13 (2.13 also reads the device-neutral PYTORCH_ALLOC_CONF).
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+# Profiler schedule for the kernel summary: past the compile and the recompiles, then three steps.
+PROFILED_STEPS = 3
 
 
 def settings(args) -> tuple[str, list[str], int, int, int]:
     """(profile, the readers' flags, main-run steps, lever steps, evaluation examples)."""
     if args.cpu_check:  # every part, small: the code path, not the numbers
         return "cpu", [], args.steps or 3, 2, 16
-    return args.profile, REAL_LLMS, args.steps or 20, 8, 64
+    return args.profile, REAL_LLMS, args.steps or (12 if args.levers else 20), 8, 64
 
 
 def prepare(profile: str) -> None:
-    """Trace the plans the driver compares with, on this CPU, into bench/results/."""
+    """Trace the plans the driver compares with, for the check's rows, on this CPU, into
+    bench/results/."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Runner(Path(tmp) / "plan.log", Clock(float("inf"), 0), child_env(torch.get_num_threads()))
+        _, summary, rows = check_rows(profile, Path(tmp), EXAMPLES)
         for recompute in (True, False):
-            flags = plan_flags(profile, REAL_LLMS, recompute)
-            plan = trace_plan(flags, Path(tmp) / "plan.json", run)
+            flags = plan_flags(profile, REAL_LLMS, recompute, rows)
+            plan = trace_plan(flags, Path(tmp) / "plan.json", run, budget_s=3600)
             if isinstance(plan, str):
                 sys.exit(f"error: {plan}")
             path = plan_path(profile, recompute)
-            path.write_text(json.dumps({"flags": flags, "torch": torch.__version__, "plan": plan}, indent=2) + "\n")
+            path.write_text(json.dumps({"flags": flags, "torch": torch.__version__, "rows": summary, "plan": plan},
+                                       indent=2) + "\n")
             print(f"wrote {path}: largest micro-batch {plan['max_micro_batch']}")
+
+
+# The check's examples: a GPU run's 64-example batches for a few dozen steps, 128 for the CPU's.
+EXAMPLES, CPU_EXAMPLES = 4096, 128
+
+
+class Check:
+    """What every part of a command shares: the results file, rewritten after every part; the
+    runner under the deadline; the work folder; the check's data, flags and plans."""
+
+    def __init__(self, args, name: str, budgets: dict):
+        self.args, self.budgets = args, budgets
+        self.clock = Clock(args.deadline, args.margin)
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_validation_"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.profile, self.readers, self.steps, self.lever_steps, self.eval_examples = settings(args)
+        self.log = self.out / "validation.log"
+        self.log.write_text(f"gpu_validation: {' '.join(sys.argv)}; work in {self.work}\n")
+        self.run = Runner(self.log, self.clock, {**child_env(torch.get_num_threads()),
+                                                 "TORCHINDUCTOR_CACHE_DIR": str(self.work / "inductor_cache")})
+        self.results = Results(self.out / f"{self.profile}{name}.json", {
+            "date": datetime.date.today().isoformat(), "profile": self.profile, "command": " ".join(sys.argv),
+            "deadline_s": args.deadline, "parts": {}, "runs": []})
+        self.record, self.parts = self.results.record, self.results.record["parts"]
+        self.record["versions"] = versions()
+        self.stamp = {"device": self.record["versions"]["device"], "torch": torch.__version__,
+                      "date": self.record["date"]}
+
+    def card_state(self) -> None:
+        """The card as nvidia-smi sees it (clocks, power, other processes), in the record and the log."""
+        self.record["nvidia_smi"] = None
+        if torch.cuda.is_available():
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
+                                  "power.limit", "--format=csv,noheader"], capture_output=True, text=True)
+            self.record["nvidia_smi"] = smi.stdout.strip()
+            with open(self.log, "a") as f:
+                f.write(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
+
+    def rows(self) -> list[str]:
+        """The check's data and the flags every run and plan shares."""
+        data, self.record["rows"], rows = check_rows(self.profile, self.work,
+                                                     CPU_EXAMPLES if self.args.cpu_check else EXAMPLES)
+        self.rows_flags = rows
+        self.results.write()
+        # Activation checkpointing named: the GPU profiles have it on, and the cpu check turns it
+        # on so that the no-recompute lever has something to turn off.
+        base = [*plan_flags(self.profile, self.readers, True, rows), "--dataset", str(data), "--eval-every", "0",
+                "--checkpoint-every", "0"]
+        return base if self.args.cpu_check else [*base, "--compile-mode", self.args.compile_mode]
+
+    def plan(self, recompute: bool) -> tuple[dict | str, str]:
+        return the_plan(self.run, self.profile, self.readers, recompute, self.rows_flags, self.work)
+
+    def add_run(self, entry: dict, plan: dict | str | None = None) -> dict:
+        """A run's entry in the results, its records left out (they are train.py's metrics.jsonl),
+        against `plan` (the one for its flags) where there is one."""
+        entry.pop("records", None)
+        entry |= self.stamp
+        if isinstance(plan, dict) and "micro_batch_size" in entry:
+            entry |= {"planned_peak_gb": planned_peak_gib(plan, entry["micro_batch_size"]),
+                      "plan_max_micro_batch": plan["max_micro_batch"]}
+        self.record["runs"].append(entry)
+        self.parts[entry["name"]] = {k: entry[k] for k in ("status", "exit", "seconds")}
+        self.results.write()
+        return entry
+
+    def finish(self) -> None:
+        self.record["seconds"] = round(self.clock.elapsed(), 1)
+        self.results.write()
+        print(table(self.record))
+        runs = self.record["runs"]
+        print(f"wrote {self.results.path}; {sum(r['status'] == 'done' for r in runs)} of {len(runs)} runs finished "
+              f"in {self.clock.elapsed():.0f} s; log: {self.log}")
+
+
+def validate(check: Check) -> None:
+    """The validation: kernel facts, the profile end to end, evaluation, the eager lever,
+    find_batch against the plan, and what time is left."""
+    run, work, budgets, record, parts = check.run, check.work, check.budgets, check.record, check.parts
+    args = check.args
+
+    # (0) preflight: versions, the card as nvidia-smi sees it, the attention kernels' facts
+    child = run([sys.executable, str(Path(__file__).resolve()), "--kernel-facts"], budgets["preflight"])
+    parts["preflight"] = child.entry()
+    if child.status == "done":
+        record["kernel_facts"] = json.loads(child.output.strip().splitlines()[-1])
+    check.card_state()
+    check.results.write()
+
+    base = check.rows()
+    plan, source = check.plan(True)
+    record["plan"] = plan if isinstance(plan, str) else {
+        "source": source, "max_micro_batch": plan["max_micro_batch"], "fixed_gb": plan["fixed_bytes"] / 2 ** 30,
+        "per_sample_gb": plan["activation_bytes_per_sample"] / 2 ** 30}
+    largest = 0 if isinstance(plan, str) else min(plan["max_micro_batch"], 32 if args.cpu_check else 10 ** 6)
+
+    def add_run(entry: dict) -> dict:
+        return check.add_run(entry, plan if entry.get("activation_checkpointing") else None)
+
+    # (1) the main run: the profile as users run it, one process, compiled
+    main_run = add_run(train_run(run, "main", [*base, "--max-steps", str(check.steps), "--log-every", "1"], work,
+                                 budgets["main"]))
+
+    # (2) the wire it trained, with text baselines (a run stopped before its end saved nothing)
+    saved = any((Path(main_run["run_dir"]) / "checkpoints").glob("step_*"))
+    record["evaluate"] = (evaluated(run, main_run["run_dir"], work, check.eval_examples, budgets["evaluate"]) if saved
+                          else {"status": "skipped", "why": "the main run saved no checkpoint"})
+    parts["evaluate"] = {k: record["evaluate"].get(k) for k in ("status", "exit", "seconds")}
+    check.results.write()
+
+    # (3) the eager lever, against the main run's steady state
+    lever = [*base, "--max-steps", str(check.lever_steps), "--log-every", "1"]
+    eager = add_run(train_run(run, "eager", [*lever, "--compile", "false"], work, budgets["eager"]))
+    record["levers"] = {"eager_over_compiled": ratio(eager, main_run)}
+    check.results.write()
+
+    # (4) find_batch from the profile's micro-batch to the plan's largest, each against the plan
+    if largest:
+        found = found_batch(run, base, work, largest, budgets["find_batch"])
+        for trial in found.get("trials", []):
+            trial["planned_peak_gb"] = planned_peak_gib(plan, trial["micro_batch"])
+        record["find_batch"] = found
+        parts["find_batch"] = {k: found.get(k) for k in ("status", "exit", "seconds")}
+        main_run["find_batch_max"] = found.get("find_batch_max")
+        check.results.write()
+
+    # (5) while time is left: no recompute at the largest micro-batch its own plan fits, and the
+    # plan's largest micro-batch as one step; both eager, against the eager lever
+    no_ac_plan, _ = check.plan(False)
+    if not isinstance(no_ac_plan, str):
+        m = min(no_ac_plan["max_micro_batch"], main_run["micro_batch_size"])
+        entry = check.add_run(train_run(run, "no_recompute", [*lever, "--compile", "false",
+                                                              "--activation-checkpointing", "false",
+                                                              "--micro-batch-size", str(m)], work,
+                                        budgets["no_recompute"]), no_ac_plan)
+        record["levers"]["no_recompute_over_eager"] = ratio(entry, eager)
+        check.results.write()
+    if largest:
+        entry = add_run(train_run(run, "plan_micro_batch", [*lever, "--compile", "false", "--micro-batch-size",
+                                                            str(largest), "--grad-accum-steps", "1"], work,
+                                  budgets["plan_micro_batch"]))
+        record["levers"]["plan_micro_batch_over_eager"] = ratio(entry, eager)
+    check.finish()
+
+
+def levers(check: Check) -> None:
+    """The levers mode: the profile's compiled run as the same machine's baseline; compiled
+    without recompute at the largest micro-batch the plan for these rows fits; FP8 frozen
+    linears, compiled, without and with recompute; a torch.profiler summary of the fastest; a run
+    that fails at its first step. Every run entry has `hfu` and `ratio_to_baseline` (its samples/s
+    over the baseline's: the baseline's time per sample over its own), and each run's metrics are
+    appended to <out>/metrics.jsonl as soon as it ends."""
+    run, work, budgets, record, args = check.run, check.work, check.budgets, check.record, check.args
+    check.card_state()
+    base = check.rows()
+    plans = {recompute: check.plan(recompute)[0] for recompute in (True, False)}
+    record["plans"] = {str(k).lower(): (p if isinstance(p, str) else {"max_micro_batch": p["max_micro_batch"]})
+                       for k, p in plans.items()}
+    steps = [*base, "--max-steps", str(check.steps), "--log-every", "1"]
+    metrics_copy = check.out / "metrics.jsonl"
+    metrics_copy.write_text("")
+
+    def lever(name: str, flags: list[str], recompute: bool, env: dict | None = None, **why) -> dict:
+        """One part: train_run under the part's budget, halving the micro-batch while it runs out
+        of memory (exit 5) and time is left, the metrics appended to the copy at once."""
+        budget_until = check.clock.elapsed() + budgets[name]
+        tried = []
+        while True:
+            entry = train_run(run, name, flags, work, budget_until - check.clock.elapsed(), env)
+            copy_metrics(metrics_copy, entry)
+            micro = entry.get("micro_batch_size")
+            if entry["exit"] != 5 or not micro or micro == 1:
+                break
+            tried.append(micro)
+            flags = with_micro_batch(flags, micro // 2, global_batch)
+        entry |= {"out_of_memory_at": tried, **why}
+        entry.setdefault("activation_checkpointing", recompute)  # what the part asked for, refused or not
+        entry.setdefault("fp8", "--frozen-fp8" in flags)
+        if entry["exit"] == 2:  # one line: this train.py or this device cannot run the lever
+            entry["status"] = "refused"
+        entry["ratio_to_baseline"] = ratio(entry, baseline) if name != "baseline" else 1.0
+        return check.add_run(entry, plans[recompute])
+
+    # (1) the baseline: the profile as shipped
+    from latentwire.config import load_config
+
+    cfg = load_config(base)
+    global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * cfg.training.num_gpus
+    baseline = lever("baseline", steps, True)
+    # (2) without recompute, at the largest micro-batch the plan for these rows fits that splits
+    # the global batch (accumulation makes up the rest), with expandable segments
+    no_ac = [*steps, "--activation-checkpointing", "false"]
+    if not isinstance(plans[False], str):
+        micro = largest_split(plans[False]["max_micro_batch"], global_batch)
+        no_ac = with_micro_batch(no_ac, micro, global_batch)
+        entry = lever("no_recompute", no_ac, False, EXPANDABLE, planned_max_micro_batch=plans[False]["max_micro_batch"])
+        no_ac = with_micro_batch(no_ac, entry.get("micro_batch_size") or micro, global_batch)
+    # (3) FP8 frozen linears, compiled, without and with recompute
+    lever("fp8_no_recompute", [*no_ac, "--frozen-fp8", "true"], False, EXPANDABLE)
+    lever("fp8_recompute", [*steps, "--frozen-fp8", "true"], True)
+    record["levers"] = {r["name"]: r["ratio_to_baseline"] for r in record["runs"]}
+    check.results.write()
+
+    # (4) where the fastest's time goes: torch.profiler over three steady steps
+    done = [r for r in record["runs"] if r["status"] == "done" and r.get("samples_per_s")]
+    if done:
+        best = max(done, key=lambda r: r["samples_per_s"])
+        record["profile"] = profiled(check, best, budgets["profile"])
+    else:
+        record["profile"] = {"status": "skipped", "why": "no run finished"}
+    check.parts["profile"] = {k: record["profile"].get(k) for k in ("status", "exit", "seconds")}
+    check.results.write()
+
+    # (5) a run that fails at its first step, with the profile's loader (its workers, pinned
+    # memory): a micro-batch four times what the plan without recompute fits runs out of memory
+    if args.cpu_check or isinstance(plans[False], str):
+        entry = {"name": "fails_at_first_step", "status": "skipped",
+                 "why": "a CPU has no out-of-memory to provoke" if args.cpu_check else plans[False]}
+        record["runs"].append(entry)
+        check.parts[entry["name"]] = {"status": "skipped", "exit": None, "seconds": 0.0}
+    else:
+        entry = train_run(run, "fails_at_first_step",
+                          with_micro_batch([*steps, "--activation-checkpointing", "false", "--compile", "false",
+                                            "--max-steps", "2"], 4 * plans[False]["max_micro_batch"], None), work,
+                          budgets["fails_at_first_step"], watch=r"^(error: |Traceback)")
+        check.add_run(entry)
+    check.finish()
+
+
+def copy_metrics(path: Path, entry: dict) -> None:
+    """A run's metrics.jsonl records appended to `path`, each with the part's name and micro-batch."""
+    with open(path, "a") as f:
+        f.writelines(json.dumps({"part": entry["name"], "micro_batch_size": entry.get("micro_batch_size"), **r}) + "\n"
+                     for r in entry["records"])
+
+
+def with_micro_batch(flags: list[str], micro: int, global_batch: int | None) -> list[str]:
+    """`flags` with this micro-batch, and the accumulation that keeps `global_batch` (None: 1)."""
+    accum = max(1, global_batch // micro) if global_batch else 1
+    return [*flags, "--micro-batch-size", str(micro), "--grad-accum-steps", str(accum)]
+
+
+def largest_split(most: int, global_batch: int) -> int:
+    """The largest micro-batch of at most `most` that divides `global_batch` (at least 1)."""
+    return max(d for d in range(1, max(1, min(most, global_batch)) + 1) if global_batch % d == 0)
+
+
+def profiled(check: Check, best: dict, budget_s: float) -> dict:
+    """`best`'s run again under train.py's profiler (the loop's own steps, past compiling and
+    recompiling), summarised into <out>/profile.txt: the top kernels by device time (CPU operators
+    on a CPU) and the device's idle share."""
+    from latentwire.harness.recordings import format_trace_summary, summarize_trace
+
+    wait = 1 if check.args.cpu_check else 3
+    flags = [*best["flags"], "--max-steps", str(wait + 1 + PROFILED_STEPS + 1), "--profiler", "true",
+             "--profiler-wait", str(wait), "--profiler-warmup", "1", "--profiler-active", str(PROFILED_STEPS),
+             "--profiler-shapes", "false"]
+    entry = train_run(check.run, "profile", flags, check.work, budget_s, best.get("env"))
+    copy_metrics(check.out / "metrics.jsonl", entry)
+    entry.pop("records")
+    traces = sorted((Path(entry["run_dir"]) / "traces").glob("*.json*"))
+    entry["of"] = best["name"]
+    if not traces:
+        return entry | {"summary": None, "why": "no trace written"}
+    summary = summarize_trace(traces[-1])
+    (check.out / "profile.txt").write_text(f"{best['name']}: {' '.join(flags)}\n" + format_trace_summary(summary))
+    return entry | {"summary": {k: v for k, v in summary.items() if k != "top"}, "top": summary["top"][:10]}
 
 
 def main() -> None:
@@ -423,11 +822,14 @@ def main() -> None:
     p.add_argument("--out", help="where the results file and the log go ($OUT on the GPU machine)")
     p.add_argument("--work", help="data, runs, checkpoints and caches (default: a new temporary directory)")
     p.add_argument("--profile", default="h100")
+    p.add_argument("--levers", action="store_true",
+                   help="measure the levers instead (recompute off, FP8, a kernel profile, a failing run)")
     p.add_argument("--deadline", type=float, default=530, help="seconds from now by which every part has ended")
     p.add_argument("--margin", type=float, default=20, help="seconds kept for stopping a part and writing results")
     p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
-                   help=f"a part's most seconds (parts and defaults: {BUDGETS_S})")
-    p.add_argument("--steps", type=int, help="optimizer steps of the main run (default 20; 3 with --cpu-check)")
+                   help=f"a part's most seconds (parts and defaults: {BUDGETS_S}; with --levers: {LEVER_BUDGETS_S})")
+    p.add_argument("--steps", type=int,
+                   help="optimizer steps of the main run (default 20, 12 with --levers; 3 with --cpu-check)")
     p.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
                    help="the runs' torch.compile mode: max-autotune's minutes of tuning get a command of their own")
     p.add_argument("--cpu-check", action="store_true", help="the cpu profile with its tiny readers, every part small")
@@ -442,124 +844,30 @@ def main() -> None:
         return prepare(args.profile)
     if not args.out:
         p.error("--out is required")
-    budgets = dict(BUDGETS_S)
+    budgets = dict(LEVER_BUDGETS_S if args.levers else BUDGETS_S)
     for item in args.budget:
         part, _, seconds = item.partition("=")
         if part not in budgets or not re.fullmatch(r"\d+(\.\d*)?", seconds):
             p.error(f"--budget {item}: expected PART=SECONDS with PART one of {', '.join(budgets)}")
         budgets[part] = float(seconds)
-    clock = Clock(args.deadline, args.margin)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_validation_"))
-    work.mkdir(parents=True, exist_ok=True)
-    profile, readers, steps, lever_steps, eval_examples = settings(args)
-    log = out / "validation.log"
-    log.write_text(f"gpu_validation: {' '.join(sys.argv)}; work in {work}\n")
-    run = Runner(log, clock, {**child_env(torch.get_num_threads()),
-                              "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor_cache")})
-    results = Results(out / f"{profile}.json", {"date": datetime.date.today().isoformat(), "profile": profile,
-                                                "command": " ".join(sys.argv), "deadline_s": args.deadline,
-                                                "parts": {}, "runs": []})
-    record, parts = results.record, results.record["parts"]
-
-    # (0) preflight: versions, the card as nvidia-smi sees it, the attention kernels' facts
-    record["versions"] = versions()
-    child = run([sys.executable, str(Path(__file__).resolve()), "--kernel-facts"], budgets["preflight"])
-    parts["preflight"] = child.entry()
-    if child.status == "done":
-        record["kernel_facts"] = json.loads(child.output.strip().splitlines()[-1])
-    record["nvidia_smi"] = None
-    if torch.cuda.is_available():  # the card's state as found (clocks, power, other processes) goes to the log
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
-                              "--format=csv,noheader"], capture_output=True, text=True)
-        record["nvidia_smi"] = smi.stdout.strip()
-        with open(log, "a") as f:
-            f.write(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
-    stamp = {"device": record["versions"]["device"], "torch": torch.__version__, "date": record["date"]}
-    results.write()
-
-    data = squad_length_examples(work / "squad_length.json", 128 if args.cpu_check else 4096)
-    # Activation checkpointing named: the GPU profiles have it on, and the cpu check turns it on so
-    # that the no-recompute lever has something to turn off.
-    base = [*plan_flags(profile, readers, True), "--dataset", str(data), "--eval-every", "0", "--checkpoint-every", "0"]
-    if not args.cpu_check:
-        base += ["--compile-mode", args.compile_mode]
-    plan, source = the_plan(run, profile, readers, True, work)
-    record["plan"] = plan if isinstance(plan, str) else {
-        "source": source, "max_micro_batch": plan["max_micro_batch"], "fixed_gb": plan["fixed_bytes"] / 2 ** 30,
-        "per_sample_gb": plan["activation_bytes_per_sample"] / 2 ** 30}
-    largest = 0 if isinstance(plan, str) else min(plan["max_micro_batch"], 32 if args.cpu_check else 10 ** 6)
-
-    def add_run(entry: dict) -> dict:
-        entry |= stamp
-        if not isinstance(plan, str) and entry["activation_checkpointing"]:
-            entry |= {"planned_peak_gb": planned_peak_gib(plan, entry["micro_batch_size"]),
-                      "plan_max_micro_batch": plan["max_micro_batch"]}
-        record["runs"].append(entry)
-        parts[entry["name"]] = {k: entry[k] for k in ("status", "exit", "seconds")}
-        results.write()
-        return entry
-
-    # (1) the main run: the profile as users run it, one process, compiled
-    main_run = add_run(train_run(run, "main", [*base, "--max-steps", str(steps), "--log-every", "1"], work,
-                                 budgets["main"]))
-
-    # (2) the wire it trained, with text baselines (a run stopped before its end saved nothing)
-    saved = any((Path(main_run["run_dir"]) / "checkpoints").glob("step_*"))
-    record["evaluate"] = (evaluated(run, main_run["run_dir"], work, eval_examples, budgets["evaluate"]) if saved
-                          else {"status": "skipped", "why": "the main run saved no checkpoint"})
-    parts["evaluate"] = {k: record["evaluate"].get(k) for k in ("status", "exit", "seconds")}
-    results.write()
-
-    # (3) the eager lever, against the main run's steady state
-    lever = [*base, "--max-steps", str(lever_steps), "--log-every", "1"]
-    eager = add_run(train_run(run, "eager", [*lever, "--compile", "false"], work, budgets["eager"]))
-    record["levers"] = {"eager_over_compiled": ratio(eager, main_run)}
-    results.write()
-
-    # (4) find_batch from the profile's micro-batch to the plan's largest, each against the plan
-    if largest:
-        found = found_batch(run, base, work, largest, budgets["find_batch"])
-        for trial in found.get("trials", []):
-            trial["planned_peak_gb"] = planned_peak_gib(plan, trial["micro_batch"])
-        record["find_batch"] = found
-        parts["find_batch"] = {k: found.get(k) for k in ("status", "exit", "seconds")}
-        main_run["find_batch_max"] = found.get("find_batch_max")
-        results.write()
-
-    # (5) while time is left: no recompute at the largest micro-batch its own plan fits, and the
-    # plan's largest micro-batch as one step; both eager, against the eager lever
-    no_ac_plan, _ = the_plan(run, profile, readers, False, work)
-    if not isinstance(no_ac_plan, str):
-        m = min(no_ac_plan["max_micro_batch"], main_run["micro_batch_size"])
-        entry = add_run(train_run(run, "no_recompute", [*lever, "--compile", "false", "--activation-checkpointing",
-                                                        "false", "--micro-batch-size", str(m)], work,
-                                  budgets["no_recompute"]))
-        entry |= {"planned_peak_gb": planned_peak_gib(no_ac_plan, m), "plan_max_micro_batch": no_ac_plan["max_micro_batch"]}
-        record["levers"]["no_recompute_over_eager"] = ratio(entry, eager)
-        results.write()
-    if largest:
-        entry = add_run(train_run(run, "plan_micro_batch", [*lever, "--compile", "false", "--micro-batch-size",
-                                                            str(largest), "--grad-accum-steps", "1"], work,
-                                  budgets["plan_micro_batch"]))
-        record["levers"]["plan_micro_batch_over_eager"] = ratio(entry, eager)
-    record["seconds"] = round(clock.elapsed(), 1)
-    results.write()
-    print(table(record))
-    print(f"wrote {results.path}; {sum(r['status'] == 'done' for r in record['runs'])} of {len(record['runs'])} runs "
-          f"finished in {clock.elapsed():.0f} s; log: {log}")
+    if args.levers:
+        levers(Check(args, "-levers", budgets))
+    else:
+        validate(Check(args, "", budgets))
 
 
 def table(record: dict) -> str:
     """The runs as a short table: the end of the output is what a lent machine's reply carries."""
-    rows = ["run | status | mb x accum | step s | tokens/s | mfu | peak GiB | plan GiB | compile s | recompiles"]
+    rows = ["run | status | mb x accum | step s | tokens/s | mfu | hfu | x baseline | peak GiB | plan GiB | "
+            "compile s | recompiles"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in record["runs"]:
-        rows.append(f"{r['name']} | {r['status']} | {r['micro_batch_size']} x {r['grad_accum_steps']} | "
-                    f"{fmt(r.get('step_time_s'), '.3f')} | {fmt(r.get('tokens_per_s'), '.0f')} | "
-                    f"{fmt(r.get('mfu'), '.3f')} | {fmt(r.get('peak_mem_gb'), '.2f')} | "
-                    f"{fmt(r.get('planned_peak_gb'), '.2f')} | {fmt(r.get('compile_s'), '.1f')} | {r['recompiles']}")
+        rows.append(f"{r['name']} | {r['status']} | {r.get('micro_batch_size', '-')} x "
+                    f"{r.get('grad_accum_steps', '-')} | {fmt(r.get('step_time_s'), '.3f')} | "
+                    f"{fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('mfu'), '.3f')} | {fmt(r.get('hfu'), '.3f')} | "
+                    f"{fmt(r.get('ratio_to_baseline'), '.2f')} | "
+                    f"{fmt(r.get('peak_mem_gb'), '.2f')} | {fmt(r.get('planned_peak_gb'), '.2f')} | "
+                    f"{fmt(r.get('compile_s'), '.1f')} | {r.get('recompiles', '-')}")
     return "\n".join(rows)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import common  # noqa: F401  (puts the repository on sys.path)
 from latentwire.harness.metrics import GIB
-from latentwire.harness.snapshots import by_site, live_at_peak, read_snapshot
+from latentwire.harness.recordings import by_site, live_at_peak, read_snapshot
 
 
 def report(snapshot: dict, top: int) -> str:

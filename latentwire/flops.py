@@ -8,6 +8,12 @@
   formulas, so the analytic count and FlopCounterMode use the same convention (full, unmasked
   score matrices).
 
+That is the model's FLOPs, which MFU counts. The hardware's (HFU) add what activation
+checkpointing recomputes in backward: every frozen decoder layer's forward up to the last tensor
+its backward needs (torch.utils.checkpoint stops there), which is all of it but the layer's last
+matmul (the MLP's down projection: a frozen weight's matmul saves nothing, and its output only
+joins the residual); the head is outside the wrapped layers.
+
 Embedding lookups, norms and elementwise ops are not matmuls and are left out, as in the usual
 6ND accounting; `tests/test_flops.py` checks the total against FlopCounterMode within 5%.
 """
@@ -39,13 +45,17 @@ class LLMShape:
     head_dim: int
     matmul_params: int   # decoder layers' Linear weights
     head_params: int     # LM head
+    recomputed_params: int = 0  # the Linear weights a checkpointed layer's recompute runs (all but its last)
 
     @classmethod
     def of(cls, model: nn.Module) -> "LLMShape":
         c = model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(c.num_hidden_layers, c.num_attention_heads, head_dim, linear_params(model.get_decoder()),
-                   model.get_output_embeddings().weight.numel())
+        last = sum([m for m in layer.modules() if isinstance(m, nn.Linear)][-1].weight.numel()
+                   for layer in model.get_decoder().layers)
+        matmul = linear_params(model.get_decoder())
+        return cls(c.num_hidden_layers, c.num_attention_heads, head_dim, matmul,
+                   model.get_output_embeddings().weight.numel(), matmul - last)
 
 
 @dataclass(frozen=True)
@@ -60,17 +70,20 @@ class FlopModel:
     num_latents: int
     pooler_rounds: int
     llms: tuple[tuple[str, LLMShape], ...]  # (name, shape) pairs: hashable, so counts can be cached
+    recompute: bool = False  # activation checkpointing recomputes the frozen decoder layers
 
     @classmethod
-    def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], wire) -> "FlopModel":
-        """`wire`: the WireConfig the encoder was built from."""
+    def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], wire,
+           recompute: bool = False) -> "FlopModel":
+        """`wire`: the WireConfig the encoder was built from; `recompute`: whether the frozen
+        decoder layers are checkpointed (counted by step_hardware_flops only)."""
         kv = sum(linear_params(c.attn.k) + linear_params(c.attn.v) for c in wire_encoder.pooler.cross)
         return cls(encoder_token_params=linear_params(wire_encoder.encoder) + kv,
                    latent_params=linear_params(wire_encoder.pooler) - kv + linear_params(wire_encoder.adapters),
                    encoder_layers=wire.encoder_layers, encoder_heads=wire.encoder_heads, encoder_dim=wire.encoder_dim,
                    patch_bytes=wire.patch_bytes, d_z=wire.d_z, num_latents=wire.num_latents,
                    pooler_rounds=len(wire_encoder.pooler.cross),
-                   llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()))
+                   llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()), recompute=recompute)
 
     @functools.cache  # padding leaves few distinct shapes; the formulas cost ~2 ms per call
     def micro_batch_flops(self, batch: int, prompt_len: int, llm_lens: tuple[tuple[int, int], ...]) -> int:
@@ -89,9 +102,27 @@ class FlopModel:
             flops += shape.layers * attention_flops(batch, shape.heads, seq, seq, shape.head_dim)
         return flops
 
+    @functools.cache
+    def micro_batch_recompute_flops(self, batch: int, llm_lens: tuple[tuple[int, int], ...]) -> int:
+        """What checkpointing adds to a micro-batch: the decoder layers' forward once more, less
+        each layer's last matmul."""
+        flops = 0
+        for (_, shape), (lead, after) in zip(self.llms, llm_lens):
+            q = (batch, shape.heads, lead + self.num_latents + after, shape.head_dim)
+            flops += 2 * shape.recomputed_params * batch * q[2] + shape.layers * sdpa_flop_count(q, q, q)
+        return flops
+
     def step_flops(self, micro_batches: list[dict]) -> int:
-        return sum(self.micro_batch_flops(*b["bytes"].shape, tuple(llm_lens(b["answers"][n]) for n, _ in self.llms))
-                   for b in micro_batches)
+        """The model's FLOPs of one optimizer step (what MFU counts)."""
+        return sum(self.micro_batch_flops(*b["bytes"].shape, self._lens(b)) for b in micro_batches)
+
+    def step_hardware_flops(self, micro_batches: list[dict]) -> int:
+        """The FLOPs the device executes in the step (what HFU counts): the recompute included."""
+        extra = sum(self.micro_batch_recompute_flops(b["bytes"].shape[0], self._lens(b)) for b in micro_batches)
+        return self.step_flops(micro_batches) + (extra if self.recompute else 0)
+
+    def _lens(self, batch: dict) -> tuple[tuple[int, int], ...]:
+        return tuple(llm_lens(batch["answers"][n]) for n, _ in self.llms)
 
 
 def llm_lens(rows: dict) -> tuple[int, int]:

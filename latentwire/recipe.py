@@ -79,7 +79,8 @@ class LatentWire:
         if cfg.frozen.fp8:
             self.di.say(describe_fp8(self.llms, device.type))
         model = WireEncoder.for_llms(cfg.wire, self.llms).to(device)
-        self.flops = FlopModel.of(model, {n: llm.model for n, llm in self.llms.items()}, cfg.wire)
+        self.flops = FlopModel.of(model, {n: llm.model for n, llm in self.llms.items()}, cfg.wire,
+                                  recompute=cfg.frozen.activation_checkpointing)
         forward = stable_shapes()(forward_loss_sums) if compile_options is not None else forward_loss_sums
         return model, WireTask(self.llms, cfg.objectives, cfg.wire.num_latents, forward)
 
@@ -116,6 +117,9 @@ class LatentWire:
 
     def step_flops(self, micro_batches: list[dict]) -> float:
         return self.flops.step_flops(micro_batches)
+
+    def step_hardware_flops(self, micro_batches: list[dict]) -> float:
+        return self.flops.step_hardware_flops(micro_batches)
 
     def evaluate(self, model: nn.Module) -> dict | None:
         """The held-out split, sharded over the ranks, equal to `python -m latentwire.evaluate` on

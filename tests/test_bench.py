@@ -40,7 +40,51 @@ def gpu_validation(out: Path, *flags: str, timeout: int = 600) -> tuple[subproce
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_validation.py"), "--out", str(out / "out"),
                            "--work", str(out / "work"), "--cpu-check", *flags], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=timeout)
-    return proc, json.loads((out / "out" / "cpu.json").read_text()), time.monotonic() - started
+    results = out / "out" / ("cpu-levers.json" if "--levers" in flags else "cpu.json")
+    return proc, json.loads(results.read_text()), time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
+    """The levers mode on the cpu check, one run for every assertion: an entry per lever with the
+    fields the card's results need (FP8 refused in one line where train.py or the device cannot
+    run it), every run's metrics copied into the results folder, the kernel summary of the fastest
+    (the CPU's operators here), and everything written whole within the deadline."""
+    from gpu_validation import GRACE_S
+
+    deadline = 400
+    proc, results, seconds = gpu_validation(tmp_path, "--levers", "--deadline", str(deadline))
+    ok(proc)
+    assert seconds < deadline + GRACE_S + 5 and results["seconds"] < deadline
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["cpu-levers.json", "metrics.jsonl", "profile.txt",
+                                                     "validation.log"]
+    runs = {r["name"]: r for r in results["runs"]}
+    assert list(runs) == ["baseline", "no_recompute", "fp8_no_recompute", "fp8_recompute", "fails_at_first_step"]
+    fields = {"status", "micro_batch_size", "grad_accum_steps", "step_time_s", "tokens_per_s", "mfu", "hfu",
+              "peak_mem_gb", "activation_checkpointing", "fp8", "ratio_to_baseline", "device", "torch"}
+    for name, recompute, fp8 in (("baseline", True, False), ("no_recompute", False, False),
+                                 ("fp8_no_recompute", False, True), ("fp8_recompute", True, True)):
+        run = runs[name]
+        assert (run["activation_checkpointing"], run["fp8"]) == (recompute, fp8), name
+        if fp8 and run["status"] == "refused":
+            assert run["exit"] == 2 and run["error"].startswith("error: "), run
+            continue
+        assert run["status"] == "done" and fields <= run.keys(), (name, fields - run.keys())
+        assert run["ratio_to_baseline"] > 0 and run["hfu"] is None  # no peak FLOP/s on a CPU: no MFU, no HFU
+    assert runs["baseline"]["ratio_to_baseline"] == 1.0
+    assert runs["no_recompute"]["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert runs["fails_at_first_step"]["status"] == "skipped"
+    copied = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for name in ("baseline", "no_recompute", "profile"):
+        mine = [r["step"] for r in copied if r["part"] == name]
+        assert mine == list(range(1, len(mine) + 1)) and mine, name
+        assert all("hfu" in r for r in copied if r["part"] == name)
+    profile = results["profile"]
+    assert profile["status"] == "done" and profile["of"] in runs and profile["top"]
+    assert 0 <= profile["summary"]["idle_share"] < 1 and profile["summary"]["activity"] == "CPU operators"
+    text = (out / "profile.txt").read_text()
+    assert "3 profiled steps" in text and "idle" in text and "aten::mm" in text
 
 
 @pytest.mark.slow
@@ -99,6 +143,20 @@ def test_a_stopped_part_takes_its_whole_process_group_with_it(tmp_path):
     while process_state(grandchild) not in (None, "Z") and time.monotonic() < gone:
         time.sleep(0.05)
     assert process_state(grandchild) in (None, "Z")
+
+
+def test_a_watched_line_is_timed_to_the_part_s_exit(tmp_path):
+    """The failing part's measure (the seconds from its error line to its exit) on a child that
+    prints one and exits with its code."""
+    from gpu_validation import Clock, Runner
+
+    run = Runner(tmp_path / "log", Clock(deadline_s=60, margin_s=1), child_env())
+    child = run([sys.executable, "-c", "import sys; print('warming up'); print('error: out of memory', flush=True); "
+                 "sys.exit(5)"], budget_s=30, watch=r"^error: ")
+    assert (child.status, child.exit) == ("failed", 5) and child.seen_s is not None
+    assert 0 <= child.seen_s <= child.seconds
+    quiet = run([sys.executable, "-c", "print('fine')"], budget_s=30, watch=r"^error: ")
+    assert (quiet.status, quiet.seen_s) == ("done", None)
 
 
 def process_state(pid: int) -> str | None:

@@ -72,3 +72,29 @@ def test_frozen_llms_cost_no_weight_gradients(setup):
     from latentwire.flops import linear_params
     positions = batch["bytes"].shape[0] * (cfg.wire.num_latents + batch["answers"]["qwen"]["input_ids"].shape[1])
     assert unfrozen - frozen == pytest.approx(2 * linear_params(layers) * positions, rel=0.01)
+
+
+def test_hardware_flops_count_the_recompute_of_checkpointed_layers(setup):
+    """HFU's count: checkpointed decoder layers run their forward again in backward, which
+    FlopCounterMode sees; the analytic count adds exactly that, and MFU's count does not."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    from latentwire.llm import is_decoder_layer
+
+    cfg, _, _ = setup
+    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}  # wrapped below
+    model = WireEncoder.for_llms(cfg.wire, llms)
+    items = [PromptDataset(synthetic_examples(8, 2))[i] for i in range(4)]
+    batch = Collator.for_llms(llms, cfg.data.max_prompt_bytes, 16, 32)(items)
+    plain = counted(model, llms, batch, Objectives())
+    for llm in llms.values():
+        apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                       check_fn=is_decoder_layer(llm))
+    recomputed = counted(model, llms, batch, Objectives())
+    shapes = {name: llm.model for name, llm in llms.items()}
+    flops = FlopModel.of(model, shapes, cfg.wire, recompute=True)
+    assert flops.step_hardware_flops([batch]) - flops.step_flops([batch]) == pytest.approx(recomputed - plain, rel=1e-3)
+    assert FlopModel.of(model, shapes, cfg.wire).step_hardware_flops([batch]) == flops.step_flops([batch])

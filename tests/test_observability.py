@@ -1,5 +1,6 @@
 """What a run reports beyond the loss: the console, memory snapshots, NVML, out-of-memory."""
 import fcntl
+import json
 import os
 import pty
 import struct
@@ -14,6 +15,7 @@ import torch
 from conftest import FAST, REPO, assert_one_line_error, child_env, ok, run_train
 from latentwire.harness.metrics import GpuMonitor, MemoryMeter
 from latentwire.harness.profiling import MemorySnapshots
+from latentwire.harness.recordings import format_trace_summary, summarize_trace
 
 SHORT = ["--profile", "cpu", *FAST, "--max-steps", "3", "--micro-batch-size", "2", "--grad-accum-steps", "1"]
 
@@ -36,6 +38,40 @@ def run_in_terminal(args, tmp_path) -> str:
         chunks.append(data)
     assert proc.wait(timeout=300) == 0
     return b"".join(chunks).decode(errors="replace")
+
+
+def trace(path, events) -> str:
+    """A Chrome trace as torch.profiler writes it, of complete events (ts and dur in µs)."""
+    keys = ("cat", "name", "ts", "dur", "tid")
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", **dict(zip(keys, e, strict=True))} for e in events]}))
+    return path
+
+
+def test_a_trace_summary_has_the_top_kernels_and_the_device_idle_share(tmp_path):
+    """Two steps of 100 µs: kernels busy 20-50 (two overlapping), 60-70 and 150-190, one past the
+    steps' end clipped; the CPU's operators are not the device's time."""
+    summary = summarize_trace(trace(tmp_path / "gpu.json", [
+        ("user_annotation", "ProfilerStep#4", 0, 100, 1), ("user_annotation", "ProfilerStep#5", 100, 100, 1),
+        ("cpu_op", "aten::mm", 10, 150, 1), ("kernel", "gemm", 20, 20, 7), ("kernel", "gemm", 30, 20, 7),
+        ("kernel", "softmax", 60, 10, 7), ("gpu_memcpy", "Memcpy HtoD", 150, 40, 8), ("kernel", "gemm", 195, 10, 7)]))
+    assert summary["activity"] == "device kernels" and summary["steps"] == 2
+    assert summary["busy_ms"] * 1e3 == pytest.approx(30 + 10 + 40 + 5)
+    assert summary["idle_share"] == pytest.approx(1 - 85 / 200)
+    assert [(t["name"], t["calls"], t["ms"] * 1e3) for t in summary["top"]] == [
+        ("gemm", 3, pytest.approx(50)), ("Memcpy HtoD", 1, pytest.approx(40)), ("softmax", 1, pytest.approx(10))]
+    assert "idle 57.5%" in format_trace_summary(summary)
+
+
+def test_a_cpu_trace_is_summarised_by_its_operators_self_time(tmp_path):
+    """No device in the trace: the CPU's operators, each less the ones it called."""
+    summary = summarize_trace(trace(tmp_path / "cpu.json", [
+        ("user_annotation", "ProfilerStep#2", 0, 100, 1), ("cpu_op", "aten::linear", 10, 60, 1),
+        ("cpu_op", "aten::addmm", 15, 50, 1), ("cpu_op", "aten::relu", 80, 10, 1), ("cpu_op", "aten::mm", 20, 30, 2)]))
+    assert summary["activity"] == "CPU operators"
+    assert {t["name"]: t["ms"] * 1e3 for t in summary["top"]} == {
+        "aten::addmm": pytest.approx(50), "aten::mm": pytest.approx(30), "aten::relu": pytest.approx(10),
+        "aten::linear": pytest.approx(10)}
+    assert summary["idle_share"] == pytest.approx(1 - (60 + 10) / 100)
 
 
 @pytest.mark.slow

@@ -356,6 +356,33 @@ def test_a_rank_that_raises_ends_the_whole_job(tmp_path):
     assert "injected failure on rank 1" in proc.stderr
 
 
+# The first step fails; an exit hook registered then, so that it runs before torch's own (atexit
+# runs the newest first), says how many of the loader's worker processes are still alive.
+FAIL_FIRST_STEP = """
+import atexit, multiprocessing, sys, torch
+def failing(*args):
+    alive = lambda: len(multiprocessing.active_children())
+    atexit.register(lambda: print(f"workers at exit: {{alive()}}", file=sys.stderr))
+    raise {error}
+import latentwire.recipe as recipe
+recipe.forward_loss_sums = failing
+"""
+
+
+@pytest.mark.parametrize("error, code", [("RuntimeError('the step failed')", 1),
+                                         ("torch.OutOfMemoryError('CUDA out of memory')", 5)])
+def test_a_failed_run_stops_its_loader_workers_before_it_exits(tmp_path, error, code):
+    """A failed run's loader workers are stopped before the interpreter exits, so no exit-time
+    join can hold the exit: torch 2.11 joins each persistent, pinned-memory worker for 5 s at
+    exit (three failed H100 runs took 40 s more than their traceback with 8 workers, and two were
+    killed for it). The CPU has no pinned memory, so it exits at once either way; what it shows
+    is the workers still alive at exit without the fix."""
+    proc = run_with_fault(tmp_path, FAIL_FIRST_STEP.format(error=error),
+                          [*RUN, "--num-workers", "2", "--max-steps", "2", "--out-dir", str(tmp_path / "run")])
+    assert proc.returncode == code, proc.stderr
+    assert "workers at exit: 0" in proc.stderr, proc.stderr
+
+
 # --- bad input: exit code, one line, nothing on disk changed ----------------------------------
 
 def snapshot(root):

@@ -77,14 +77,32 @@ def examples_visited(n: int, *, seed: int, world: int, micro: int, accum: int, e
 
 def global_batches(loader, sampler, accum: int, epoch: int, examples_done: int, global_batch: int):
     """Yields (epoch, examples of the epoch done after this step, [accum micro-batches]) forever,
-    starting `examples_done` into `epoch`; a partial group at an epoch's end is dropped."""
-    while True:
-        sampler.start_epoch(epoch, examples_done)  # a new permutation each epoch, the same on every rank
-        it = iter(loader)
-        for _ in range(len(loader) // accum):
-            examples_done += global_batch
-            yield epoch, examples_done, [next(it) for _ in range(accum)]
-        epoch, examples_done = epoch + 1, 0
+    starting `examples_done` into `epoch`; a partial group at an epoch's end is dropped. Closed
+    (or failing), it stops the loader's workers at once (stop_workers)."""
+    it = None
+    try:
+        while True:
+            sampler.start_epoch(epoch, examples_done)  # a new permutation each epoch, the same on every rank
+            it = iter(loader)
+            for _ in range(len(loader) // accum):
+                examples_done += global_batch
+                yield epoch, examples_done, [next(it) for _ in range(accum)]
+            epoch, examples_done = epoch + 1, 0
+    finally:
+        stop_workers(it)
+
+
+def stop_workers(iterator) -> None:
+    """Stop a DataLoader iterator's worker processes and pin-memory thread now. torch stops them
+    when the iterator is collected, and with persistent workers the loader holds its iterator, so
+    a run that fails holds them as long as its traceback holds the loader: until the interpreter
+    exits, where torch 2.11 (with pinned memory) joins each worker for 5 s at exit, 40 s for 8
+    workers, before terminating it (pytorch/pytorch#81794; three failed H100 runs "hung" so,
+    docs/performance.md). `_shutdown_workers` is what collecting the iterator runs; torch has no
+    public call for it. Idempotent; a single-process iterator has nothing to stop."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def run_examples(n: int, *, seed: int, state, steps: int) -> list[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import traceback
 from contextlib import contextmanager
 
 import torch
@@ -99,15 +100,20 @@ def main_guard(main) -> None:
         print("interrupted", file=sys.stderr, flush=True)
         record_outcome(code, None)
     except Exception:
-        if not (_in_a_process_group and a_peer_left_with(INTERRUPTED_EXIT_CODE)):
-            raise
-        code = INTERRUPTED_EXIT_CODE
-        record_outcome(code, None)
+        if _in_a_process_group and a_peer_left_with(INTERRUPTED_EXIT_CODE):
+            code = INTERRUPTED_EXIT_CODE
+            record_outcome(code, None)
+        else:  # printed here, not by the interpreter, so that what the failed frames hold goes now
+            traceback.print_exc()
+            code = 1
     leave(code)  # after the except: the traceback, and the run's frames and loader with it, are gone
 
 
 def leave(code: int) -> None:
-    """Exit with `code`, or return on 0 where no process group was started. A process that
+    """Exit with `code`, or return on 0 where no process group was started. A failed command
+    leaves through here too, its traceback printed and dropped: the interpreter's own handler
+    would keep it (sys.last_exc) and with it every object of the failed frames until the very end
+    of finalization, a DataLoader's workers among them. A process that
     started one leaves without the interpreter's finalization: a gloo worker thread that frees a
     finished collective's tensors takes the GIL, and a thread that asks for the GIL while the
     interpreter finalizes aborts the whole process ("terminate called without an active

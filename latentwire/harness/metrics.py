@@ -126,14 +126,16 @@ class Window:
     samples: int = 0
     tokens: int = 0
     flops: float = 0.0
+    hardware_flops: float = 0.0
     data_wait: float = 0.0
     end: float | None = None
 
-    def add(self, samples: int, tokens: int, flops: float, data_wait: float) -> None:
+    def add(self, samples: int, tokens: int, flops: float, data_wait: float, hardware_flops: float) -> None:
         self.steps += 1
         self.samples += samples
         self.tokens += tokens
         self.flops += flops
+        self.hardware_flops += hardware_flops
         self.data_wait += data_wait
 
     def rates(self, peak_flops: float | None) -> dict:
@@ -146,6 +148,7 @@ class Window:
             "step_time_s": elapsed / max(self.steps, 1),
             "tflops_per_gpu": achieved / 1e12,
             "mfu": None if peak_flops is None else achieved / peak_flops,
+            "hfu": None if peak_flops is None else self.hardware_flops / elapsed / peak_flops,
             "data_wait_frac": self.data_wait / elapsed,
         }
 
@@ -157,15 +160,19 @@ class StepMeter:
     """What a log record says of the steps since the previous one: throughput and MFU (a Window),
     this rank's memory (a MemoryMeter), the GPU's utilisation and power (a GpuMonitor)."""
 
-    def __init__(self, device: torch.device, step_flops: Callable[[list[dict]], float], peak_tflops: float | None):
-        """`step_flops`: the FLOPs of one optimizer step's micro-batches; `peak_tflops`: the card's
-        peak for the arithmetic the matmuls run in, None where unknown (no MFU)."""
+    def __init__(self, device: torch.device, step_flops: Callable[[list[dict]], float], peak_tflops: float | None,
+                 hardware_flops: Callable[[list[dict]], float] | None = None):
+        """`step_flops`: the model's FLOPs of one optimizer step's micro-batches (MFU);
+        `hardware_flops`: what the device executes for them where that is more (HFU: activation
+        checkpointing's recompute), default the same; `peak_tflops`: the card's peak for the
+        arithmetic the matmuls run in, None where unknown (no MFU, no HFU)."""
         self.step_flops = step_flops
+        self.hardware_flops = hardware_flops or step_flops
         self.peak_flops = None if peak_tflops is None else peak_tflops * 1e12  # FLOP/s
         self.window, self.memory, self.gpu = Window(), MemoryMeter(device), GpuMonitor(device)
 
     def add(self, micro_batches: list[dict], samples: int, tokens: int, data_wait: float) -> None:
-        self.window.add(samples, tokens, self.step_flops(micro_batches), data_wait)
+        self.window.add(samples, tokens, self.step_flops(micro_batches), data_wait, self.hardware_flops(micro_batches))
 
     def read(self) -> dict:
         return {**self.window.rates(self.peak_flops), **self.memory.read(), **self.gpu.read()}

@@ -6,8 +6,9 @@
 - A CUDA memory snapshot (`torch.cuda.memory._record_memory_history`) shows every live block and
   the stack that allocated it (drag the pickle into https://pytorch.org/memory_viz). On request
   it records from the start and is written at the end; on out-of-memory it is always written, with
-  the allocation history if recording was on and the allocator's current state if not. Reading
-  one afterwards is `harness.snapshots`'.
+  the allocation history if recording was on and the allocator's current state if not.
+
+Reading either afterwards is `harness.recordings`'.
 """
 from __future__ import annotations
 
@@ -60,7 +61,6 @@ def profiler_options(config: ProfilerConfig, out_dir: Path, rank: int, device: t
                 record_shapes=config.shapes, profile_memory=config.memory, with_stack=config.stacks)
 
 
-# Allocations the history keeps, the newest ones: torch's own default for the memory visualizer.
 HISTORY_ENTRIES = 200_000
 
 

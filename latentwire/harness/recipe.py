@@ -61,7 +61,10 @@ class Recipe(Protocol):
         (distillation targets, say) is done here, for the examples the run draws (`visited`)."""
 
     def step_flops(self, micro_batches: list[dict]) -> float:
-        """The FLOPs of one optimizer step over these micro-batches (MFU)."""
+        """The model's FLOPs of one optimizer step over these micro-batches (MFU)."""
+
+    def step_hardware_flops(self, micro_batches: list[dict]) -> float:
+        """What the device executes for them (HFU): more where activation checkpointing recomputes."""
 
     def evaluate(self, model: nn.Module) -> dict | None:
         """Collective: the periodic evaluation's scalars, equal on every rank; None if a stop

@@ -51,6 +51,9 @@ class Toy:
     def step_flops(self, micro_batches):
         return 0.0
 
+    def step_hardware_flops(self, micro_batches):
+        return 0.0
+
     def evaluate(self, model):
         return {}
 

@@ -208,7 +208,7 @@ def test_a_snapshot_is_replayed_to_its_peak_and_read_without_running_code(tmp_pa
     names a function rather than calling it."""
     import pickle
 
-    from harness.snapshots import by_site, live_at_peak, read_snapshot
+    from harness.recordings import by_site, live_at_peak, read_snapshot
 
     def at(*names):
         return [{"filename": "/venv/lib/python3.12/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
