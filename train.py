@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
             run = build(cfg, di, stop, started)
             if run is not None:  # None: a resumed run that had already finished
                 train(cfg, di, stop, run)
+            # The run's objects go while its process group stands: DDP's reducer holds the group, and
+            # freed after leave_together destroys it, its destructor joins gloo's threads holding the GIL.
+            del run
 
 
 def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from conftest import REPO, child_env, free_port, ok
+from conftest import REPO, RUN, child_env, free_port, ok
 from latentwire.harness import errors
 from latentwire.harness.distributed import leave_together, process_group
 
@@ -106,3 +106,38 @@ def test_a_body_that_raises_leaves_its_group_standing(monkeypatch):
         assert dist.is_initialized() and errors._in_a_process_group
     finally:
         dist.destroy_process_group()
+
+
+# When train.py's process group is destroyed (leave_together, at the end of a run), how many DDP
+# models are still alive on this rank.
+DDP_AT_DESTROY = """
+import gc, os, sys
+sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+import train
+from latentwire.harness.errors import main_guard
+real = dist.destroy_process_group
+def destroy(*args, **kwargs):
+    gc.collect()
+    alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    print(f"rank {{os.environ['RANK']}}: DDP models alive at destroy: {{alive}}", flush=True)
+    return real(*args, **kwargs)
+dist.destroy_process_group = destroy
+main_guard(lambda: train.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_run_s_ddp_model_is_gone_before_its_process_group(tmp_path):
+    """DDP's reducer holds the process group: one that outlived leave_together's destroy would
+    destroy the group with it, joining gloo's worker threads with the GIL held, while a worker
+    finishing a collective waits for the GIL (a two-rank bench run hung so until its timeout)."""
+    script = tmp_path / "ddp_at_destroy.py"
+    script.write_text(DDP_AT_DESTROY.format(repo=str(REPO), train=str(REPO / "train.py")))
+    proc = ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              str(script), *RUN, "--max-steps", "1", "--micro-batch-size", "2",
+                              "--out-dir", str(tmp_path / "run")], cwd=REPO, env=child_env(), capture_output=True,
+                             text=True, timeout=300))
+    assert sorted(line for line in proc.stdout.splitlines() if "alive at destroy" in line) == [
+        "rank 0: DDP models alive at destroy: 0", "rank 1: DDP models alive at destroy: 0"], proc.stdout
