@@ -78,7 +78,7 @@ if [[ -z "$profile" ]]; then
 fi
 device="$("$PYTHON" -c 'import sys
 from pathlib import Path
-from latentwire.config import SCHEMA
+from latentwire.settings import SCHEMA
 from latentwire.harness.config import read_profiles
 from latentwire.harness.errors import UserError
 try:

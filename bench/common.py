@@ -22,8 +22,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from latentwire.config import load_config  # noqa: E402
-from latentwire.data import Collator, DataSources, PromptDataset  # noqa: E402
+from latentwire.settings import load_config  # noqa: E402
+from latentwire.dataset import Collator, DataSources, PromptDataset  # noqa: E402
 from latentwire.harness.data import ShardSampler, make_loader as harness_loader  # noqa: E402
 from latentwire.llm import build_frozen_llms  # noqa: E402
 from latentwire.model import WireEncoder  # noqa: E402

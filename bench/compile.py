@@ -49,7 +49,7 @@ from common import (REPO, build_model, child_env, forward_backward, make_loader,
                     take)
 from latentwire.parallelize import prepare_frozen_llms, wire_regions
 from latentwire.harness.compiling import stable_shapes
-from latentwire.config import load_config
+from latentwire.settings import load_config
 from latentwire.known_llms import LLAMA_3_1_8B, QWEN_2_5_7B
 from latentwire.objectives import forward_loss_sums
 

@@ -47,8 +47,8 @@ from torch.nn.attention import sdpa_kernel
 
 from common import summary
 import train
-from latentwire.config import load_config
-from latentwire.data import Collator, DataSources, PromptDataset
+from latentwire.settings import load_config
+from latentwire.dataset import Collator, DataSources, PromptDataset
 from latentwire.fp8 import convert_frozen_linears, convertible_linears, fp8_linears
 from latentwire.harness.data import to_device
 from latentwire.harness.precision import cuda_capability, sdpa_backends

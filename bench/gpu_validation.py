@@ -90,7 +90,7 @@ def squad_length_examples(path: Path, n: int, seed: int = 0) -> Path:
     what the loss costs."""
     import random
 
-    from latentwire.data import synthetic_examples
+    from latentwire.dataset import synthetic_examples
     from latentwire.llm_sources import tiny_tokenizer
 
     tok, rng = tiny_tokenizer("llama"), random.Random(seed)
@@ -117,7 +117,7 @@ def rows_summary(path: Path, max_answer_tokens: int, pad_multiple: int) -> dict:
     """What the check's rows are, measured: each reader family's answer lengths in its own tokens
     (cut at `max_answer_tokens`, as the collator cuts them) and the longest prompt, which sets the
     `--max-prompt-bytes` the plan traces (rounded up to `pad_multiple`, as the collator pads)."""
-    from latentwire.data import answer_text, answer_token_ids, prompt_text, round_up
+    from latentwire.dataset import answer_text, answer_token_ids, prompt_text, round_up
     from latentwire.llm_sources import tiny_tokenizer
 
     examples = json.loads(Path(path).read_text())
@@ -379,7 +379,7 @@ def the_plan(run, profile: str, readers: list[str], recompute: bool, rows: list[
 def check_rows(profile: str, work: Path, examples: int) -> tuple[Path, dict, list[str]]:
     """The check's data (squad_length_examples), what its rows are (rows_summary) and the flag
     that makes the plan trace its longest rows: the runs' batches are the same with it."""
-    from latentwire.config import load_config
+    from latentwire.settings import load_config
 
     data = load_config(["--profile", profile]).data
     path = squad_length_examples(work / "squad_length.json", examples)
@@ -422,7 +422,7 @@ def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env
     """train.py in one process (no process group, no DDP), its steady state, recompiles and graph
     breaks; a run stopped at its time keeps the records it had flushed (`records`). A run refused
     in one line (exit 2: a flag this train.py lacks, a lever this device cannot run) says so."""
-    from latentwire.config import load_config
+    from latentwire.settings import load_config
     from latentwire.harness.errors import UserError
 
     run_dir = work / "runs" / name
@@ -732,7 +732,7 @@ def levers(check: Check) -> None:
         return check.add_run(entry, plans[recompute])
 
     # (1) the baseline: the profile as shipped
-    from latentwire.config import load_config
+    from latentwire.settings import load_config
 
     cfg = load_config(base)
     global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * cfg.training.num_gpus

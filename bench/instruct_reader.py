@@ -31,8 +31,8 @@ from pathlib import Path
 from common import CPU, REPO
 import torch
 
-from latentwire.config import load_config
-from latentwire.data import DataSources
+from latentwire.settings import load_config
+from latentwire.dataset import DataSources
 from latentwire.eval.generation import decode_answer, greedy_generate, text_prompts
 from latentwire.eval.squad_metrics import best_em_f1
 from latentwire.llm import load_frozen_llm

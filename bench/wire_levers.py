@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from common import REPO, child_env, launcher
-from latentwire.data import ATTRIBUTES, DataSources, answer_text
+from latentwire.dataset import ATTRIBUTES, DataSources, answer_text
 from latentwire.evaluate import read_meta, resolve_checkpoint
 
 RESULTS = REPO / "bench" / "results" / "wire_levers.jsonl"

@@ -39,9 +39,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from .harness.checkpoint import load_weights
 from .harness.resume import resolve_checkpoint
-from .config import read_meta
+from .settings import read_meta
 from .harness.config import Parser, check_can_create, positive
-from .data import DataSources
+from .dataset import DataSources
 from .harness.distributed import process_group
 from .harness.errors import UserError, main_guard
 from .eval.evaluation import evaluate_examples

@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import load_config
+from .settings import load_config
 from .harness.config import Parser, check_can_create, positive
 from .harness.errors import UserError, main_guard
 from .harness.distributed import process_group

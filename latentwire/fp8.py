@@ -20,7 +20,7 @@ not; for a frozen weight AOTAutograd drops it from the compiled backward, which 
 linear (tests/test_fp8.py counts them). Eagerly it would run, so `harness.precision.fp8_refusal`
 refuses --compile false, as it refuses cards without FP8 tensor cores and precisions but bf16.
 
---frozen-sharding fsdp is refused (latentwire.config): FSDP2 shards a weight before it is read and
+--frozen-sharding fsdp is refused (latentwire.settings): FSDP2 shards a weight before it is read and
 all-gathers plain tensors; torchao's float8 FSDP path keeps each bf16 shard and casts it again every
 step, which is neither the one cast nor the halved weights that pay here.
 

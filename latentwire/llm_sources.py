@@ -93,7 +93,7 @@ def tiny_tokenizer(family: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from .data import synthetic_corpus_text
+    from .dataset import synthetic_corpus_text
 
     if family == "llama":
         specials = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}

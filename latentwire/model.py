@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import PAD_BYTE
+from .dataset import PAD_BYTE
 
 NUM_BYTE_IDS = PAD_BYTE + 1  # 256 byte values + the padding id
 ROPE_BASE = 10_000.0

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import IGNORE_INDEX
+from .dataset import IGNORE_INDEX
 
 TERMS = ("answer_ce", "first_token_ce", "k_token_ce", "kd")
 

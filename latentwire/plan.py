@@ -32,9 +32,9 @@ from pathlib import Path
 
 import train
 
-from .config import load_config
+from .settings import load_config
 from .harness.config import Parser, positive
-from .data import round_up
+from .dataset import round_up
 from .harness.errors import UserError, main_guard
 from .known_llms import llm_parameter_count
 from .llm import LLM_NAMES

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .harness.config import Parser, positive
-from .data import IGNORE_INDEX, answer_text, answer_token_ids, load_examples, synthetic_examples
+from .dataset import IGNORE_INDEX, answer_text, answer_token_ids, load_examples, synthetic_examples
 from .harness.errors import main_guard
 from .eval.generation import decode_answer, greedy_generate, text_prompt_ids, text_prompts
 from .llm import LLM_NAMES, FrozenLLM

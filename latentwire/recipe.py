@@ -1,7 +1,7 @@
 """LatentWire's recipe: what train.py's setup asks of the model (harness.recipe.Recipe), through
 one object built by one call, `LatentWire(cfg, di, stop)`, as torchtitan's model spec and
 parallelize function serve its trainer. Its parts live in their modules: the examples and batches
-(latentwire.data), the frozen readers and their wrappers in one order (latentwire.llm,
+(latentwire.dataset), the frozen readers and their wrappers in one order (latentwire.llm,
 latentwire.parallelize), the trainable encoder and adapters (latentwire.model), the objectives and
 the step's task (latentwire.objectives), the distillation targets (latentwire.distillation), the
 periodic evaluation (latentwire.eval) and the FLOP model (latentwire.flops).
@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import sdpa_kernel
 
-from .config import Config
-from .data import Collator, DataSources, PromptDataset, TrainingSet
+from .settings import Config
+from .dataset import Collator, DataSources, PromptDataset, TrainingSet
 from .distillation import describe_targets, teacher_targets
 from .eval.evaluation import evaluate_wire
 from .eval.settings import EvalSettings

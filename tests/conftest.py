@@ -56,7 +56,7 @@ def distilled_collator(llms: dict, dataset, objectives: Objectives, max_prompt_b
                        word_patch: int = 0):
     """A collator whose batches carry the distillation teacher's targets for every example of
     `dataset`, computed as train.py computes them (one process, teacher batches of `batch_size`)."""
-    from latentwire.data import Collator
+    from latentwire.dataset import Collator
     from latentwire.distillation import teacher_targets
 
     teacher = Collator.for_llms(llms, max_prompt_bytes, max_answer_tokens, pad_multiple, teacher=True)

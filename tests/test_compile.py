@@ -15,8 +15,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from conftest import ALL_TERMS
 from latentwire.parallelize import DECODER_LAYER_VARIANTS, prepare_frozen_llms, wire_regions
 from latentwire.harness.compiling import stable_shapes
-from latentwire.config import load_config
-from latentwire.data import IGNORE_INDEX, PAD_BYTE
+from latentwire.settings import load_config
+from latentwire.dataset import IGNORE_INDEX, PAD_BYTE
 from latentwire.llm import build_frozen_llms
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from latentwire.config import DEFAULT_PROFILES, SCHEMA, Config, load_config
+from latentwire.settings import DEFAULT_PROFILES, SCHEMA, Config, load_config
 from latentwire.harness.config import flat_names, read_profiles
 from latentwire.harness.errors import UserError
 
@@ -167,7 +167,7 @@ def test_bad_flag_is_one_line():
 
 
 def test_help_lists_the_profiles_and_the_values_of_the_one_named():
-    from latentwire.config import build_parser
+    from latentwire.settings import build_parser
 
     text = build_parser(argv=["--profile", "v100"]).format_help()
     for key in json.loads(DEFAULT_PROFILES.read_text()):

@@ -7,7 +7,7 @@ from transformers import PreTrainedTokenizerFast
 
 from latentwire.harness.errors import UserError
 from latentwire.harness.resume import fingerprint
-from latentwire.data import (
+from latentwire.dataset import (
     PAD_BYTE, Collator, DataSources, PromptDataset, TrainingSet, answer_end_byte, answer_text, answers_past_cut,
     hotpot_to_squad, load_examples, prompt_text, round_up, synthetic_corpus_text, synthetic_examples,
 )

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import ALL_TERMS, ALL_TERMS_FLAGS, RUN, assert_same_run, distilled_collator, ok, run_train
-from latentwire.data import Collator, PromptDataset, synthetic_examples
+from latentwire.dataset import Collator, PromptDataset, synthetic_examples
 from latentwire.distillation import TeacherTargets, softened, target_width, teacher_targets, top_k_buckets
 from latentwire.llm import LLM_NAMES, load_frozen_llm
 from latentwire.model import WireConfig, WireEncoder

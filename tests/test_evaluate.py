@@ -13,8 +13,8 @@ from latentwire.eval import evaluation as ev
 from latentwire.eval import generation as gen
 from latentwire.eval import report as reporting
 from latentwire.eval.settings import EvalSettings
-from latentwire.config import load_config
-from latentwire.data import ATTRIBUTES, Collator, PromptDataset, answer_text, load_examples, synthetic_examples
+from latentwire.settings import load_config
+from latentwire.dataset import ATTRIBUTES, Collator, PromptDataset, answer_text, load_examples, synthetic_examples
 from latentwire.llm import LLM_NAMES, is_decoder_layer, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from latentwire.config import load_config
+from latentwire.settings import load_config
 from latentwire.find_batch import Probe, Trial, fit_trials, run_trial, search
 from latentwire.llm import load_frozen_llm
 from latentwire.model import WireEncoder

@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from latentwire.config import load_config
-from latentwire.data import Collator, PromptDataset, synthetic_examples
+from latentwire.settings import load_config
+from latentwire.dataset import Collator, PromptDataset, synthetic_examples
 from latentwire.flops import FlopModel, register_cpu_attention_flops
 from latentwire.llm import load_frozen_llm
 from latentwire.model import WireEncoder

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import FAST, REPO, ok, read_metrics, run_train
-from latentwire.config import load_config
+from latentwire.settings import load_config
 from latentwire.harness.errors import UserError
 from latentwire.harness.precision import fp8_refusal
 from latentwire.llm import build_frozen_llms, decoder_layers, held_bytes

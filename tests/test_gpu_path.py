@@ -67,7 +67,7 @@ def test_head_widths_no_fused_kernel_takes_are_refused_on_cuda_only(flags, width
     """The encoder's and pooler's masked attention has only the memory-efficient kernel on an sm80+
     card in bf16 (flash takes no mask, math is not allowed), and it needs widths % 8 == 0: refused
     when the configuration is read, by train.py, the plan and find_batch alike (load_config)."""
-    from latentwire.config import load_config
+    from latentwire.settings import load_config
 
     with pytest.raises(UserError, match=f"head width {width} is not a multiple of 8.*encoder_heads 1.* would work"):
         load_config(["--profile", "h100", *flags])
@@ -80,7 +80,7 @@ def test_head_widths_no_fused_kernel_takes_are_refused_on_cuda_only(flags, width
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_cuda_graph_compile_modes_are_refused_until_a_gpu_run_proves_them(mode):
-    from latentwire.config import load_config
+    from latentwire.settings import load_config
 
     with pytest.raises(UserError, match=f"compile_mode '{mode}' captures CUDA graphs.*max-autotune-no-cudagraphs"):
         load_config(["--profile", "h100", "--compile-mode", mode])
@@ -91,7 +91,7 @@ def test_the_pooler_passes_no_mask_where_nothing_is_padded(monkeypatch):
     import torch.nn.functional as F
 
     from latentwire.model import LatentPooler
-    from latentwire.config import load_config
+    from latentwire.settings import load_config
 
     cfg = load_config(["--profile", "cpu"])
     pooler = LatentPooler(cfg.wire.num_latents, cfg.wire.d_z, cfg.wire.encoder_dim, cfg.wire.encoder_heads, 0.0)
@@ -115,7 +115,7 @@ def test_every_attention_mask_has_a_unit_stride_last_dimension(monkeypatch, flag
     the byte mask every patch_bytes makes. The CPU kernels take it, so only the stride shows it."""
     import torch.nn.functional as F
 
-    from latentwire.config import load_config
+    from latentwire.settings import load_config
     from latentwire.model import WireEncoder
 
     cfg = load_config(["--profile", "cpu", *flags])
@@ -203,7 +203,7 @@ def test_cpu_keeps_every_kernel():
 # --- MFU peak ---------------------------------------------------------------------------------
 
 def test_mfu_peak_follows_the_arithmetic_in_use():
-    from latentwire.config import load_config
+    from latentwire.settings import load_config
     from latentwire.harness.precision import matmul_arithmetic
 
     h100 = load_config(["--profile", "h100"]).card
@@ -262,7 +262,7 @@ def host_reads(tmp_path, steps: int) -> int:
     from latentwire.harness.host_syncs import HostReads
 
     args = ["--profile", "cpu", *FAST, "--log-every", "1000", "--micro-batch-size", "2", "--grad-accum-steps", "2",
-            "--max-steps", str(steps), "--out-dir", str(tmp_path / f"steps{steps}")]
+            "--kd-weight", "0", "--max-steps", str(steps), "--out-dir", str(tmp_path / f"steps{steps}")]
     with HostReads() as reads:
         train.main(args)
     return reads.count
@@ -270,7 +270,9 @@ def host_reads(tmp_path, steps: int) -> int:
 
 def test_one_host_sync_per_step(tmp_path):
     """Runs of 2 and 5 steps log and save alike (first and last step), so the difference is what 3
-    steps in the middle read: one host sync each, as train.py says."""
+    steps in the middle read: one host sync each, as train.py says. Without distillation: its
+    one-off teacher pass, before the first step, asks for a stop signal once per batch, and a
+    longer run's draws more examples."""
     assert (host_reads(tmp_path, 5) - host_reads(tmp_path, 2)) / 3 == 1
 
 
@@ -387,7 +389,7 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     one kernel allowed, the gradients equal those of the step without recompute."""
     from torch.nn.attention import SDPBackend
 
-    from latentwire.config import load_config
+    from latentwire.settings import load_config
     from latentwire.llm import build_frozen_llms
     from latentwire.model import WireEncoder
     from latentwire.parallelize import prepare_frozen_llms

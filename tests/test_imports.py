@@ -68,7 +68,7 @@ def test_the_entry_points_are_the_modules_users_run():
 
 def test_the_graph_is_read_from_every_kind_of_import():
     graph = import_graph()
-    assert "latentwire.recipe" in graph["train"] and "latentwire.harness.errors" in graph["latentwire.config"]
+    assert "latentwire.recipe" in graph["train"] and "latentwire.harness.errors" in graph["latentwire.settings"]
     assert {"latentwire.planner", "latentwire.eval", "latentwire.llm_sources"} <= graph.keys()
 
 

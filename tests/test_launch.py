@@ -376,9 +376,9 @@ def torchrun_passes_on(script: list[str], args: list[str]) -> list[str]:
 
 
 def test_every_flag_of_every_command_passes_through_torchrun():
-    from latentwire import config, evaluate, find_batch, plan
+    from latentwire import settings, evaluate, find_batch, plan
 
-    for script, parser in ((["train.py"], config.build_parser()),
+    for script, parser in ((["train.py"], settings.build_parser()),
                            (["-m", "latentwire.evaluate"], evaluate.build_parser()),
                            (["-m", "latentwire.plan"], plan.build_parser()),
                            (["-m", "latentwire.find_batch"], find_batch.build_parser())):

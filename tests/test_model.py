@@ -4,8 +4,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from conftest import ALL_TERMS, distilled_collator
-from latentwire.config import load_config
-from latentwire.data import Collator, PromptDataset, synthetic_examples
+from latentwire.settings import load_config
+from latentwire.dataset import Collator, PromptDataset, synthetic_examples
 from latentwire.llm import is_decoder_layer, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
@@ -50,7 +50,7 @@ def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None, distille
 
 def pad_more(batch, extra_bytes, extra_tokens):
     """The same examples with more padding on every padded axis."""
-    from latentwire.data import PAD_BYTE
+    from latentwire.dataset import PAD_BYTE
     pad = torch.nn.functional.pad
     bytes_ = pad(batch["bytes"], (0, extra_bytes), value=PAD_BYTE)
     out = {"bytes": bytes_, "byte_mask": bytes_ != PAD_BYTE, "answers": {}}
@@ -86,7 +86,7 @@ def test_each_example_is_independent_of_its_batch_mates(patched_cfg):
 
 def slice_batch(batch, i):
     """Example i alone, with no padding after it (word patches keep theirs between words)."""
-    from latentwire.data import PAD_BYTE
+    from latentwire.dataset import PAD_BYTE
     n = int(batch["byte_mask"][i].nonzero().max()) + 1
     b = {"bytes": batch["bytes"][i:i + 1, :n], "byte_mask": batch["byte_mask"][i:i + 1, :n], "answers": {}}
     for name, a in batch["answers"].items():

@@ -4,9 +4,9 @@ import torch
 import torch.nn.functional as F
 
 import train
-from latentwire.config import load_config
+from latentwire.settings import load_config
 from latentwire.harness.loop_config import OptimizerConfig
-from latentwire.data import IGNORE_INDEX, Collator, PromptDataset, synthetic_examples
+from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset, synthetic_examples
 from latentwire.llm import LLM_NAMES, FrozenLLM, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import (Objectives, WireTask, first_targets, forward_loss_sums, kd_sum, llm_term_sums,

@@ -11,9 +11,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 from latentwire.parallelize import prepare_frozen_llms
 from latentwire.planner.analytic import optimizer_state_bytes, static_memory
 from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
-from latentwire.config import load_config
+from latentwire.settings import load_config
 from latentwire.harness.errors import UserError, main_guard
-from latentwire.data import IGNORE_INDEX, Collator, PromptDataset
+from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset
 from latentwire.harness.layout import scaled_lr
 from latentwire.planner.elastic import elastic_batch
 from latentwire.find_batch import Probe

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from latentwire.data import synthetic_corpus_text
+from latentwire.dataset import synthetic_corpus_text
 from latentwire.find_batch import main as find_batch_main
 from latentwire.plan import main as plan_main
 from latentwire.prompting import DEFAULT_ANCHOR, DEFAULT_INSTRUCTION

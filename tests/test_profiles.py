@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from latentwire.config import load_config
+from latentwire.settings import load_config
 from latentwire.plan import TRAINING_STEP
 from latentwire.planner.budget import GIB, Fit, fit_line
 from latentwire.planner.memory_plan import make_plan

@@ -7,7 +7,7 @@ import torch
 
 from conftest import CHAT_TEMPLATE, FAST, assert_one_line_error, instruct_reader, ok, run_module, run_train
 from latentwire.eval import generation as gen
-from latentwire.data import Collator, PromptDataset, synthetic_examples
+from latentwire.dataset import Collator, PromptDataset, synthetic_examples
 from latentwire.llm import LLM_NAMES, load_frozen_llm
 from latentwire.prompting import DEFAULT_ANCHOR, DEFAULT_INSTRUCTION, PromptContract, PromptFormat
 

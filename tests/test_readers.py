@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ok, run_module
-from latentwire.data import synthetic_corpus_text
+from latentwire.dataset import synthetic_corpus_text
 from latentwire.llm import LLM_NAMES, load_frozen_llm
 from latentwire.llm_sources import tiny_tokenizer
 from latentwire.readers import HELD_OUT_EXAMPLES, held_out_em

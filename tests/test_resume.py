@@ -17,8 +17,8 @@ import torch
 from conftest import (NOBODY, REPO, RUN, TWENTY, assert_one_line_error, assert_same_run, child_env, final_weights, ok,
                       exit_and_leftovers, read_metrics, run_train, wait_for_step)
 from latentwire.harness.checkpoint import list_checkpoints, load_checkpoint
-from latentwire.config import DEFAULT_PROFILES, load_config
-from latentwire.data import synthetic_examples
+from latentwire.settings import DEFAULT_PROFILES, load_config
+from latentwire.dataset import synthetic_examples
 
 
 def popen_train(args, nproc=1, **env):

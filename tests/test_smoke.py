@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ok, read_metrics
-from latentwire.config import load_config
+from latentwire.settings import load_config
 
 CPU = load_config(["--profile", "cpu"])
 STEPS = CPU.training.max_steps

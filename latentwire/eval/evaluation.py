@@ -13,7 +13,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from ..data import Collator, PromptDataset
+from ..dataset import Collator, PromptDataset
 from ..harness.data import to_device
 from ..model import WireEncoder
 from ..harness.precision import AMP_DTYPES

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..data import IGNORE_INDEX, prompt_text
+from ..dataset import IGNORE_INDEX, prompt_text
 from ..attention import padded_attention, padded_causal_mask, positions
 from ..llm import FrozenLLM
 

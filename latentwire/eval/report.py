@@ -7,7 +7,7 @@ import math
 import statistics
 from pathlib import Path
 
-from ..data import answers_past_cut, prompt_text
+from ..dataset import answers_past_cut, prompt_text
 from ..llm import describe_prompts
 
 from .settings import EvalSettings

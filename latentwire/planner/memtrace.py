@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.utils._pytree import tree_leaves
 
-from ..data import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, round_up
+from ..dataset import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, round_up
 from ..distillation import target_width
 from ..llm import FrozenLLM, build_model, freeze
 from ..model import WireEncoder

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from .data import DataConfig
+from .dataset import DataConfig
 from .harness.checkpoint import META
 from .harness.config import Field, Schema
 from .harness.errors import UserError
