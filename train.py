@@ -325,8 +325,10 @@ def train(cfg, di) -> None:
     snapshots.start()
 
     # --- Metrics: throughput, MFU and memory per log window; jsonl and TensorBoard -------------
-    # MFU against the peak of the arithmetic the matmuls really run in.
-    meter = StepMeter(device, FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg.wire).step_flops,
+    # MFU against the peak of the arithmetic the matmuls really run in: `mfu` of what the step runs,
+    # padding included; `mfu_useful` of the real positions alone.
+    flops = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg.wire)
+    meter = StepMeter(device, flops.step_flops,
                       peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
                            first_record=training.facts(), started=started)
@@ -364,12 +366,13 @@ def train(cfg, di) -> None:
             # Each loss term is its sum over a micro-batch divided by its count in the whole global
             # batch (all micro-batches, all ranks: the task's counts, here answer tokens, first
             # tokens, first-k positions per LLM), so the step equals one big batch however it is
-            # split. The counts are made and summed on the device: no host sync. The stop flags (a
-            # scheduler's signal, a Ctrl-C) ride along in the same all-reduce: no extra collective,
-            # and every rank learns of a signal any rank received.
+            # split. The counts are made and summed on the device: no host sync. The tokens read and
+            # the stop flags (a scheduler's signal, a Ctrl-C) ride along in the same all-reduce: no
+            # extra collective, and every rank learns of a signal any rank received.
             counts = torch.stack([task.counts(b) for b in micro_batches]).sum(0)
-            reduced = all_reduce_sum(torch.cat([counts.flatten(), stop.flags(device)]))
-            n_targets = reduced[:-2].view_as(counts).float()
+            tokens_read = sum(task.tokens(b) for b in micro_batches)
+            reduced = all_reduce_sum(torch.cat([counts.flatten(), tokens_read[None], stop.flags(device)]))
+            n_targets = reduced[:-3].view_as(counts).float()
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
             step_terms, grad_norm = train_step(
                 ddp_model, task, micro_batches, n_targets=n_targets, amp_dtype=amp_dtype,
@@ -378,11 +381,13 @@ def train(cfg, di) -> None:
                 no_sync=ddp_model.no_sync if di.is_distributed else nullcontext)
 
             # --- The step's one host sync ------------------------------------------------
-            # Read together: whether the gradient is finite, whether any rank was signalled, and
-            # the global token count for the throughput. The norm is global (after DDP's
-            # all-reduce), so every rank decides alike; a NaN loss on any rank makes it NaN.
-            finite, scheduler_stops, person_stops, tokens = torch.stack(
-                [torch.isfinite(grad_norm).long(), *reduced[-2:], task.tokens(n_targets, global_batch)]).tolist()
+            # Read together: whether the gradient is finite, whether any rank was signalled, the
+            # global token counts and this rank's FLOPs without padding, for the throughput. The
+            # norm is global (after DDP's all-reduce), so every rank decides alike; a NaN loss on
+            # any rank makes it NaN.
+            finite, scheduler_stops, person_stops, tokens, target_tokens, useful_flops = torch.stack(
+                [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], task.target_tokens(n_targets),
+                 flops.useful_flops(micro_batches)]).tolist()
             stop_requested = stop_code(scheduler_stops, person_stops)
 
             # --- Non-finite steps are skipped, counted, and stop the run if they persist --
@@ -403,7 +408,8 @@ def train(cfg, di) -> None:
                                            f"{nonfinite_hint(cfg.numerics.precision)}")
                 break
 
-            meter.add(micro_batches, samples=global_batch, data_wait=data_wait, tokens=tokens)
+            meter.add(micro_batches, useful_flops=useful_flops, data_wait=data_wait, samples=global_batch,
+                      tokens=tokens, target_tokens=target_tokens)
 
             # --- Periodic evaluation on the held-out split ---------------------------------
             # Every rank answers its share of the split and the results are gathered, so all ranks

@@ -118,8 +118,7 @@ def fsdp_frozen_memory(llms: dict, world_size: int) -> tuple[int, int]:
 
     units = []
     for llm in llms.values():
-        modules = [unit if isinstance(unit, list) else [unit] for unit in fsdp_units(llm)]
-        units += [[p for m in unit for p in m.parameters()] for unit in modules]
+        units += [list(unit.parameters()) for unit in fsdp_units(llm)]
         in_units = {id(p) for unit in units for p in unit}
         units.append([p for p in llm.model.parameters() if id(p) not in in_units])
     largest = max(sum(p.numel() * p.element_size() for p in unit) for unit in units)
