@@ -10,9 +10,10 @@ FakeTensorMode on the CPU, where tensors have shapes but no storage, and runs tr
 (forward, backward, clipping, AdamW) under MemTracker, which files every byte as parameters,
 gradients, optimizer state, activations or temporaries: two steps at the profile's micro-batch
 (the second is the steady state, with optimizer state), then one more at the micro-batch the
-first points to. It fits peak = fixed + per_sample x micro-batch through the two and returns the
-largest micro-batch whose peak, with the reserve of `latentwire.planner.budget`, fits the profile's
-target utilisation.
+first points to (and, where that lands more than 10% short of the answer, one more where the two
+point). It fits peak = fixed + per_sample x micro-batch through the two nearest the answer and
+returns the largest micro-batch whose peak, with the reserve of `latentwire.planner.budget`, fits
+the profile's target utilisation.
 
 It traces the eager step: torch.compile (on in the GPU profiles) usually keeps fewer
 activations, so the plan errs on the safe side. It counts what operators return, which is what a
@@ -101,7 +102,7 @@ def format_plan(plan: Plan) -> str:
               f"{distillation_note(plan) if cfg.objectives.teacher else ''} (the longest batch the collator emits)",
               "",
               "traced under FakeTensorMode + MemTracker, nothing allocated: 2 training steps at micro-batch "
-              f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at the second size",
+              f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at each other size",
               f"  {'steady state':<40}{'traced ' + unit:>10}{'analytic':>10}{'diff':>10}"]
     for label, traced, analytic in (
             (f"parameters, frozen ({cfg.numerics.precision}{frozen_share(plan)})", plan.params_frozen_bytes, a.frozen),

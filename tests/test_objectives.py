@@ -15,7 +15,7 @@ from latentwire.objectives import (Objectives, WireTask, first_targets, forward_
                                    target_counts)
 from latentwire.harness.precision import sdpa_backends
 
-from conftest import ALL_TERMS, distilled_collator
+from conftest import ALL_TERMS, distilled_collator, full_logits_sums
 
 CPU = torch.device("cpu")
 
@@ -131,28 +131,6 @@ def test_the_teacher_gets_no_gradient_and_its_term_moves_the_wire(llms):
     sums[:, 1].sum().backward()
     assert all(p.grad is None for llm in llms.values() for p in llm.model.parameters())
     assert model.encoder.byte_embed.weight.grad.abs().sum() > 0
-
-
-def full_logits_sums(model, llms, batch, objectives):
-    """The straightforward reference: every kept position's logits, copied to fp32, and each term a
-    masked sum over all of them (the step before the head ran at the labels only)."""
-    soft, tau, sums = model(batch["bytes"], batch["byte_mask"]), objectives.kd_temperature, []
-    for name, llm in llms.items():
-        rows = batch["answers"][name]
-        logits = llm.model(inputs_embeds=llm.wire_embeds(soft[name], rows["lead_ids"], rows["input_ids"]),
-                           use_cache=False, logits_to_keep=rows["input_ids"].shape[1] + 1).logits.float()
-        terms = []
-        for term in objectives.terms:
-            mask = objectives.targets(rows["labels"], term)
-            if term == "kd":
-                target = rows["kd_logprobs"]
-                kl = (target.exp() * (target - F.log_softmax(logits / tau, -1))).sum(-1)
-                terms.append((kl * mask).sum() * tau ** 2)
-            else:
-                labels = rows["labels"].masked_fill(~mask, IGNORE_INDEX)
-                terms.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
-        sums.append(torch.stack(terms))
-    return torch.stack(sums)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The traced memory plan: the profile's exact configuration built and stepped under FakeTensorMode
-+ MemTracker (`memtrace`), twice, a line fitted through the two peaks, and the largest micro-batch
-whose peak with the reserve of `budget` fits the card. What `python -m latentwire.plan` prints and
++ MemTracker (`memtrace`), twice (or three times: `make_plan`), a line fitted through the two peaks
+nearest the answer, and the largest micro-batch whose peak with the reserve of `budget` fits the card. What `python -m latentwire.plan` prints and
 what --elastic-batch takes its micro-batch from.
 """
 from __future__ import annotations
@@ -169,7 +169,8 @@ def local_tokenizer(name: str, source: str):
 
 
 def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
-    """Trace the profile `cfg` at its micro-batch size and at the one the first trace predicts."""
+    """Trace the profile `cfg` at its micro-batch size and at the one the first trace predicts, and
+    again where the line through those two points if the second landed more than 10% short."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
@@ -190,16 +191,23 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
         tracer = StepTracer(cfg, llms, answers, step)
         first = shard_trace(tracer.trace(cfg.training.micro_batch_size, steps=2), frozen_bytes, held, gathered)
-        trainable_bytes = first.peak["parameters"] - held
-        second = tracer.trace(next_micro_batch(first, budget, held + trainable_bytes), steps=1)
-        second = shard_trace(second, frozen_bytes, held, gathered)
-    traces = tuple(sorted((first, second), key=lambda t: t.micro_batch))
-    fit = fit_line({t.micro_batch: t.peak["total"] for t in traces})
+        weight_bytes = first.peak["parameters"]
+        traces = [first, shard_trace(tracer.trace(next_micro_batch(first, budget, weight_bytes), steps=1),
+                                     frozen_bytes, held, gathered)]
+        fit = fit_line({t.micro_batch: t.peak["total"] for t in traces})
+        # A part of the first peak that does not grow with the batch (the loss's chunk of logits,
+        # latentwire.head_losses) was counted per sample and sent the second trace short of the
+        # answer: one more where the line points, and the line through the two nearest it.
+        if traces[1].micro_batch < 0.9 * largest_fitting(fit, budget, weight_bytes):
+            traces.append(shard_trace(tracer.trace(largest_fitting(fit, budget, weight_bytes), steps=1),
+                                      frozen_bytes, held, gathered))
+            fit = fit_line({t.micro_batch: t.peak["total"] for t in traces[1:]})
     total_params = sum(llm_parameter_count(spec.config) for spec in specs.values())
     analytic = static_memory(math.ceil(total_params / world_size) if sharded else total_params, shapes,
                              cfg.numerics.precision, "adamw")
-    return Plan(cfg, world_size, specs, frozen_params, held, gathered, trainable_bytes, traces, fit, budget,
-                largest_fitting(fit, budget, held + trainable_bytes), analytic, time.perf_counter() - start)
+    return Plan(cfg, world_size, specs, frozen_params, held, gathered, weight_bytes - held,
+                tuple(sorted(traces, key=lambda t: t.micro_batch)), fit, budget,
+                largest_fitting(fit, budget, weight_bytes), analytic, time.perf_counter() - start)
 
 
 def plan_max_micro_batch(cfg, world_size: int, step: TrainingStep) -> int:
