@@ -328,7 +328,7 @@ def train(cfg, di) -> None:
     # MFU against the peak of the arithmetic the matmuls really run in: `mfu` of what the step runs,
     # padding included; `mfu_useful` of the real positions alone.
     flops = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg.wire)
-    meter = StepMeter(device, flops.step_flops,
+    meter = StepMeter(device, flops.step_flops, useful_flops=flops.useful_flops,
                       peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
                            first_record=training.facts(), started=started)
@@ -387,7 +387,7 @@ def train(cfg, di) -> None:
             # any rank makes it NaN.
             finite, scheduler_stops, person_stops, tokens, target_tokens, useful_flops = torch.stack(
                 [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], task.target_tokens(n_targets),
-                 flops.useful_flops(micro_batches)]).tolist()
+                 meter.useful_flops(micro_batches)]).tolist()
             stop_requested = stop_code(scheduler_stops, person_stops)
 
             # --- Non-finite steps are skipped, counted, and stop the run if they persist --

@@ -17,9 +17,8 @@ the profile's target utilisation.
 
 It traces the eager step: torch.compile (on in the GPU profiles) usually keeps fewer
 activations, so the plan errs on the safe side. It counts what operators return, which is what a
-CUDA step allocates less the kernels' workspaces (in the reserve). A CPU bf16 step on a CPU whose
-oneDNN runs bf16 matmuls holds more: a copy of each LLM head's weight per sample while the head's
-matmul runs (`latentwire.planner.memtrace`). `--analytic` is the quick calculator of
+CUDA step allocates less the kernels' workspaces (in the reserve), and what a CPU step allocates
+(`latentwire.planner.memtrace`). `--analytic` is the quick calculator of
 `latentwire.planner.analytic`, also printed beside the traced numbers as a cross-check.
 
 This module is the command; `latentwire.planner` holds the plan itself.

@@ -160,17 +160,24 @@ class StepMeter:
     """What a log record says of the steps since the previous one: throughput and MFU (a Window),
     this rank's memory (a MemoryMeter), the GPU's utilisation and power (a GpuMonitor)."""
 
-    def __init__(self, device: torch.device, step_flops: Callable[[list[dict]], float], peak_tflops: float | None):
+    def __init__(self, device: torch.device, step_flops: Callable[[list[dict]], float], peak_tflops: float | None,
+                 useful_flops: Callable[[list[dict]], torch.Tensor] | None = None):
         """`step_flops`: the FLOPs of one optimizer step's micro-batches, as they run (padding
-        included); `peak_tflops`: the card's peak for the arithmetic the matmuls run in, None where
-        unknown (no MFU)."""
-        self.step_flops = step_flops
+        included), from their shapes; `peak_tflops`: the card's peak for the arithmetic the matmuls
+        run in, None where unknown (no MFU); `useful_flops`: the same without the padding, counted
+        on the batches' device (their real lengths are there), None where not counted."""
+        self.step_flops, self.count_useful_flops = step_flops, useful_flops
         self.peak_flops = None if peak_tflops is None else peak_tflops * 1e12  # FLOP/s
         self.window, self.memory, self.gpu = Window(), MemoryMeter(device), GpuMonitor(device)
 
+    def useful_flops(self, micro_batches: list[dict]) -> torch.Tensor:
+        """The step's FLOPs without the padding, a 0-dim tensor on the batches' device: for the
+        loop to read with its other values in the step's one host sync, and hand back to `add`."""
+        return self.count_useful_flops(micro_batches)
+
     def add(self, micro_batches: list[dict], data_wait: float, useful_flops: float | None = None, **counts) -> None:
         """One step: its `counts` (`samples=`, `tokens=`, ...; each becomes `<name>_per_s`) and
-        `useful_flops`, its FLOPs without the padding (`mfu_useful`; None: not counted)."""
+        `useful_flops`, as read (`mfu_useful`; None: not counted)."""
         self.window.add(counts, self.step_flops(micro_batches), useful_flops, data_wait)
 
     def read(self) -> dict:

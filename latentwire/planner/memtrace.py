@@ -7,11 +7,9 @@ optimizer state, activation (made in forward, or recomputed for backward by acti
 checkpointing) or temporary (made in backward).
 
 It sees the tensors operators return, not what a kernel allocates and frees inside itself: on
-CUDA, cuBLAS and attention workspaces (in the plan's reserve); on a CPU whose oneDNN runs bf16
-matmuls (AVX512 BW/VL/DQ, AVX-NE-CONVERT or AMX), the contiguous copy `mkldnn_matmul` makes of
-the LLM head's weight expanded over the batch (micro-batch x hidden x vocabulary x 2 bytes, in
-forward and again in backward; docs/memory.md, "How far to trust it"). Where PyTorch's own kernels run
-the step (fp32; bf16 elsewhere) the trace equals the CPU allocator's count of the real step.
+CUDA, cuBLAS and attention workspaces (in the plan's reserve). On a CPU the trace equals the CPU
+allocator's count of the real step to 0.1% (docs/memory.md, "How far to trust it"), in fp32 and in
+bf16, where oneDNN runs bf16 matmuls too.
 
 The step traced here is the one `find_batch` runs for real: the same function on real tensors.
 """
