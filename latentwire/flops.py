@@ -89,7 +89,7 @@ class FlopModel:
                    pooler_rounds=len(wire_encoder.pooler.cross),
                    llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()))
 
-    def flops(self, s: Sizes):
+    def flops(self, s: Sizes) -> int | torch.Tensor:
         """One forward + backward of a micro-batch of these sizes. Every count is a sum over the
         rows of a polynomial in the row's lengths (attention: in the product of its query and key
         lengths), so summed lengths and summed squares make it exact for rows of any lengths.

@@ -22,9 +22,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-# Logits computed at once, chunk by chunk: about 500 rows of a 128k-152k vocabulary. A chunk's fp32
-# copies and their gradients take a few times this in bytes x 4; a chunk needs a few hundred rows
-# for its head GEMM to be compute-bound on an H100 (each chunk reads the whole head weight).
+# Logits computed at once: 440-520 rows of a 152k-128k vocabulary. What a chunk holds (its fp32
+# logits, their log-softmax and gradients) does not grow with the batch; a chunk needs a few
+# hundred rows for its GEMMs to be bound by arithmetic on an H100, not by reading the head's weight
+# (docs/performance.md).
 HEAD_CHUNK_ELEMENTS = 2 ** 26
 
 
@@ -64,10 +65,10 @@ def one_output(values: torch.Tensor, j: int) -> torch.Tensor:
 
 
 def head_losses(hidden: torch.Tensor, weight: torch.Tensor, losses: Callable[..., torch.Tensor],
-                *inputs: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+                *inputs: torch.Tensor) -> torch.Tensor:
     """[positions, outputs]: `losses(logits, *inputs)` of each position's logits `hidden @ weight.T`,
     where `losses` maps [n, vocab] logits and the inputs' matching n rows to [n, outputs] values, each
     of a position's outputs depending on that position alone (a per-position cross-entropy, a
-    KL divergence). `hidden` [positions, hidden] requires grad; `weight` [vocab, hidden] does not;
-    `rows`: positions per chunk (default: `chunk_rows`)."""
-    return _HeadLosses.apply(hidden, weight, losses, rows or chunk_rows(weight.shape[0]), *inputs)
+    KL divergence). `hidden` [positions, hidden] requires grad; `weight` [vocab, hidden] does not.
+    `chunk_rows` positions at a time."""
+    return _HeadLosses.apply(hidden, weight, losses, chunk_rows(weight.shape[0]), *inputs)

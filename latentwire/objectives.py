@@ -175,8 +175,8 @@ class WireTask:
         """What peers call tokens: the positions the LLMs read, without the padding. Each row's lead,
         wire and input tokens (the tail and the answer), summed over the rows and the LLMs, on the
         device: no sync."""
-        return sum(input_lengths(rows["labels"]).sum() + rows["lead_ids"].numel() + len(rows["labels"]) * self.num_latents
-                   for rows in batch["answers"].values())
+        return sum(input_lengths(rows["labels"]).sum() + rows["lead_ids"].numel()
+                   + len(rows["labels"]) * self.num_latents for rows in batch["answers"].values())
 
     def target_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         """The positions the loss reads: answer_ce's targets (every answer token and the EOS after

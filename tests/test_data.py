@@ -395,7 +395,8 @@ def test_tokens_are_what_the_readers_read_without_the_padding(tokenizers):
     by_hand = sum((name == "llama") + wire + tails[name] + n for name in tokenizers for n in answers[name])
     task = WireTask(dict.fromkeys(tokenizers), Objectives(), num_latents=wire)
     assert task.tokens(batch).item() == by_hand
-    assert task.target_tokens(target_counts(batch, Objectives())).item() == sum(n + 1 for a in answers.values() for n in a)
+    targets = sum(n + 1 for lengths in answers.values() for n in lengths)
+    assert task.target_tokens(target_counts(batch, Objectives())).item() == targets
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen"])

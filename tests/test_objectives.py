@@ -66,8 +66,10 @@ def labelled_losses(llm, soft, rows):
     real = torch.arange(row.shape[0]) < (labels != IGNORE_INDEX).sum()
     hidden = llm.answer_hidden(soft, rows["lead_ids"], rows["input_ids"])[row, col]
     with llm.head_weight() as head:
-        return head_losses(hidden, head, lambda logits, t: F.cross_entropy(logits.float(), t, reduction="none")[:, None],
-                           labels[row, col].masked_fill(~real, IGNORE_INDEX))[:, 0].sum()
+        def ce(logits, targets):
+            return F.cross_entropy(logits.float(), targets, reduction="none")[:, None]
+
+        return head_losses(hidden, head, ce, labels[row, col].masked_fill(~real, IGNORE_INDEX))[:, 0].sum()
 
 
 def reference_step(model, llms, micro_batches, optimizer):
@@ -199,6 +201,7 @@ def test_the_head_runs_at_the_labels_a_chunk_at_a_time_and_takes_no_weight_gradi
         logits = [math.prod(shape[:-1]) for func, shape in outputs.seen if func in matmuls and shape[-1] == vocab]
         assert sum(logits) == batch["answers"][name]["label_positions"].shape[1]
         assert max(logits) == small_chunks
-        assert all(math.prod(shape[:-1]) <= small_chunks for func, shape in outputs.seen  # the weight and its views aside
+        # every [..., vocab] tensor, the head's weight and its views aside
+        assert all(math.prod(shape[:-1]) <= small_chunks for func, shape in outputs.seen
                    if shape and shape[-1] == vocab and hidden not in shape and func != aten.index.Tensor)
         assert not any(sorted(shape[-2:]) == sorted((vocab, hidden)) for func, shape in outputs.seen if func in matmuls)

@@ -1,7 +1,7 @@
 """The traced memory plan: the profile's exact configuration built and stepped under FakeTensorMode
 + MemTracker (`memtrace`), twice (or three times: `make_plan`), a line fitted through the two peaks
-nearest the answer, and the largest micro-batch whose peak with the reserve of `budget` fits the card. What `python -m latentwire.plan` prints and
-what --elastic-batch takes its micro-batch from.
+nearest the answer, and the largest micro-batch whose peak with the reserve of `budget` fits the
+card. What `python -m latentwire.plan` prints and what --elastic-batch takes its micro-batch from.
 """
 from __future__ import annotations
 
@@ -198,9 +198,9 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
         # A part of the first peak that does not grow with the batch (the loss's chunk of logits,
         # latentwire.head_losses) was counted per sample and sent the second trace short of the
         # answer: one more where the line points, and the line through the two nearest it.
-        if traces[1].micro_batch < 0.9 * largest_fitting(fit, budget, weight_bytes):
-            traces.append(shard_trace(tracer.trace(largest_fitting(fit, budget, weight_bytes), steps=1),
-                                      frozen_bytes, held, gathered))
+        best = largest_fitting(fit, budget, weight_bytes)
+        if traces[1].micro_batch < 0.9 * best:
+            traces.append(shard_trace(tracer.trace(best, steps=1), frozen_bytes, held, gathered))
             fit = fit_line({t.micro_batch: t.peak["total"] for t in traces[1:]})
     total_params = sum(llm_parameter_count(spec.config) for spec in specs.values())
     analytic = static_memory(math.ceil(total_params / world_size) if sharded else total_params, shapes,
