@@ -227,7 +227,9 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     snapshots = MemorySnapshots(cfg.profiler.memory_snapshot, device, out_dir, rank)
     snapshots.start()
     # --- Metrics: throughput, MFU against the peak of the arithmetic the matmuls run in, HFU, memory -
+    # `mfu` of what the step runs, padding included; `mfu_useful` of the real positions alone.
     meter = StepMeter(device, recipe.step_flops, hardware_flops=recipe.step_hardware_flops,
+                      useful_flops=recipe.useful_flops,
                       peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
                            first_record=recipe.data_facts, started=started)
@@ -264,10 +266,11 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
 
             # --- Exact gradient accumulation ---------------------------------------------
             # Each loss term over its count in the whole global batch (the task's counts), made and
-            # summed on the device; the stop flags ride the same all-reduce, so every rank hears them.
+            # summed on the device; the tokens read and the stop flags ride the same all-reduce.
             counts = torch.stack([run.task.counts(b) for b in micro_batches]).sum(0)
-            reduced = all_reduce_sum(torch.cat([counts.flatten(), stop.flags(device)]))
-            n_targets = reduced[:-2].view_as(counts).float()
+            tokens_read = sum(run.task.tokens(b) for b in micro_batches)
+            reduced = all_reduce_sum(torch.cat([counts.flatten(), tokens_read[None], stop.flags(device)]))
+            n_targets = reduced[:-3].view_as(counts).float()
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
             step_terms, grad_norm = train_step(
                 run.ddp_model, run.task, micro_batches, n_targets=n_targets, amp_dtype=run.amp_dtype,
@@ -276,10 +279,11 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
                 no_sync=run.ddp_model.no_sync if di.is_distributed else nullcontext)
 
             # --- The step's one host sync ------------------------------------------------
-            # Whether the gradient is finite, whether any rank was signalled, the global token count.
-            # The norm is global (after DDP's all-reduce), so every rank decides alike.
-            finite, scheduler_stops, person_stops, tokens = torch.stack(
-                [torch.isfinite(grad_norm).long(), *reduced[-2:], run.task.tokens(n_targets, global_batch)]).tolist()
+            # Whether the gradient is finite, whether any rank was signalled, the token counts and this
+            # rank's FLOPs without padding. The norm is global (after DDP's all-reduce): ranks agree.
+            finite, scheduler_stops, person_stops, tokens, target_tokens, useful_flops = torch.stack(
+                [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], run.task.target_tokens(n_targets),
+                 run.meter.useful_flops(micro_batches)]).tolist()
             stop_requested = stop_code(scheduler_stops, person_stops)
 
             # --- Non-finite steps: skipped, counted, and the run stops if they persist ----
@@ -299,7 +303,8 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
                                            f"the last good weights as checkpoint step {state.step}"
                                            f"{nonfinite_hint(cfg.numerics.precision)}")
                 break
-            run.meter.add(micro_batches, samples=global_batch, data_wait=data_wait, tokens=tokens)
+            run.meter.add(micro_batches, useful_flops=useful_flops, data_wait=data_wait, samples=global_batch,
+                          tokens=tokens, target_tokens=target_tokens)
 
             # --- Periodic evaluation: every rank answers its share of the held-out split --------
             # Taken after the window's rates, so it never counts as training time; a signal skips it.

@@ -22,14 +22,15 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from latentwire.settings import load_config  # noqa: E402
 from latentwire.dataset import Collator, DataSources, PromptDataset  # noqa: E402
-from latentwire.harness.data import ShardSampler, make_loader as harness_loader  # noqa: E402
+from latentwire.harness.data import ShardSampler  # noqa: E402
+from latentwire.harness.data import make_loader as harness_loader
+from latentwire.harness.precision import frozen_weight_dtype  # noqa: E402
 from latentwire.llm import build_frozen_llms  # noqa: E402
 from latentwire.model import WireEncoder  # noqa: E402
-from latentwire.parallelize import prepare_frozen_llms  # noqa: E402
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts  # noqa: E402
-from latentwire.harness.precision import frozen_weight_dtype  # noqa: E402
+from latentwire.parallelize import prepare_frozen_llms  # noqa: E402
+from latentwire.settings import load_config  # noqa: E402
 
 CPU = torch.device("cpu")
 # Flags for every timed train.py run: periodic evaluation and checkpoints are work between steps,

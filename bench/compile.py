@@ -45,13 +45,12 @@ from pathlib import Path
 
 import torch
 
-from common import (REPO, build_model, child_env, forward_backward, make_loader, median, parse_settings, summary,
-                    take)
-from latentwire.parallelize import prepare_frozen_llms, wire_regions
+from common import REPO, build_model, child_env, forward_backward, make_loader, median, parse_settings, summary, take
 from latentwire.harness.compiling import stable_shapes
-from latentwire.settings import load_config
 from latentwire.known_llms import LLAMA_3_1_8B, QWEN_2_5_7B
 from latentwire.objectives import forward_loss_sums
+from latentwire.parallelize import prepare_frozen_llms, wire_regions
+from latentwire.settings import load_config
 
 VARIANTS = ("whole", "regional")
 SLICE_VOCAB = 32768

@@ -22,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, launcher, summary
 from wire_levers import evaluate_wire, run
+
+from common import REPO, launcher, summary
 
 
 def train(repo: Path, out_dir: Path, extra: list[str], threads: int) -> float:

@@ -45,17 +45,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from common import summary
 import train
-from latentwire.settings import load_config
+from common import summary
 from latentwire.dataset import Collator, DataSources, PromptDataset
 from latentwire.fp8 import convert_frozen_linears, convertible_linears, fp8_linears
 from latentwire.harness.data import to_device
 from latentwire.harness.precision import cuda_capability, sdpa_backends
 from latentwire.llm import build_frozen_llms, decoder_layers
 from latentwire.model import WireEncoder
-from latentwire.parallelize import prepare_frozen_llms
 from latentwire.objectives import WireTask
+from latentwire.parallelize import prepare_frozen_llms
+from latentwire.settings import load_config
 
 E4M3_U, E5M2_U = 2.0 ** -4, 2.0 ** -3
 EPS_FORWARD = math.sqrt(2 / 3) * E4M3_U

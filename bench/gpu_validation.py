@@ -422,8 +422,8 @@ def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env
     """train.py in one process (no process group, no DDP), its steady state, recompiles and graph
     breaks; a run stopped at its time keeps the records it had flushed (`records`). A run refused
     in one line (exit 2: a flag this train.py lacks, a lever this device cannot run) says so."""
-    from latentwire.settings import load_config
     from latentwire.harness.errors import UserError
+    from latentwire.settings import load_config
 
     run_dir = work / "runs" / name
     started = time.time()

@@ -28,15 +28,15 @@ import statistics
 import time
 from pathlib import Path
 
-from common import CPU, REPO
 import torch
 
-from latentwire.settings import load_config
+from common import CPU, REPO
 from latentwire.dataset import DataSources
 from latentwire.eval.generation import decode_answer, greedy_generate, text_prompts
 from latentwire.eval.squad_metrics import best_em_f1
 from latentwire.llm import load_frozen_llm
 from latentwire.prompting import PromptContract, PromptFormat
+from latentwire.settings import load_config
 
 RESULTS = REPO / "bench" / "results" / "instruct_reader.json"
 CONTRACTS = {"bare anchor": PromptFormat(chat_template="false"),

@@ -465,7 +465,8 @@ class Collator:
     at the last soft token predicts input_ids[0], so labels[k] is the target of the k-th kept
     position: the tail's tokens are never targets, and the EOS is the target of the last answer
     token. Padding is on the right, so a causal LLM's real positions never attend to it, and its
-    labels are -100, so it never reaches the loss. The teacher's `text_ids` ([lead ; prompt]) are
+    labels are -100, so it never reaches the loss; `label_positions` lists the labelled positions,
+    the only ones whose logits the loss computes. The teacher's `text_ids` ([lead ; prompt]) are
     padded on the left instead, so that followed by the same input_ids its kept logits are the
     same positions as the wire's.
     """
@@ -547,12 +548,36 @@ class Collator:
         rows = {"lead_ids": torch.tensor([special.lead] * len(answers), dtype=torch.long).view(len(answers), -1),
                 "input_ids": torch.tensor([row + [pad] * (length - len(row)) for row in inputs]),
                 "labels": torch.tensor([row + [IGNORE_INDEX] * (length + 1 - len(row)) for row in targets])}
+        rows["label_positions"] = label_positions(rows["labels"])
         if texts is not None:
             prompts = [special.lead + ids for ids in tok(texts, add_special_tokens=False)["input_ids"]]
             width = round_up(max(map(len, prompts)), ANSWER_PAD_MULTIPLE)
             rows["text_ids"] = torch.tensor([[pad] * (width - len(row)) + row for row in prompts])
             rows["text_mask"] = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in prompts])
         return rows
+
+
+def label_positions(labels: torch.Tensor) -> torch.Tensor:
+    """[2, n] the (row, column) of each label that is not IGNORE_INDEX, row by row, then padding
+    (`padded_positions`): where the loss runs an LLM's head (latentwire.objectives), the first
+    `labels`' count of them real. Found here, on the host, where the batch is built: on the
+    device, a count that only the device knows would cost the step a host sync."""
+    return padded_positions(torch.stack((labels != IGNORE_INDEX).nonzero(as_tuple=True)))
+
+
+def padded_positions(at: torch.Tensor) -> torch.Tensor:
+    """[2, n] positions, then (0, 0) up to a multiple of ANSWER_PAD_MULTIPLE. The multiple keeps
+    the head's GEMMs in whole tensor-core tiles; nothing compiled sees this count (the head and the
+    loss run between the compiled regions), so a larger one would buy no fewer compiles."""
+    return torch.nn.functional.pad(at, (0, round_up(at.shape[1], ANSWER_PAD_MULTIPLE) - at.shape[1]))
+
+
+def input_lengths(labels: torch.Tensor) -> torch.Tensor:
+    """Each row's real input tokens (the tail and the answer, not the padding), from its labels, on
+    their device (no sync): column k holds the target read at input k-1 (column 0, at the wire's
+    last position; `Collator`), so the EOS target's column is the count."""
+    columns = torch.arange(labels.shape[1], device=labels.device)
+    return ((labels != IGNORE_INDEX) * columns).amax(-1)
 
 
 def answer_token_ids(tok, answers: list[str]) -> list[list[int]]:

@@ -37,21 +37,21 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from .harness.checkpoint import load_weights
-from .harness.resume import resolve_checkpoint
-from .settings import read_meta
-from .harness.config import Parser, check_can_create, positive
 from .dataset import DataSources
-from .harness.distributed import process_group
-from .harness.errors import UserError, main_guard
 from .eval.evaluation import evaluate_examples
 from .eval.report import build_report, markdown, write_report
 from .eval.settings import EvalSettings
 from .fp8 import check_fp8
+from .harness.checkpoint import load_weights
+from .harness.config import Parser, check_can_create, positive
+from .harness.distributed import process_group
+from .harness.errors import UserError, main_guard
+from .harness.precision import frozen_weight_dtype
+from .harness.resume import resolve_checkpoint
 from .llm import build_frozen_llms, held_per_rank
 from .model import WireEncoder
 from .parallelize import prepare_frozen_llms
-from .harness.precision import frozen_weight_dtype
+from .settings import read_meta
 
 # --- loading a checkpoint ---------------------------------------------------------------------
 

@@ -48,19 +48,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .settings import load_config
-from .harness.config import Parser, check_can_create, positive
-from .harness.errors import UserError, main_guard
-from .harness.distributed import process_group
-from .harness.profiling import MemorySnapshots
 from .fp8 import check_fp8
+from .harness.config import Parser, check_can_create, positive
+from .harness.distributed import process_group
+from .harness.errors import UserError, main_guard
+from .harness.precision import cuda_capability, frozen_weight_dtype, sdpa_backends
+from .harness.profiling import MemorySnapshots
 from .llm import build_frozen_llms
 from .model import WireEncoder
 from .parallelize import prepare_frozen_llms
 from .plan import TRAINING_STEP, write_json
 from .planner.budget import GIB, Fit, fit_line
 from .planner.memtrace import planning_batch
-from .harness.precision import cuda_capability, frozen_weight_dtype, sdpa_backends
+from .settings import load_config
 
 PROG = "python -m latentwire.find_batch"
 CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"

@@ -3,7 +3,8 @@
 - Trainable encoder, pooler and adapters: forward, input gradients and weight gradients:
   6 x (matmul parameters) per token they process.
 - Frozen LLMs: forward and the input gradients that carry the gradient back to the wire, but no
-  weight gradients: 4 x (matmul parameters) per position; the LM head only on the kept positions.
+  weight gradients: 4 x (matmul parameters) per position; the LM head only at the labelled
+  positions, with one input gradient per loss output (latentwire.head_losses).
 - Attention (scores and weighted values) in both, from torch.utils.flop_counter's own SDPA
   formulas, so the analytic count and FlopCounterMode use the same convention (full, unmasked
   score matrices).
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils import flop_counter
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+
+from .dataset import IGNORE_INDEX, input_lengths
 
 
 def linear_params(module: nn.Module) -> int:
@@ -59,6 +62,20 @@ class LLMShape:
 
 
 @dataclass(frozen=True)
+class Sizes:
+    """What a micro-batch's FLOPs depend on, as numbers (its padded shapes) or as 0-dim tensors on
+    its device (its real lengths, counted without a sync): its rows; the byte patches its encoder
+    reads and their squares, summed over the rows; per LLM the positions its decoder reads, summed
+    and their squares summed, and the positions its head runs at; whether a distillation term
+    takes a second gradient through each head (latentwire.head_losses)."""
+    rows: int
+    patches: int | torch.Tensor
+    patches_squared: int | torch.Tensor
+    llms: tuple[tuple[int | torch.Tensor, int | torch.Tensor, int | torch.Tensor], ...]
+    kd: bool
+
+
+@dataclass(frozen=True)
 class FlopModel:
     encoder_token_params: int  # applied to every byte patch: encoder + the pooler's key/value maps
     latent_params: int         # applied to every wire token: the rest of the pooler, the adapters
@@ -69,7 +86,7 @@ class FlopModel:
     d_z: int
     num_latents: int
     pooler_rounds: int
-    llms: tuple[tuple[str, LLMShape], ...]  # (name, shape) pairs: hashable, so counts can be cached
+    llms: tuple[tuple[str, LLMShape], ...]  # (name, shape) pairs, in the batches' order
     recompute: bool = False  # activation checkpointing recomputes the frozen decoder layers
 
     @classmethod
@@ -85,49 +102,83 @@ class FlopModel:
                    pooler_rounds=len(wire_encoder.pooler.cross),
                    llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()), recompute=recompute)
 
-    @functools.cache  # padding leaves few distinct shapes; the formulas cost ~2 ms per call
-    def micro_batch_flops(self, batch: int, prompt_len: int, llm_lens: tuple[tuple[int, int], ...]) -> int:
-        """One forward + backward of a micro-batch: `batch` prompts of `prompt_len` bytes (padded);
-        for the i-th LLM, `llm_lens[i]` = (lead tokens, tokens after the wire), padded. Distillation
-        adds no teacher: its targets come with the batch (latentwire.distillation)."""
+    def flops(self, s: Sizes) -> int | torch.Tensor:
+        """One forward + backward of a micro-batch of these sizes. Every count is a sum over the
+        rows of a polynomial in the row's lengths (attention: in the product of its query and key
+        lengths), so summed lengths and summed squares make it exact for rows of any lengths.
+        Distillation adds no teacher: its targets come with the batch (latentwire.distillation)."""
         m, h = self.num_latents, self.encoder_heads
-        patches = -(-prompt_len // self.patch_bytes)  # the encoder pads the last patch (model.ByteEncoder)
-        flops = 6 * (self.encoder_token_params * batch * patches + self.latent_params * batch * m)
-        flops += self.encoder_layers * attention_flops(batch, h, patches, patches, self.encoder_dim // h)
-        flops += self.pooler_rounds * (attention_flops(batch, h, m, patches, self.d_z // h)  # latents read patches
-                                       + attention_flops(batch, h, m, m, self.d_z // h))  # and each other
-        for (_, shape), (lead, after) in zip(self.llms, llm_lens):
-            seq, kept = lead + m + after, after + 1
-            flops += 4 * (shape.matmul_params * batch * seq + shape.head_params * batch * kept)
-            flops += shape.layers * attention_flops(batch, shape.heads, seq, seq, shape.head_dim)
-        return flops
-
-    @functools.cache
-    def micro_batch_recompute_flops(self, batch: int, llm_lens: tuple[tuple[int, int], ...]) -> int:
-        """What checkpointing adds to a micro-batch: the decoder layers' forward once more, less
-        each layer's last matmul."""
-        flops = 0
-        for (_, shape), (lead, after) in zip(self.llms, llm_lens):
-            q = (batch, shape.heads, lead + self.num_latents + after, shape.head_dim)
-            flops += 2 * shape.recomputed_params * batch * q[2] + shape.layers * sdpa_flop_count(q, q, q)
+        flops = 6 * (self.encoder_token_params * s.patches + self.latent_params * s.rows * m)
+        flops += self.encoder_layers * attention_flops_per_pair(h, self.encoder_dim // h) * s.patches_squared
+        flops += self.pooler_rounds * attention_flops_per_pair(h, self.d_z // h) * (m * s.patches + m * m * s.rows)
+        for (_, shape), (seq, seq_squared, head_positions) in zip(self.llms, s.llms):
+            flops += 4 * shape.matmul_params * seq
+            flops += shape.layers * attention_flops_per_pair(shape.heads, shape.head_dim) * seq_squared
+            # The head's forward, and one input gradient per loss output: no weight gradient.
+            flops += (4 + 2 * s.kd) * shape.head_params * head_positions
         return flops
 
     def step_flops(self, micro_batches: list[dict]) -> int:
-        """The model's FLOPs of one optimizer step (what MFU counts)."""
-        return sum(self.micro_batch_flops(*b["bytes"].shape, self._lens(b)) for b in micro_batches)
+        """FLOPs as the step runs them: every row at its micro-batch's padded lengths, each head at
+        its gathered positions (the padding to their multiple included). From shapes alone."""
+        return sum(self.flops(self.padded_sizes(b)) for b in micro_batches)
 
     def step_hardware_flops(self, micro_batches: list[dict]) -> int:
-        """The FLOPs the device executes in the step (what HFU counts): the recompute included."""
-        extra = sum(self.micro_batch_recompute_flops(b["bytes"].shape[0], self._lens(b)) for b in micro_batches)
-        return self.step_flops(micro_batches) + (extra if self.recompute else 0)
+        """The FLOPs the device executes in the step (what HFU counts): with activation
+        checkpointing, each frozen decoder layer's forward once more, less its last matmul (the
+        recompute stops once the last saved tensor is back, and a frozen down projection saves
+        nothing)."""
+        flops = self.step_flops(micro_batches)
+        if self.recompute:
+            for batch in micro_batches:
+                for (_, shape), (seq, seq_squared, _) in zip(self.llms, self.padded_sizes(batch).llms):
+                    flops += 2 * shape.recomputed_params * seq
+                    flops += shape.layers * attention_forward_flops_per_pair(shape.heads, shape.head_dim) * seq_squared
+        return flops
 
-    def _lens(self, batch: dict) -> tuple[tuple[int, int], ...]:
-        return tuple(llm_lens(batch["answers"][n]) for n, _ in self.llms)
+    def useful_flops(self, micro_batches: list[dict]) -> torch.Tensor:
+        """FLOPs of the same rows at their real lengths, each head at the real labels: a 0-dim int64
+        tensor on the batches' device, for the step's one read."""
+        return sum(self.flops(self.real_sizes(b)) for b in micro_batches)
+
+    def padded_sizes(self, batch: dict) -> Sizes:
+        rows, width = batch["bytes"].shape
+        patches = -(-width // self.patch_bytes)  # the encoder pads the last patch (model.ByteEncoder)
+        llms = []
+        for name, _ in self.llms:
+            answers = batch["answers"][name]
+            seq = answers["lead_ids"].shape[1] + self.num_latents + answers["input_ids"].shape[1]
+            llms.append((rows * seq, rows * seq * seq, answers["label_positions"].shape[1]))
+        return Sizes(rows, rows * patches, rows * patches * patches, tuple(llms), distilled(batch))
+
+    def real_sizes(self, batch: dict) -> Sizes:
+        # A patch is real when its first byte is (model.ByteEncoder), with word patches too.
+        patches = batch["byte_mask"][:, ::self.patch_bytes].sum(-1)
+        llms = []
+        for name, _ in self.llms:
+            answers = batch["answers"][name]
+            seq = answers["lead_ids"].shape[1] + self.num_latents + input_lengths(answers["labels"])
+            llms.append((seq.sum(), seq.square().sum(), (answers["labels"] != IGNORE_INDEX).sum()))
+        return Sizes(len(patches), patches.sum(), patches.square().sum(), tuple(llms), distilled(batch))
 
 
-def llm_lens(rows: dict) -> tuple[int, int]:
-    """(lead, after the wire) widths of one LLM's collated rows."""
-    return rows["lead_ids"].shape[1], rows["input_ids"].shape[1]
+def distilled(batch: dict) -> bool:
+    """Whether the batch carries distillation targets, which the step then takes a gradient of."""
+    return any("kd_logprobs" in rows for rows in batch["answers"].values())
+
+
+@functools.cache
+def attention_flops_per_pair(heads: int, head_dim: int) -> int:
+    """SDPA's forward and backward FLOPs per (query, key) pair of one row: torch's formulas are
+    products of the batch, the heads, both lengths and the head width."""
+    return attention_flops(1, heads, 1, 1, head_dim)
+
+
+@functools.cache
+def attention_forward_flops_per_pair(heads: int, head_dim: int) -> int:
+    """SDPA's forward FLOPs per (query, key) pair of one row (what a recompute runs again)."""
+    q = (1, heads, 1, head_dim)
+    return sdpa_flop_count(q, q, q)
 
 
 # --- FlopCounterMode on CPU -------------------------------------------------------------------

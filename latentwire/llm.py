@@ -6,6 +6,7 @@ checkpointing wraps and which units FSDP2 shards: train.py makes the calls, this
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -79,16 +80,35 @@ class FrozenLLM:
         lead = lead_ids.shape[1]
         return torch.cat([tokens[:, :lead], soft.to(tokens.dtype), tokens[:, lead:]], dim=1)
 
-    def answer_logits(self, soft: torch.Tensor, lead_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of the last T+1 positions of [lead ; soft ; embed(input_ids)] (input_ids: the tail,
-        then the answer), i.e. the predictions of the tail's and answer's tokens after the wire's
-        last and the EOS after them (see data.Collator for the label layout)."""
-        out = self.model(inputs_embeds=self.wire_embeds(soft, lead_ids, input_ids), use_cache=False,
-                         logits_to_keep=input_ids.shape[1] + 1)
-        return out.logits
+    def answer_hidden(self, soft: torch.Tensor, lead_ids: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Last hidden states (after the final norm) of the last T+1 positions of [lead ; soft ;
+        embed(input_ids)] (input_ids: the tail, then the answer): the positions that predict the
+        tail's and answer's tokens after the wire's last and the EOS after them (see data.Collator
+        for the label layout). The decoder alone: the head runs where the labels are, in the loss
+        (latentwire.objectives, `head_weight`)."""
+        out = self.model.get_decoder()(inputs_embeds=self.wire_embeds(soft, lead_ids, input_ids), use_cache=False)
+        return out.last_hidden_state[:, -(input_ids.shape[1] + 1):]
+
+    @contextmanager
+    def head_weight(self):
+        """The LM head's weight, whole while the context lasts. Under FSDP2 the head is a unit of its
+        own that never runs its forward in a training step (`answer_hidden`): it is gathered here,
+        once per call, and freed after; the loss takes what backward needs while it is whole
+        (latentwire.head_losses)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, FSDPModule):
+            yield head.weight
+            return
+        head.unshard()
+        try:
+            yield head.weight
+        finally:
+            head.reshard()
 
     def teacher_logits(self, text_ids: torch.Tensor, text_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """The same positions as `answer_logits`, with the prompt's tokens in place of the wire:
+        """The logits of `answer_hidden`'s positions, with the prompt's tokens in place of the wire:
         `text_ids` is [lead ; prompt], left-padded (`text_mask` 0 on padding), so that every row's
         prompt ends where its input_ids begin and the kept logits line up with the wire's."""
         ids = torch.cat([text_ids, input_ids], dim=1)
@@ -249,15 +269,17 @@ def held_per_rank(llms: dict[str, FrozenLLM]) -> str:
     return (f"{held / 2 ** 30:.2f} GiB" if held >= 2 ** 30 else f"{held / 2 ** 20:.2f} MiB") + " held per rank"
 
 
-def fsdp_units(llm: FrozenLLM) -> list[nn.Module | list[nn.Module]]:
+def fsdp_units(llm: FrozenLLM) -> list[nn.Module]:
     """What --frozen-sharding fsdp shards, each unit whole only while it runs: each decoder layer;
-    the embedding table, looked up on its own before the model's forward; the final norm with the
-    head, one unit rather than left to the root, which FSDP keeps whole from forward to the end of
-    backward (a 152k-token head is 2.5 GB). The model itself, the root, then holds nothing. An LLM
-    that ties its table and head is refused (`check_untied`)."""
+    the embedding table, looked up on its own before the decoder; the final norm; the head, which
+    a training step never calls (the loss gathers its weight: `FrozenLLM.head_weight`), apart from
+    the norm, because a unit of several modules is released only once all of them have run. None is
+    left to the root, which FSDP keeps whole from forward to the end of backward (a 152k-token head
+    is 2.5 GB): the model itself then holds nothing. An LLM that ties its table and head is refused
+    (`check_untied`)."""
     check_untied(llm)
-    return [*decoder_layers(llm), llm.model.get_input_embeddings(), [llm.model.get_decoder().norm,
-                                                                      llm.model.get_output_embeddings()]]
+    return [*decoder_layers(llm), llm.model.get_input_embeddings(), llm.model.get_decoder().norm,
+            llm.model.get_output_embeddings()]
 
 
 def check_untied(llm: FrozenLLM) -> None:

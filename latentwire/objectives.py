@@ -18,12 +18,14 @@ With every weight 0 only `answer_ce` is computed, the arithmetic of a loop that 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dataset import IGNORE_INDEX
+from .dataset import IGNORE_INDEX, input_lengths
+from .head_losses import head_losses
 
 TERMS = ("answer_ce", "first_token_ce", "k_token_ce", "kd")
 
@@ -70,10 +72,6 @@ def first_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
     return real & (real.cumsum(-1) <= k)
 
 
-def keep_only(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return labels.masked_fill(~mask, IGNORE_INDEX)
-
-
 def target_counts(batch: dict, objectives: Objectives) -> torch.Tensor:
     """[LLMs, terms] int64: what each term of each LLM sums over in this micro-batch, its
     normaliser once summed over the global batch. On the batch's device: counting needs no sync."""
@@ -81,33 +79,54 @@ def target_counts(batch: dict, objectives: Objectives) -> torch.Tensor:
                         for answers in batch["answers"].values()])
 
 
-def ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) next-token cross-entropy over the labels that are not IGNORE_INDEX."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+KD_TARGETS = ("kd_logprobs", "kd_ids", "kd_rest")  # a batch's distillation targets: full rows, or top k and the rest
 
 
-def kd_sum(logits: torch.Tensor, rows: dict, mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """tau^2 x KL(teacher || student) of the tau-softened distributions, summed over `mask`'s
-    positions, against the teacher's targets in the batch's rows (latentwire.distillation): full
-    log-prob rows, or the top k with one bucket for the rest, where the student's distribution is
-    folded the same way. Every position is computed and the mask multiplies: indexing by it would
-    sync with the host."""
+def position_losses(logits: torch.Tensor, labels: torch.Tensor, *kd_targets: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    """[positions, 1 or 2]: each position's next-token cross-entropy (0 where its label is
+    IGNORE_INDEX) and, given the teacher's targets there, its `kd_divergence`: what every term sums
+    over its positions, from the logits of a chunk of positions (latentwire.head_losses)."""
+    logits = logits.float()
+    ce = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    if not kd_targets:
+        return ce[:, None]
+    return torch.stack([ce, kd_divergence(logits, *kd_targets, temperature=temperature)], dim=1)
+
+
+def kd_divergence(logits: torch.Tensor, kd_logprobs: torch.Tensor, kd_ids: torch.Tensor | None = None,
+                  kd_rest: torch.Tensor | None = None, *, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) of the tau-softened distributions at each position, against the
+    teacher's targets there (latentwire.distillation): full log-prob rows, or the top k
+    (`kd_ids`) with one bucket for the rest (`kd_rest`), where the student's distribution is folded
+    the same way. The KD term is tau^2 x its sum over the term's positions."""
     student = F.log_softmax(logits.float() / temperature, dim=-1)
-    target = rows["kd_logprobs"]
-    if "kd_ids" in rows:
-        rest = student.scatter(-1, rows["kd_ids"], float("-inf")).logsumexp(-1, keepdim=True)
-        student = torch.cat([student.gather(-1, rows["kd_ids"]), rest], dim=-1)
-        target = torch.cat([target, rows["kd_rest"][..., None]], dim=-1)
-    kl = (target.exp() * (target - student)).sum(-1)
-    return (kl * mask).sum() * temperature ** 2
+    target = kd_logprobs
+    if kd_ids is not None:
+        rest = student.scatter(-1, kd_ids, float("-inf")).logsumexp(-1, keepdim=True)
+        student = torch.cat([student.gather(-1, kd_ids), rest], dim=-1)
+        target = torch.cat([target, kd_rest[..., None]], dim=-1)
+    return (target.exp() * (target - student)).sum(-1)
 
 
-def llm_term_sums(logits: torch.Tensor, rows: dict, objectives: Objectives) -> torch.Tensor:
+def llm_term_sums(hidden: torch.Tensor, head: torch.Tensor, rows: dict, objectives: Objectives) -> torch.Tensor:
+    """[terms] of one LLM, from its last hidden states at the kept positions (`hidden` [B, T+1, H],
+    FrozenLLM.answer_hidden) and its head's weight: the head and the losses run only at the
+    labelled positions (`label_positions`, the collator's), where every term's positions lie, a
+    chunk at a time (latentwire.head_losses). Gathered by index, not by a mask: indexing by a mask
+    would sync with the host. The padding after the real positions has IGNORE_INDEX for a label,
+    and every term's mask leaves it out."""
+    labels, (row, col) = rows["labels"], rows["label_positions"]
+    real = torch.arange(row.shape[0], device=row.device) < (labels != IGNORE_INDEX).sum()
+    kd_targets = [rows[key][row, col] for key in KD_TARGETS if key in rows] if objectives.teacher else []
+    values = head_losses(hidden[row, col], head, partial(position_losses, temperature=objectives.kd_temperature),
+                         labels[row, col].masked_fill(~real, IGNORE_INDEX), *kd_targets)
+
     def term_sum(term: str) -> torch.Tensor:
-        mask = objectives.targets(rows["labels"], term)
+        mask = objectives.targets(labels, term)[row, col] & real
         if term == "kd":
-            return kd_sum(logits, rows, mask, objectives.kd_temperature)
-        return ce_sum(logits, keep_only(rows["labels"], mask))
+            return (values[:, 1] * mask).sum() * objectives.kd_temperature ** 2
+        return (values[:, 0] * mask).sum()
 
     return torch.stack([term_sum(term) for term in objectives.terms])
 
@@ -118,8 +137,9 @@ def forward_loss_sums(wire_encoder: nn.Module, llms: dict, batch: dict, objectiv
     sums = []
     for name, llm in llms.items():
         rows = batch["answers"][name]
-        logits = llm.answer_logits(soft[name], rows["lead_ids"], rows["input_ids"])
-        sums.append(llm_term_sums(logits, rows, objectives))
+        hidden = llm.answer_hidden(soft[name], rows["lead_ids"], rows["input_ids"])
+        with llm.head_weight() as head:
+            sums.append(llm_term_sums(hidden, head, rows, objectives))
     return torch.stack(sums)
 
 
@@ -132,7 +152,8 @@ class WireTask:
       the term's normaliser (exact accumulation);
     - `loss_sums(model, batch)`: [LLMs, terms] the terms' sums, the forward pass;
     - `objective(terms)`: the scalar backward starts from, from the terms over their global counts;
-    - `tokens(counts, samples)`: the tokens a step of `samples` examples fed the LLMs, for throughput;
+    - `tokens(batch)`: the positions the LLMs read in it, padding left out, for throughput;
+    - `target_tokens(counts)`: the positions the loss reads (answer_ce's targets), for throughput;
     - `record(terms)`: the logged losses.
     """
 
@@ -150,9 +171,17 @@ class WireTask:
         """Each LLM's weighted sum of terms, averaged over the LLMs."""
         return self.objectives.weighted_sum(terms).mean()
 
-    def tokens(self, counts: torch.Tensor, samples: int) -> torch.Tensor:
-        """The answer tokens (answer_ce's targets) and every example's wire tokens, per LLM."""
-        return counts[:, 0].sum().long() + self.num_latents * len(self.llms) * samples
+    def tokens(self, batch: dict) -> torch.Tensor:
+        """What peers call tokens: the positions the LLMs read, without the padding. Each row's lead,
+        wire and input tokens (the tail and the answer), summed over the rows and the LLMs, on the
+        device: no sync."""
+        return sum(input_lengths(rows["labels"]).sum() + rows["lead_ids"].numel()
+                   + len(rows["labels"]) * self.num_latents for rows in batch["answers"].values())
+
+    def target_tokens(self, counts: torch.Tensor) -> torch.Tensor:
+        """The positions the loss reads: answer_ce's targets (every answer token and the EOS after
+        it), summed over the LLMs."""
+        return counts[:, 0].sum().long()
 
     def record(self, terms: torch.Tensor) -> dict:
         """`loss` (the objective, averaged over the LLMs), `loss_<llm>` (its weighted sum of terms)

@@ -10,15 +10,15 @@ FakeTensorMode on the CPU, where tensors have shapes but no storage, and runs tr
 (forward, backward, clipping, AdamW) under MemTracker, which files every byte as parameters,
 gradients, optimizer state, activations or temporaries: two steps at the profile's micro-batch
 (the second is the steady state, with optimizer state), then one more at the micro-batch the
-first points to. It fits peak = fixed + per_sample x micro-batch through the two and returns the
-largest micro-batch whose peak, with the reserve of `latentwire.planner.budget`, fits the profile's
-target utilisation.
+first points to (and, where that lands more than 10% short of the answer, one more where the two
+point). It fits peak = fixed + per_sample x micro-batch through the two nearest the answer and
+returns the largest micro-batch whose peak, with the reserve of `latentwire.planner.budget`, fits
+the profile's target utilisation.
 
 It traces the eager step: torch.compile (on in the GPU profiles) usually keeps fewer
 activations, so the plan errs on the safe side. It counts what operators return, which is what a
-CUDA step allocates less the kernels' workspaces (in the reserve). A CPU bf16 step on a CPU whose
-oneDNN runs bf16 matmuls holds more: a copy of each LLM head's weight per sample while the head's
-matmul runs (`latentwire.planner.memtrace`). `--analytic` is the quick calculator of
+CUDA step allocates less the kernels' workspaces (in the reserve), and what a CPU step allocates
+(`latentwire.planner.memtrace`). `--analytic` is the quick calculator of
 `latentwire.planner.analytic`, also printed beside the traced numbers as a cross-check.
 
 This module is the command; `latentwire.planner` holds the plan itself.
@@ -102,7 +102,7 @@ def format_plan(plan: Plan) -> str:
               f"{distillation_note(plan) if cfg.objectives.teacher else ''} (the longest batch the collator emits)",
               "",
               "traced under FakeTensorMode + MemTracker, nothing allocated: 2 training steps at micro-batch "
-              f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at the second size",
+              f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at each other size",
               f"  {'steady state':<40}{'traced ' + unit:>10}{'analytic':>10}{'diff':>10}"]
     for label, traced, analytic in (
             (f"parameters, frozen ({cfg.numerics.precision}{', fp8 linears' if cfg.frozen.fp8 else ''}"

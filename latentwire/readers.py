@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .harness.config import Parser, positive
 from .dataset import IGNORE_INDEX, answer_text, answer_token_ids, load_examples, synthetic_examples
-from .harness.errors import main_guard
 from .eval.generation import decode_answer, greedy_generate, text_prompt_ids, text_prompts
+from .eval.squad_metrics import best_em_f1
+from .harness.config import Parser, positive
+from .harness.errors import main_guard
 from .llm import LLM_NAMES, FrozenLLM
 from .llm_sources import TINY_READERS, tiny_model, tiny_tokenizer
 from .prompting import PromptContract
-from .eval.squad_metrics import best_em_f1
 
 # Disjoint from the seeds the wire's runs draw their examples from (config seeds are small).
 PRETRAIN_SEED = 7_000_001

@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import sdpa_kernel
 
-from .settings import Config
 from .dataset import Collator, DataSources, PromptDataset, TrainingSet
 from .distillation import describe_targets, teacher_targets
 from .eval.evaluation import evaluate_wire
@@ -33,6 +32,7 @@ from .llm import build_frozen_llms, describe_prompts, held_per_rank
 from .model import WireEncoder, count_parameters
 from .objectives import WireTask, forward_loss_sums
 from .parallelize import prepare_frozen_llms, wire_regions
+from .settings import Config
 
 
 class LatentWire:
@@ -120,6 +120,9 @@ class LatentWire:
 
     def step_hardware_flops(self, micro_batches: list[dict]) -> float:
         return self.flops.step_hardware_flops(micro_batches)
+
+    def useful_flops(self, micro_batches: list[dict]) -> torch.Tensor:
+        return self.flops.useful_flops(micro_batches)
 
     def evaluate(self, model: nn.Module) -> dict | None:
         """The held-out split, sharded over the ranks, equal to `python -m latentwire.evaluate` on

@@ -68,6 +68,32 @@ def distilled_collator(llms: dict, dataset, objectives: Objectives, max_prompt_b
                              word_patch=word_patch)
 
 
+def full_logits_sums(model, llms, batch, objectives):
+    """The straightforward reference: every kept position's logits, copied to fp32, and each term a
+    masked sum over all of them (the step before the head ran at the labels only)."""
+    import torch.nn.functional as F
+
+    from latentwire.data import IGNORE_INDEX
+
+    soft, tau, sums = model(batch["bytes"], batch["byte_mask"]), objectives.kd_temperature, []
+    for name, llm in llms.items():
+        rows = batch["answers"][name]
+        logits = llm.model(inputs_embeds=llm.wire_embeds(soft[name], rows["lead_ids"], rows["input_ids"]),
+                           use_cache=False, logits_to_keep=rows["input_ids"].shape[1] + 1).logits.float()
+        terms = []
+        for term in objectives.terms:
+            mask = objectives.targets(rows["labels"], term)
+            if term == "kd":
+                target = rows["kd_logprobs"]
+                kl = (target.exp() * (target - F.log_softmax(logits / tau, -1))).sum(-1)
+                terms.append((kl * mask).sum() * tau ** 2)
+            else:
+                labels = rows["labels"].masked_fill(~mask, IGNORE_INDEX)
+                terms.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+        sums.append(torch.stack(terms))
+    return torch.stack(sums)
+
+
 # A Llama architecture small enough to draw in a test, for `random:`.
 SMALL_LLAMA = dict(model_type="llama", vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

@@ -16,7 +16,7 @@ from conftest import ALL_TERMS
 from latentwire.parallelize import DECODER_LAYER_VARIANTS, prepare_frozen_llms, wire_regions
 from latentwire.harness.compiling import stable_shapes
 from latentwire.settings import load_config
-from latentwire.dataset import IGNORE_INDEX, PAD_BYTE
+from latentwire.dataset import IGNORE_INDEX, PAD_BYTE, label_positions
 from latentwire.llm import build_frozen_llms
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
@@ -58,7 +58,8 @@ def make_batch(llms: dict, rows: int, prompt_width: int, answer_widths: dict, se
         targets = torch.randint(0, vocab, (rows, width + 1), generator=g)
         labels = targets.masked_fill(torch.arange(width + 1) > real[:, None], IGNORE_INDEX)
         answers[name] = {"lead_ids": torch.tensor([list(llm.contract.lead)] * rows, dtype=torch.long).view(rows, -1),
-                         "input_ids": torch.randint(0, vocab, (rows, width), generator=g), "labels": labels}
+                         "input_ids": torch.randint(0, vocab, (rows, width), generator=g), "labels": labels,
+                         "label_positions": label_positions(labels)}
     return {"bytes": byte_ids, "byte_mask": byte_mask, "answers": answers}
 
 

@@ -3,11 +3,10 @@ import json
 
 import pytest
 
-from latentwire.settings import DEFAULT_PROFILES, SCHEMA, Config, load_config
+from conftest import assert_one_line_error, run_train
 from latentwire.harness.config import flat_names, read_profiles
 from latentwire.harness.errors import UserError
-
-from conftest import assert_one_line_error, run_train
+from latentwire.settings import DEFAULT_PROFILES, SCHEMA, Config, load_config
 
 PROFILES = read_profiles(DEFAULT_PROFILES)
 FIELDS = SCHEMA.fields  # the loop's and LatentWire's

@@ -11,7 +11,7 @@ from latentwire.dataset import (
     PAD_BYTE, Collator, DataSources, PromptDataset, TrainingSet, answer_end_byte, answer_text, answers_past_cut,
     hotpot_to_squad, load_examples, prompt_text, round_up, synthetic_corpus_text, synthetic_examples,
 )
-from latentwire.objectives import Objectives, target_counts
+from latentwire.objectives import Objectives, WireTask, target_counts
 from latentwire.prompting import PromptContract, PromptFormat
 
 torch.set_num_threads(1)
@@ -377,7 +377,27 @@ def test_collate_answer_labels(tokenizers, name):
         assert labels[row].tolist() == [-100] * len(tail) + answer + [tok.eos_token_id] + [-100] * (T - len(ids))
     counts = target_counts(batch, Objectives())[list(batch["answers"]).index(name)]
     assert counts.tolist() == [sum(len(a) + 1 for a in answers)]
+    labelled = [[row, len(tail) + k] for row, answer in enumerate(answers) for k in range(len(answer) + 1)]
+    at = rows["label_positions"]  # where the loss runs the head: every target, then (0, 0) to a multiple of 8
+    assert at.shape[1] == round_up(len(labelled), 8)
+    assert at.T.tolist() == labelled + [[0, 0]] * (at.shape[1] - len(labelled))
     assert "text_ids" not in rows  # no teacher asked for: the prompt is not tokenised
+
+
+def test_tokens_are_what_the_readers_read_without_the_padding(tokenizers):
+    """tokens_per_s's count, by hand from the tokenizers: for every row and reader its lead (the
+    Llama's BOS), the wire and the tail and answer tokens; not the EOS, a target only, nor the
+    padding. target_tokens_per_s's: the answer tokens and the EOS."""
+    examples, wire = synthetic_examples(6, seed=5), 7
+    batch, _ = collate(tokenizers, examples)
+    answers = {name: [len(tok(answer_text(ex), add_special_tokens=False)["input_ids"]) for ex in examples]
+               for name, tok in tokenizers.items()}
+    tails = {name: len(tok(ANCHOR, add_special_tokens=False)["input_ids"]) for name, tok in tokenizers.items()}
+    by_hand = sum((name == "llama") + wire + tails[name] + n for name in tokenizers for n in answers[name])
+    task = WireTask(dict.fromkeys(tokenizers), Objectives(), num_latents=wire)
+    assert task.tokens(batch).item() == by_hand
+    targets = sum(n + 1 for lengths in answers.values() for n in lengths)
+    assert task.target_tokens(target_counts(batch, Objectives())).item() == targets
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen"])

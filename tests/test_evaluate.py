@@ -9,17 +9,17 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 
 from conftest import assert_one_line_error, evaluate_cli, ok, read_metrics, run_module, run_train
 from latentwire import evaluate as command
+from latentwire.dataset import ATTRIBUTES, Collator, PromptDataset, answer_text, load_examples, synthetic_examples
 from latentwire.eval import evaluation as ev
 from latentwire.eval import generation as gen
 from latentwire.eval import report as reporting
 from latentwire.eval.settings import EvalSettings
-from latentwire.settings import load_config
-from latentwire.dataset import ATTRIBUTES, Collator, PromptDataset, answer_text, load_examples, synthetic_examples
+from latentwire.eval.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
+from latentwire.harness.precision import AMP_DTYPES
 from latentwire.llm import LLM_NAMES, is_decoder_layer, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
-from latentwire.harness.precision import AMP_DTYPES
-from latentwire.eval.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
+from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
 

@@ -6,12 +6,11 @@ import json
 import pytest
 import torch
 
-from latentwire.settings import load_config
+from conftest import assert_one_line_error, ok, run_module
 from latentwire.find_batch import Probe, Trial, fit_trials, run_trial, search
 from latentwire.llm import load_frozen_llm
 from latentwire.model import WireEncoder
-
-from conftest import assert_one_line_error, ok, run_module
+from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
 # Short prompts and answers keep each real trial well under a second.

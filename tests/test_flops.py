@@ -4,7 +4,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from latentwire.settings import load_config
-from latentwire.dataset import Collator, PromptDataset, synthetic_examples
+from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset, input_lengths, synthetic_examples
 from latentwire.flops import FlopModel, register_cpu_attention_flops
 from latentwire.llm import load_frozen_llm
 from latentwire.model import WireEncoder
@@ -98,3 +98,28 @@ def test_hardware_flops_count_the_recompute_of_checkpointed_layers(setup):
     flops = FlopModel.of(model, shapes, cfg.wire, recompute=True)
     assert flops.step_hardware_flops([batch]) - flops.step_flops([batch]) == pytest.approx(recomputed - plain, rel=1e-3)
     assert FlopModel.of(model, shapes, cfg.wire).step_hardware_flops([batch]) == flops.step_flops([batch])
+
+
+def alone(batch: dict, i: int) -> dict:
+    """Row i of a batch by itself, cut where it ends: no padding anywhere, the head at its labels."""
+    real = int(batch["byte_mask"][i].sum())
+    row = {"bytes": batch["bytes"][i:i + 1, :real], "byte_mask": batch["byte_mask"][i:i + 1, :real], "answers": {}}
+    for name, rows in batch["answers"].items():
+        inputs = int(input_lengths(rows["labels"][i:i + 1]))
+        labels = rows["labels"][i:i + 1, :inputs + 1]
+        row["answers"][name] = {"lead_ids": rows["lead_ids"][i:i + 1], "input_ids": rows["input_ids"][i:i + 1, :inputs],
+                                "labels": labels,
+                                "label_positions": torch.stack((labels != IGNORE_INDEX).nonzero(as_tuple=True))}
+    return row
+
+
+def test_useful_flops_are_each_row_alone_without_its_padding(setup):
+    """mfu_useful's count, made on the device from the batch's real lengths: exactly what each row
+    would cost alone, cut where it ends, its head at its real labels; the padded count is more."""
+    cfg, llms, model = setup
+    items = [PromptDataset(synthetic_examples(8, 4))[i] for i in range(6)]
+    batch = Collator.for_llms(llms, cfg.data.max_prompt_bytes, 16, 32)(items)
+    flops = FlopModel.of(model, {n: l.model for n, l in llms.items()}, cfg.wire)
+    useful = flops.useful_flops([batch])
+    assert useful.dtype == torch.int64 and useful.item() == sum(flops.step_flops([alone(batch, i)]) for i in range(6))
+    assert useful.item() < 0.9 * flops.step_flops([batch])

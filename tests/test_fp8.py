@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import FAST, REPO, ok, read_metrics, run_train
-from latentwire.settings import load_config
 from latentwire.harness.errors import UserError
 from latentwire.harness.precision import fp8_refusal
 from latentwire.llm import build_frozen_llms, decoder_layers, held_bytes
 from latentwire.parallelize import prepare_frozen_llms
+from latentwire.settings import load_config
 
 sys.path.insert(0, str(REPO / "bench"))  # the numerics bench's comparison, as the card runs it
 

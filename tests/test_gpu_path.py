@@ -115,8 +115,8 @@ def test_every_attention_mask_has_a_unit_stride_last_dimension(monkeypatch, flag
     the byte mask every patch_bytes makes. The CPU kernels take it, so only the stride shows it."""
     import torch.nn.functional as F
 
-    from latentwire.settings import load_config
     from latentwire.model import WireEncoder
+    from latentwire.settings import load_config
 
     cfg = load_config(["--profile", "cpu", *flags])
     model = WireEncoder(cfg.wire, {"llama": (48, 1.0), "qwen": (40, 1.0)})
@@ -167,8 +167,8 @@ def test_fused_adamw_everywhere_and_pinned_memory_only_on_cuda(device_type):
     """train.py's optimizer and loader, built for a CUDA device on this CPU and for the CPU: AdamW
     is fused on both (one pass over every tensor; on the CPU it steps here), pinned host memory
     (asynchronous copies) is CUDA's only; frozen parameters get no state, and only matrices decay."""
-    from latentwire.harness.loop_config import OptimizerConfig
     from latentwire.harness.data import make_loader
+    from latentwire.harness.loop_config import OptimizerConfig
     from train import adamw
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
@@ -203,8 +203,8 @@ def test_cpu_keeps_every_kernel():
 # --- MFU peak ---------------------------------------------------------------------------------
 
 def test_mfu_peak_follows_the_arithmetic_in_use():
-    from latentwire.settings import load_config
     from latentwire.harness.precision import matmul_arithmetic
+    from latentwire.settings import load_config
 
     h100 = load_config(["--profile", "h100"]).card
     peak = lambda precision, tf32: getattr(h100, "peak_tflops_" + matmul_arithmetic(precision, tf32))
@@ -328,8 +328,8 @@ def test_a_checkpoint_missing_a_tensor_is_a_user_error(saved_reader, tmp_path):
 # --- random: LLMs -----------------------------------------------------------------------------
 
 def test_random_llm_is_the_configured_architecture_seeded_and_planned_alike(tmp_path):
-    from latentwire.llm_sources import llm_spec
     from latentwire.llm import load_frozen_llm
+    from latentwire.llm_sources import llm_spec
 
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL_LLAMA))
@@ -389,12 +389,12 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     one kernel allowed, the gradients equal those of the step without recompute."""
     from torch.nn.attention import SDPBackend
 
-    from latentwire.settings import load_config
     from latentwire.llm import build_frozen_llms
     from latentwire.model import WireEncoder
     from latentwire.parallelize import prepare_frozen_llms
     from latentwire.plan import TRAINING_STEP
     from latentwire.planner.memtrace import planning_batch
+    from latentwire.settings import load_config
 
     cfg = load_config(["--profile", "cpu", "--precision", "fp32", "--dropout", "0", "--kd-weight", "0",
                        "--max-prompt-bytes", "64"])

@@ -12,8 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (FAST, REPO, TWENTY, assert_one_line_error, assert_same_run, child_env, free_port, ok,
-                      exit_and_leftovers, processes_mentioning, read_metrics, wait_for_step)
+from conftest import (
+    FAST,
+    REPO,
+    TWENTY,
+    assert_one_line_error,
+    assert_same_run,
+    child_env,
+    exit_and_leftovers,
+    free_port,
+    ok,
+    processes_mentioning,
+    read_metrics,
+    wait_for_step,
+)
 from latentwire.harness.checkpoint import list_checkpoints
 
 
@@ -376,7 +388,7 @@ def torchrun_passes_on(script: list[str], args: list[str]) -> list[str]:
 
 
 def test_every_flag_of_every_command_passes_through_torchrun():
-    from latentwire import settings, evaluate, find_batch, plan
+    from latentwire import evaluate, find_batch, plan, settings
 
     for script, parser in ((["train.py"], settings.build_parser()),
                            (["-m", "latentwire.evaluate"], evaluate.build_parser()),

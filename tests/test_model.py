@@ -5,7 +5,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 
 from conftest import ALL_TERMS, distilled_collator
 from latentwire.settings import load_config
-from latentwire.dataset import Collator, PromptDataset, synthetic_examples
+from latentwire.dataset import Collator, PromptDataset, label_positions, synthetic_examples
 from latentwire.llm import is_decoder_layer, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
@@ -57,6 +57,7 @@ def pad_more(batch, extra_bytes, extra_tokens):
     for name, a in batch["answers"].items():
         out["answers"][name] = {"lead_ids": a["lead_ids"], "input_ids": pad(a["input_ids"], (0, extra_tokens), value=0),
                                 "labels": pad(a["labels"], (0, extra_tokens), value=-100),
+                                "label_positions": a["label_positions"],
                                 "kd_logprobs": pad(a["kd_logprobs"], (0, 0, 0, extra_tokens))}
     return out
 
@@ -91,8 +92,10 @@ def slice_batch(batch, i):
     b = {"bytes": batch["bytes"][i:i + 1, :n], "byte_mask": batch["byte_mask"][i:i + 1, :n], "answers": {}}
     for name, a in batch["answers"].items():
         t = int((a["labels"][i] != -100).nonzero().max()) + 1  # up to and including the EOS target
+        labels = a["labels"][i:i + 1, :t]
         b["answers"][name] = {"lead_ids": a["lead_ids"][i:i + 1], "input_ids": a["input_ids"][i:i + 1, :t - 1],
-                              "labels": a["labels"][i:i + 1, :t], "kd_logprobs": a["kd_logprobs"][i:i + 1, :t]}
+                              "labels": labels, "label_positions": label_positions(labels),
+                              "kd_logprobs": a["kd_logprobs"][i:i + 1, :t]}
     assert b["byte_mask"][0, -1] and torch.equal(b["bytes"] == PAD_BYTE, ~b["byte_mask"])
     return b
 

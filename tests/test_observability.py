@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import FAST, REPO, assert_one_line_error, child_env, ok, run_train
-from latentwire.harness.metrics import GpuMonitor, MemoryMeter
+from latentwire.harness.metrics import GpuMonitor, MemoryMeter, StepMeter
 from latentwire.harness.profiling import MemorySnapshots
 from latentwire.harness.recordings import format_trace_summary, summarize_trace
 
@@ -84,6 +84,22 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
     lines = [line for line in piped.splitlines() if line.startswith("step ")]
     assert lines[0].startswith("step 1/3 | loss") and "elapsed, first step" in lines[0]
     assert lines[-1].startswith("step 3/3 | loss") and "elapsed, 0:00:00 left" in lines[-1]
+
+
+def test_the_meter_reports_each_count_per_second_and_mfu_with_and_without_padding():
+    """Every count a step hands in becomes `<name>_per_s` over the same window; `mfu` is the FLOPs the
+    step ran, `mfu_useful` those without padding, over the same peak."""
+    meter = StepMeter(torch.device("cpu"), step_flops=lambda batches: 4e12 * len(batches), peak_tflops=100.0)
+    for _ in range(2):
+        meter.add([{}, {}], data_wait=0.0, useful_flops=6e12, samples=64, tokens=9000, target_tokens=300)
+    rates = meter.read()
+    elapsed = 2 * rates["step_time_s"]
+    assert rates["samples_per_s"] * elapsed == pytest.approx(128)
+    assert rates["tokens_per_s"] * elapsed == pytest.approx(18000)
+    assert rates["target_tokens_per_s"] * elapsed == pytest.approx(600)
+    assert rates["mfu"] == pytest.approx(16e12 / elapsed / 100e12)
+    assert rates["mfu_useful"] / rates["mfu"] == pytest.approx(12 / 16)
+    assert StepMeter(torch.device("cpu"), lambda batches: 1.0, peak_tflops=None).read()["mfu_useful"] is None
 
 
 def test_memory_fields_on_cpu():

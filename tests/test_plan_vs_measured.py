@@ -7,12 +7,11 @@ import json
 import pytest
 import torch
 
+from conftest import CHAT_TEMPLATE
 from latentwire.dataset import synthetic_corpus_text
 from latentwire.find_batch import main as find_batch_main
 from latentwire.plan import main as plan_main
 from latentwire.prompting import DEFAULT_ANCHOR, DEFAULT_INSTRUCTION
-
-from conftest import CHAT_TEMPLATE
 
 # SmolLM2-135M-Instruct's widths and vocabulary, so that its head and loss (vocabulary x kept
 # positions) weigh in the step as the real one's do, with 1 of its 30 decoder layers (each is

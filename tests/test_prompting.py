@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import CHAT_TEMPLATE, FAST, assert_one_line_error, instruct_reader, ok, run_module, run_train
-from latentwire.eval import generation as gen
 from latentwire.dataset import Collator, PromptDataset, synthetic_examples
+from latentwire.eval import generation as gen
 from latentwire.llm import LLM_NAMES, load_frozen_llm
 from latentwire.prompting import DEFAULT_ANCHOR, DEFAULT_INSTRUCTION, PromptContract, PromptFormat
 

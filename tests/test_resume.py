@@ -14,11 +14,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (NOBODY, REPO, RUN, TWENTY, assert_one_line_error, assert_same_run, child_env, final_weights, ok,
-                      exit_and_leftovers, read_metrics, run_train, wait_for_step)
+from conftest import (
+    NOBODY,
+    REPO,
+    RUN,
+    TWENTY,
+    assert_one_line_error,
+    assert_same_run,
+    child_env,
+    exit_and_leftovers,
+    final_weights,
+    ok,
+    read_metrics,
+    run_train,
+    wait_for_step,
+)
+from latentwire.dataset import synthetic_examples
 from latentwire.harness.checkpoint import list_checkpoints, load_checkpoint
 from latentwire.settings import DEFAULT_PROFILES, load_config
-from latentwire.dataset import synthetic_examples
 
 
 def popen_train(args, nproc=1, **env):

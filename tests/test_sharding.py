@@ -147,12 +147,16 @@ def test_a_sharded_rank_allocates_and_reads_only_its_rows(fake_rank, saved_reade
 def test_backward_gathers_every_decoder_layer_and_never_the_embedding_table(fake_rank, monkeypatch):
     """A training call's backward all-gathers each decoder layer (the wire's gradient passes through
     it) and nothing that backward does not use: FSDP2's default prefetch would gather the embedding
-    table, the unit that ran before layer 0, at the end of every backward (2.5 GB for Qwen2.5-7B's)."""
+    table, the unit that ran before layer 0, at the end of every backward (2.5 GB for Qwen2.5-7B's);
+    nor the head, gathered once for the loss, which takes there what backward needs."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup, TrainingState
+    from torch.distributed.tensor import DTensor
 
     from torch.distributed.fsdp import fully_shard
 
+    from latentwire.data import label_positions
     from latentwire.llm import build_frozen_llm, fsdp_units, read_weights, skip_unused_backward_gathers
+    from latentwire.objectives import Objectives, llm_term_sums
 
     with torch.device("meta"):
         llm = build_frozen_llm("llama", "tiny-random", torch.float32)
@@ -175,11 +179,19 @@ def test_backward_gathers_every_decoder_layer_and_never_the_embedding_table(fake
     monkeypatch.setattr(FSDPParamGroup, "unshard", recording_unshard)
     soft = torch.randn(2, 3, llm.hidden_size, requires_grad=True)
     ids = torch.ones((2, 4), dtype=torch.long)
-    llm.answer_logits(soft, ids[:, :1], ids).float().sum().backward()
+    labels = torch.tensor([[-100, 5, 2, -100, -100], [-100, 7, 8, 2, -100]])
+    hidden = llm.answer_hidden(soft, ids[:, :1], ids)
+    head = llm.model.get_output_embeddings()
+    with llm.head_weight() as weight:  # gathered whole for the loss, released after
+        assert not isinstance(weight, DTensor) and weight.shape == (llm.model.config.vocab_size, llm.hidden_size)
+        sums = llm_term_sums(hidden, weight, {"labels": labels, "label_positions": label_positions(labels)},
+                             Objectives())
+    assert isinstance(head.weight, DTensor)
+    sums.sum().backward()
     assert soft.grad is not None
     layers = list(llm.model.get_decoder().layers)
     assert all(any(m is layer for m in gathered_in_backward) for layer in layers)
-    assert not any(m is llm.model.get_input_embeddings() for m in gathered_in_backward)
+    assert not any(m is llm.model.get_input_embeddings() or m is head for m in gathered_in_backward)
 
 
 @pytest.mark.parametrize("fake_rank", [(2, 1)], indirect=True)

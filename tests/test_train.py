@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from conftest import ALL_TERMS_FLAGS, EXACT, FAST, final_weights, max_rel_diff, ok, read_metrics, run_train
+from latentwire.config import load_config
+from latentwire.llm import build_frozen_llms
 
 # The cpu profile's shape and batch before November 2026 (one encoder layer, 16 x 1 x 2 since): what the
 # counts and measurements in the bf16 and compile-under-DDP tests were made for.
@@ -50,6 +52,17 @@ def test_gradient_accumulation_and_ddp_are_exact(tmp_path, terms):
             assert len(losses) == 3 + 2 * (4 if terms == ALL_TERMS_FLAGS else 1)
             for key in (*losses, "grad_norm"):
                 assert a[key] == pytest.approx(b[key], rel=1e-5), key
+            # ... and the same tokens per sample: counted over the global batch, all ranks.
+            for key in ("tokens_per_s", "target_tokens_per_s"):
+                assert a[key] / a["samples_per_s"] == pytest.approx(b[key] / b["samples_per_s"], rel=1e-9), key
+    # tokens_per_s counts what the readers read: per reader a row's lead, wire, tail and answer
+    # tokens. Beyond the answer's targets (its tokens and the EOS) a sample adds the same count.
+    cpu = load_config(["--profile", "cpu"])
+    with torch.device("meta"):
+        readers = build_frozen_llms(cpu.frozen, cpu.prompt, torch.float32).values()
+    fixed = sum(len(r.contract.lead) + cpu.wire.num_latents + len(r.contract.tail) - 1 for r in readers)
+    for r in read_metrics(big):
+        assert (r["tokens_per_s"] - r["target_tokens_per_s"]) / r["samples_per_s"] == pytest.approx(fixed, rel=1e-9)
     # ... and training moved the weights: the comparison is not between untouched inits.
     untouched = train(tmp_path, "lr_tiny", *common, "--micro-batch-size", "8", "--lr", "1e-12")
     assert max_rel_diff(reference, final_weights(untouched)) > 1e-3

@@ -15,10 +15,17 @@ import torch.distributed as dist
 
 from ..dataset import Collator, PromptDataset
 from ..harness.data import to_device
-from ..model import WireEncoder
 from ..harness.precision import AMP_DTYPES
-from .generation import (answer_ids, continuation_nll, decode_answer, greedy_generate, joint_pick, text_prompts,
-                         wire_prompts)
+from ..model import WireEncoder
+from .generation import (
+    answer_ids,
+    continuation_nll,
+    decode_answer,
+    greedy_generate,
+    joint_pick,
+    text_prompts,
+    wire_prompts,
+)
 from .report import summarize
 from .settings import EvalSettings
 from .squad_metrics import best_em_f1

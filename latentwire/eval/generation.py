@@ -10,10 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..dataset import IGNORE_INDEX, prompt_text
 from ..attention import padded_attention, padded_causal_mask, positions
+from ..dataset import IGNORE_INDEX, prompt_text
 from ..llm import FrozenLLM
-
 
 # --- prompts as input embeddings --------------------------------------------------------------
 

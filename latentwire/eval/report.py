@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ..dataset import answers_past_cut, prompt_text
 from ..llm import describe_prompts
-
 from .settings import EvalSettings
 
 EXAMPLES_IN_MARKDOWN = 5

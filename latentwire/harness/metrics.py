@@ -123,32 +123,36 @@ class Window:
     so logging itself is inside the measured time, not between windows."""
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
-    samples: int = 0
-    tokens: int = 0
+    counts: dict = field(default_factory=dict)  # name -> what the window's steps processed, e.g. samples
     flops: float = 0.0
     hardware_flops: float = 0.0
+    useful_flops: float | None = None  # the FLOPs without padding, where the caller counts them
     data_wait: float = 0.0
     end: float | None = None
 
-    def add(self, samples: int, tokens: int, flops: float, data_wait: float, hardware_flops: float) -> None:
+    def add(self, counts: dict, flops: float, hardware_flops: float, useful_flops: float | None,
+            data_wait: float) -> None:
         self.steps += 1
-        self.samples += samples
-        self.tokens += tokens
+        for name, n in counts.items():
+            self.counts[name] = self.counts.get(name, 0) + n
         self.flops += flops
         self.hardware_flops += hardware_flops
+        if useful_flops is not None:
+            self.useful_flops = (self.useful_flops or 0.0) + useful_flops
         self.data_wait += data_wait
 
     def rates(self, peak_flops: float | None) -> dict:
         self.end = time.perf_counter()
         elapsed = max(self.end - self.start, 1e-9)
         achieved = self.flops / elapsed  # this rank; every rank does the same work
+        useful = None if self.useful_flops is None else self.useful_flops / elapsed
         return {
-            "samples_per_s": self.samples / elapsed,
-            "tokens_per_s": self.tokens / elapsed,
+            **{f"{name}_per_s": n / elapsed for name, n in self.counts.items()},
             "step_time_s": elapsed / max(self.steps, 1),
             "tflops_per_gpu": achieved / 1e12,
             "mfu": None if peak_flops is None else achieved / peak_flops,
             "hfu": None if peak_flops is None else self.hardware_flops / elapsed / peak_flops,
+            "mfu_useful": None if peak_flops is None or useful is None else useful / peak_flops,
             "data_wait_frac": self.data_wait / elapsed,
         }
 
@@ -161,18 +165,29 @@ class StepMeter:
     this rank's memory (a MemoryMeter), the GPU's utilisation and power (a GpuMonitor)."""
 
     def __init__(self, device: torch.device, step_flops: Callable[[list[dict]], float], peak_tflops: float | None,
-                 hardware_flops: Callable[[list[dict]], float] | None = None):
-        """`step_flops`: the model's FLOPs of one optimizer step's micro-batches (MFU);
-        `hardware_flops`: what the device executes for them where that is more (HFU: activation
-        checkpointing's recompute), default the same; `peak_tflops`: the card's peak for the
+                 hardware_flops: Callable[[list[dict]], float] | None = None,
+                 useful_flops: Callable[[list[dict]], torch.Tensor] | None = None):
+        """`step_flops`: the model's FLOPs of one optimizer step's micro-batches, as they run
+        (padding included), from their shapes (MFU); `hardware_flops`: what the device executes for
+        them where that is more (HFU: activation checkpointing's recompute), default the same;
+        `useful_flops`: the model's FLOPs without the padding, counted on the batches' device (their
+        real lengths are there), None where not counted; `peak_tflops`: the card's peak for the
         arithmetic the matmuls run in, None where unknown (no MFU, no HFU)."""
-        self.step_flops = step_flops
+        self.step_flops, self.count_useful_flops = step_flops, useful_flops
         self.hardware_flops = hardware_flops or step_flops
         self.peak_flops = None if peak_tflops is None else peak_tflops * 1e12  # FLOP/s
         self.window, self.memory, self.gpu = Window(), MemoryMeter(device), GpuMonitor(device)
 
-    def add(self, micro_batches: list[dict], samples: int, tokens: int, data_wait: float) -> None:
-        self.window.add(samples, tokens, self.step_flops(micro_batches), data_wait, self.hardware_flops(micro_batches))
+    def useful_flops(self, micro_batches: list[dict]) -> torch.Tensor:
+        """The step's FLOPs without the padding, a 0-dim tensor on the batches' device: for the
+        loop to read with its other values in the step's one host sync, and hand back to `add`."""
+        return self.count_useful_flops(micro_batches)
+
+    def add(self, micro_batches: list[dict], data_wait: float, useful_flops: float | None = None, **counts) -> None:
+        """One step: its `counts` (`samples=`, `tokens=`, ...; each becomes `<name>_per_s`) and
+        `useful_flops`, as read (`mfu_useful`; None: not counted)."""
+        self.window.add(counts, self.step_flops(micro_batches), self.hardware_flops(micro_batches), useful_flops,
+                        data_wait)
 
     def read(self) -> dict:
         return {**self.window.rates(self.peak_flops), **self.memory.read(), **self.gpu.read()}

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler

@@ -28,8 +28,12 @@ class Task(Protocol):
     def objective(self, terms: torch.Tensor) -> torch.Tensor:
         """The scalar backward starts from, from the terms over their global counts."""
 
-    def tokens(self, counts: torch.Tensor, samples: int) -> torch.Tensor:
-        """The tokens a step of `samples` examples fed the model, for throughput."""
+    def tokens(self, batch: dict) -> torch.Tensor:
+        """The positions the model reads in this micro-batch, without padding (`tokens_per_s`), a
+        0-dim int64 tensor on its device."""
+
+    def target_tokens(self, counts: torch.Tensor) -> torch.Tensor:
+        """The positions the loss is taken at, from the global counts (`target_tokens_per_s`)."""
 
     def record(self, terms: torch.Tensor) -> dict:
         """The logged losses, from the step's terms (one read from the device)."""
@@ -65,6 +69,10 @@ class Recipe(Protocol):
 
     def step_hardware_flops(self, micro_batches: list[dict]) -> float:
         """What the device executes for them (HFU): more where activation checkpointing recomputes."""
+
+    def useful_flops(self, micro_batches: list[dict]) -> torch.Tensor:
+        """The model's FLOPs of them without padding, a 0-dim tensor on their device, counted
+        without a host sync: the loop reads it in the step's one (`mfu_useful`)."""
 
     def evaluate(self, model: nn.Module) -> dict | None:
         """Collective: the periodic evaluation's scalars, equal on every rank; None if a stop

@@ -17,7 +17,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-
 # Chrome-trace categories of the device's own work: what it executes, and copies and fills.
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 

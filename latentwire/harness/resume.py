@@ -23,10 +23,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .checkpoint import (META, WEIGHTS, Checkpointer, CorruptCheckpoint, TrainState, list_checkpoints,
-                         load_checkpoint)
+from .checkpoint import META, WEIGHTS, Checkpointer, CorruptCheckpoint, TrainState, list_checkpoints, load_checkpoint
 from .errors import UserError
-
 
 # --- the training data's identity ------------------------------------------------------------------
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .budget import GIB, GRAD_BYTES
 from ..harness.precision import AMP_DTYPES
+from .budget import GIB, GRAD_BYTES
 
 GB = 10 ** 9
 STEP_BYTES = 4  # torch keeps an optimizer step count per tensor as an fp32 scalar tensor

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..harness.layout import scaled_lr
 from ..harness.errors import UserError
+from ..harness.layout import scaled_lr
 from .step import TrainingStep
 
 # An exact split may take up to this many times the fewest micro-steps per optimizer step (its

@@ -1,7 +1,7 @@
 """The traced memory plan: the profile's exact configuration built and stepped under FakeTensorMode
-+ MemTracker (`memtrace`), twice, a line fitted through the two peaks, and the largest micro-batch
-whose peak with the reserve of `budget` fits the card. What `python -m latentwire.plan` prints and
-what --elastic-batch takes its micro-batch from.
++ MemTracker (`memtrace`), twice (or three times: `make_plan`), a line fitted through the two peaks
+nearest the answer, and the largest micro-batch whose peak with the reserve of `budget` fits the
+card. What `python -m latentwire.plan` prints and what --elastic-batch takes its micro-batch from.
 """
 from __future__ import annotations
 
@@ -120,8 +120,7 @@ def fsdp_frozen_memory(llms: dict, world_size: int) -> tuple[int, int]:
 
     units = []
     for llm in llms.values():
-        modules = [unit if isinstance(unit, list) else [unit] for unit in fsdp_units(llm)]
-        units += [[p for m in unit for p in m.parameters()] for unit in modules]
+        units += [list(unit.parameters()) for unit in fsdp_units(llm)]
         in_units = {id(p) for unit in units for p in unit}
         units.append([p for p in llm.model.parameters() if id(p) not in in_units])
     largest = max(sum(p.numel() * p.element_size() for p in unit) for unit in units)
@@ -172,7 +171,8 @@ def local_tokenizer(name: str, source: str):
 
 
 def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
-    """Trace the profile `cfg` at its micro-batch size and at the one the first trace predicts."""
+    """Trace the profile `cfg` at its micro-batch size and at the one the first trace predicts, and
+    again where the line through those two points if the second landed more than 10% short."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
@@ -193,16 +193,23 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
         tracer = StepTracer(cfg, llms, answers, step)
         first = shard_trace(tracer.trace(cfg.training.micro_batch_size, steps=2), frozen_bytes, held, gathered)
-        trainable_bytes = first.peak["parameters"] - held
-        second = tracer.trace(next_micro_batch(first, budget, held + trainable_bytes), steps=1)
-        second = shard_trace(second, frozen_bytes, held, gathered)
-    traces = tuple(sorted((first, second), key=lambda t: t.micro_batch))
-    fit = fit_line({t.micro_batch: t.peak["total"] for t in traces})
+        weight_bytes = first.peak["parameters"]
+        traces = [first, shard_trace(tracer.trace(next_micro_batch(first, budget, weight_bytes), steps=1),
+                                     frozen_bytes, held, gathered)]
+        fit = fit_line({t.micro_batch: t.peak["total"] for t in traces})
+        # A part of the first peak that does not grow with the batch (the loss's chunk of logits,
+        # latentwire.head_losses) was counted per sample and sent the second trace short of the
+        # answer: one more where the line points, and the line through the two nearest it.
+        best = largest_fitting(fit, budget, weight_bytes)
+        if traces[1].micro_batch < 0.9 * best:
+            traces.append(shard_trace(tracer.trace(best, steps=1), frozen_bytes, held, gathered))
+            fit = fit_line({t.micro_batch: t.peak["total"] for t in traces[1:]})
     total_params = sum(llm_parameter_count(spec.config) for spec in specs.values())
     analytic = static_memory(math.ceil(total_params / world_size) if sharded else total_params, shapes,
                              cfg.numerics.precision, "adamw")
-    return Plan(cfg, world_size, specs, frozen_params, held, gathered, trainable_bytes, traces, fit, budget,
-                largest_fitting(fit, budget, held + trainable_bytes), analytic, time.perf_counter() - start)
+    return Plan(cfg, world_size, specs, frozen_params, held, gathered, weight_bytes - held,
+                tuple(sorted(traces, key=lambda t: t.micro_batch)), fit, budget,
+                largest_fitting(fit, budget, weight_bytes), analytic, time.perf_counter() - start)
 
 
 def plan_max_micro_batch(cfg, world_size: int, step: TrainingStep) -> int:

@@ -7,11 +7,9 @@ optimizer state, activation (made in forward, or recomputed for backward by acti
 checkpointing) or temporary (made in backward).
 
 It sees the tensors operators return, not what a kernel allocates and frees inside itself: on
-CUDA, cuBLAS and attention workspaces (in the plan's reserve); on a CPU whose oneDNN runs bf16
-matmuls (AVX512 BW/VL/DQ, AVX-NE-CONVERT or AMX), the contiguous copy `mkldnn_matmul` makes of
-the LLM head's weight expanded over the batch (micro-batch x hidden x vocabulary x 2 bytes, in
-forward and again in backward; docs/memory.md, "How far to trust it"). Where PyTorch's own kernels run
-the step (fp32; bf16 elsewhere) the trace equals the CPU allocator's count of the real step.
+CUDA, cuBLAS and attention workspaces (in the plan's reserve). On a CPU the trace equals the CPU
+allocator's count of the real step to 0.1% (docs/memory.md, "How far to trust it"), in fp32 and in
+bf16, where oneDNN runs bf16 matmuls too.
 
 The step traced here is the one `find_batch` runs for real: the same function on real tensors.
 """
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.utils._pytree import tree_leaves
 
-from ..dataset import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, round_up
+from ..dataset import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, padded_positions, round_up
 from ..distillation import target_width
 from ..llm import FrozenLLM, build_model, freeze
 from ..model import WireEncoder
@@ -60,8 +58,13 @@ def planning_batch(data: DataConfig, objectives: Objectives, answers: dict[str, 
         width = round_up(tail + data.max_answer_tokens, ANSWER_PAD_MULTIPLE)
         labels = torch.full((micro_batch, width + 1), IGNORE_INDEX, dtype=torch.long, device=device)
         labels[:, tail:tail + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
+        # Where data.label_positions finds them, built as the labels are: a fake tensor has no
+        # values to search.
+        at = torch.stack([torch.arange(micro_batch, device=device).repeat_interleave(targets),
+                          torch.arange(tail, tail + targets, device=device).repeat(micro_batch)])
         rows = {"lead_ids": torch.randint(0, vocab, (micro_batch, lead), device=device),
-                "input_ids": torch.randint(0, vocab, (micro_batch, width), device=device), "labels": labels}
+                "input_ids": torch.randint(0, vocab, (micro_batch, width), device=device), "labels": labels,
+                "label_positions": padded_positions(at)}
         if objectives.teacher:
             kept = (micro_batch, width + 1)
             per_position = target_width(data.num_examples, objectives.k_tokens, vocab, objectives.kd_top_k)

@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from ..objectives import WireTask
 from ..harness.precision import AMP_DTYPES
+from ..objectives import WireTask
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from harness.config import Field, Schema
@@ -53,6 +54,9 @@ class Toy:
 
     def step_hardware_flops(self, micro_batches):
         return 0.0
+
+    def useful_flops(self, micro_batches):
+        return torch.zeros((), dtype=torch.int64, device=self.di.device)
 
     def evaluate(self, model):
         return {}

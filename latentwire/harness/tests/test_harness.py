@@ -85,6 +85,7 @@ def test_one_host_sync_per_step(tmp_path):
     """Runs of 2 and 5 steps log and save alike (at their last step), so the difference is what 3
     steps in the middle read on the host: one sync each."""
     import toy_train
+
     from harness.host_syncs import HostReads
 
     def reads(steps: int) -> int:

@@ -70,7 +70,10 @@ class RegressionTask:
     def objective(self, terms: torch.Tensor) -> torch.Tensor:
         return terms.sum()
 
-    def tokens(self, counts: torch.Tensor, samples: int) -> torch.Tensor:
+    def tokens(self, batch: dict) -> torch.Tensor:
+        return batch["mask"].sum().long()  # its real positions
+
+    def target_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         return counts.sum().long()
 
     def record(self, terms: torch.Tensor) -> dict:
@@ -158,7 +161,7 @@ def train(args, values: dict, cfg: Toy, di) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         # The step's one host sync.
         finite, scheduler_stops, person_stops, tokens = torch.stack(
-            [torch.isfinite(grad_norm).long(), *reduced[-2:], task.tokens(n_targets, global_batch)]).tolist()
+            [torch.isfinite(grad_norm).long(), *reduced[-2:], task.target_tokens(n_targets)]).tolist()
         lr = scheduler.get_last_lr()[0]
         if finite:
             optimizer.step()
