@@ -73,7 +73,7 @@ def full_logits_sums(model, llms, batch, objectives):
     masked sum over all of them (the step before the head ran at the labels only)."""
     import torch.nn.functional as F
 
-    from latentwire.data import IGNORE_INDEX
+    from latentwire.dataset import IGNORE_INDEX
 
     soft, tau, sums = model(batch["bytes"], batch["byte_mask"]), objectives.kd_temperature, []
     for name, llm in llms.items():

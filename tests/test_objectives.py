@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import train
-from latentwire.settings import OptimizerConfig, load_config
+from latentwire.harness.loop_config import OptimizerConfig
+from latentwire.settings import load_config
 from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset, label_positions, synthetic_examples
 from latentwire.head_losses import head_losses
 from latentwire.llm import LLM_NAMES, FrozenLLM, load_frozen_llm

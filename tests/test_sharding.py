@@ -154,7 +154,7 @@ def test_backward_gathers_every_decoder_layer_and_never_the_embedding_table(fake
 
     from torch.distributed.fsdp import fully_shard
 
-    from latentwire.data import label_positions
+    from latentwire.dataset import label_positions
     from latentwire.llm import build_frozen_llm, fsdp_units, read_weights, skip_unused_backward_gathers
     from latentwire.objectives import Objectives, llm_term_sums
 
