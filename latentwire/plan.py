@@ -32,18 +32,18 @@ from pathlib import Path
 
 import train
 
-from .settings import load_config
-from .harness.config import Parser, positive
 from .dataset import round_up
+from .distillation import target_width, targets_bytes
+from .harness.config import Parser, positive
 from .harness.errors import UserError, main_guard
 from .known_llms import llm_parameter_count
 from .llm import LLM_NAMES
 from .llm_sources import llm_spec
 from .planner.analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
-from .distillation import target_width, targets_bytes
 from .planner.budget import GIB, Budget, budget_for
 from .planner.memory_plan import Plan, make_plan, trainable_shapes
 from .planner.step import TrainingStep
+from .settings import load_config
 
 PROG = "python -m latentwire.plan"
 # train.py's optimizer and step: what is planned is what trains.

@@ -13,13 +13,13 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from conftest import ALL_TERMS
-from latentwire.parallelize import DECODER_LAYER_VARIANTS, prepare_frozen_llms, wire_regions
-from latentwire.harness.compiling import stable_shapes
-from latentwire.settings import load_config
 from latentwire.dataset import IGNORE_INDEX, PAD_BYTE, label_positions
+from latentwire.harness.compiling import stable_shapes
 from latentwire.llm import build_frozen_llms
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
+from latentwire.parallelize import DECODER_LAYER_VARIANTS, prepare_frozen_llms, wire_regions
+from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
 BACKEND = "aot_eager"

@@ -5,12 +5,24 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from latentwire.dataset import (
+    PAD_BYTE,
+    Collator,
+    DataSources,
+    PromptDataset,
+    TrainingSet,
+    answer_end_byte,
+    answer_text,
+    answers_past_cut,
+    hotpot_to_squad,
+    load_examples,
+    prompt_text,
+    round_up,
+    synthetic_corpus_text,
+    synthetic_examples,
+)
 from latentwire.harness.errors import UserError
 from latentwire.harness.resume import fingerprint
-from latentwire.dataset import (
-    PAD_BYTE, Collator, DataSources, PromptDataset, TrainingSet, answer_end_byte, answer_text, answers_past_cut,
-    hotpot_to_squad, load_examples, prompt_text, round_up, synthetic_corpus_text, synthetic_examples,
-)
 from latentwire.objectives import Objectives, WireTask, target_counts
 from latentwire.prompting import PromptContract, PromptFormat
 

@@ -3,14 +3,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from latentwire.settings import load_config
+from conftest import distilled_collator
 from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset, input_lengths, synthetic_examples
 from latentwire.flops import FlopModel, register_cpu_attention_flops
 from latentwire.llm import load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
-
-from conftest import distilled_collator
+from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
 

@@ -4,11 +4,11 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from conftest import ALL_TERMS, distilled_collator
-from latentwire.settings import load_config
 from latentwire.dataset import Collator, PromptDataset, label_positions, synthetic_examples
 from latentwire.llm import is_decoder_layer, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
+from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
 ANSWER_CE = Objectives()

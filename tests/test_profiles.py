@@ -8,13 +8,12 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from latentwire.settings import load_config
+from conftest import REPO, full_logits_sums
 from latentwire.objectives import WireTask
 from latentwire.plan import TRAINING_STEP
 from latentwire.planner.budget import GIB, Fit, fit_line
 from latentwire.planner.memory_plan import make_plan
-
-from conftest import REPO, full_logits_sums
+from latentwire.settings import load_config
 
 HW_PROFILES = REPO / "hw_profiles.json"
 

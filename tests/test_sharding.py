@@ -8,7 +8,17 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-from conftest import RUN, SMALL_LLAMA, assert_same_run, evaluate_cli, final_weights, ok, read_metrics, run_module, run_train
+from conftest import (
+    RUN,
+    SMALL_LLAMA,
+    assert_same_run,
+    evaluate_cli,
+    final_weights,
+    ok,
+    read_metrics,
+    run_module,
+    run_train,
+)
 
 # Two ranks, accumulation 2, fp32 without dropout, the decoder layers recomputed in backward as on
 # the GPU profiles; the last step evaluates, which under fsdp must make the same LLM calls on every
@@ -149,10 +159,9 @@ def test_backward_gathers_every_decoder_layer_and_never_the_embedding_table(fake
     it) and nothing that backward does not use: FSDP2's default prefetch would gather the embedding
     table, the unit that ran before layer 0, at the end of every backward (2.5 GB for Qwen2.5-7B's);
     nor the head, gathered once for the loss, which takes there what backward needs."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup, TrainingState
     from torch.distributed.tensor import DTensor
-
-    from torch.distributed.fsdp import fully_shard
 
     from latentwire.dataset import label_positions
     from latentwire.llm import build_frozen_llm, fsdp_units, read_weights, skip_unused_backward_gathers

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import ALL_TERMS_FLAGS, EXACT, FAST, final_weights, max_rel_diff, ok, read_metrics, run_train
-from latentwire.settings import load_config
 from latentwire.llm import build_frozen_llms
+from latentwire.settings import load_config
 
 # The cpu profile's shape and batch before November 2026 (one encoder layer, 16 x 1 x 2 since): what the
 # counts and measurements in the bf16 and compile-under-DDP tests were made for.

@@ -26,10 +26,10 @@ from torch.utils._pytree import tree_leaves
 
 from ..dataset import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, padded_positions, round_up
 from ..distillation import target_width
+from ..harness.precision import frozen_weight_dtype, sdpa_backends
 from ..llm import FrozenLLM, build_model, freeze
 from ..model import WireEncoder
 from ..objectives import Objectives
-from ..harness.precision import frozen_weight_dtype, sdpa_backends
 from .step import TrainingStep
 
 CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
