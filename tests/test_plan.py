@@ -112,8 +112,8 @@ def test_planning_batch_is_the_longest_the_collator_emits():
     dataset = PromptDataset([long_example] * 3)
     collated = distilled_collator(llms, dataset, cfg.objectives, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens,
                                   cfg.data.pad_multiple)([dataset[i] for i in range(3)])
-    planned = planning_batch(cfg.data, cfg.objectives, {n: (len(l.contract.lead), len(l.contract.tail),
-                                                            len(l.tokenizer)) for n, l in llms.items()}, 3)
+    planned = planning_batch(cfg.data, cfg.objectives, {n: (len(llm.contract.lead), len(llm.contract.tail),
+                                                            len(llm.tokenizer)) for n, llm in llms.items()}, 3)
     assert planned["bytes"].shape == collated["bytes"].shape
     assert torch.equal(planned["byte_mask"], collated["byte_mask"])
     for name in llms:
@@ -132,7 +132,7 @@ def test_the_planning_batch_holds_word_patched_prompts():
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
     dataset = PromptDataset([{"context": "a " * 200, "question": "Which?", "answers": {"text": ["a"]}}])
     collated = Collator.for_llms(llms, 300, 16, 32, word_patch=cfg.wire.word_patch)([dataset[0]])
-    rows = {n: (len(l.contract.lead), len(l.contract.tail), len(l.tokenizer)) for n, l in llms.items()}
+    rows = {n: (len(llm.contract.lead), len(llm.contract.tail), len(llm.tokenizer)) for n, llm in llms.items()}
     planned = planning_batch(cfg.data, cfg.objectives, rows, 1, word_patch=cfg.wire.word_patch)
     assert collated["bytes"].shape[1] > 2 * 280 and planned["bytes"].shape[1] >= collated["bytes"].shape[1]
 

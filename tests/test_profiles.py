@@ -45,7 +45,7 @@ def plans() -> dict[str, tuple[int, int, Fit]]:
     (6-21 s a profile), so on CI's two cores that nearly halves the nine plans' wall time."""
     keys = gpu_profiles()
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return dict(zip(keys, pool.map(planned, keys)))
+        return dict(zip(keys, pool.map(planned, keys), strict=True))
 
 
 @pytest.mark.slow

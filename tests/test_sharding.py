@@ -69,7 +69,8 @@ def test_stop_and_resume_under_fsdp_is_bitwise_exact(runs, saved_reader, tmp_pat
 def test_the_memory_plan_holds_what_a_sharded_rank_holds(runs, saved_reader, tmp_path):
     """The plan computes the shards (padding included) and the all-gathered units rather than
     tracing them: its frozen bytes per rank are what rank 0 of the real run holds."""
-    ok(run_module("latentwire.plan", ["--profile", "cpu", "--qwen", str(saved_reader), "--frozen-sharding", "fsdp", "--json", str(tmp_path / "p.json")]))
+    ok(run_module("latentwire.plan", ["--profile", "cpu", "--qwen", str(saved_reader), "--frozen-sharding", "fsdp",
+                                      "--json", str(tmp_path / "p.json")]))
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["world_size"] == 2 and plan["frozen_sharding"] == "fsdp"  # the cpu profile's num_gpus
     assert plan["params_frozen_bytes"] / 2 ** 20 == pytest.approx(held_mib(runs["fsdp"][1]), abs=0.006)
