@@ -26,21 +26,45 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from latentwire.harness.checkpoint import Checkpointer, TrainState, checkpoint_dir, load_weights
 from latentwire.harness.compiling import inductor_cache_dir
 from latentwire.harness.config import check_can_create
-from latentwire.harness.data import (ShardSampler, check_one_global_batch, global_batches, make_loader, run_examples,
-                                     to_device)
-from latentwire.harness.distributed import (DistInfo, all_reduce_sum, ddp_buffer_options, group_options,
-                                            leave_together, torchrun_rank)
+from latentwire.harness.data import (
+    ShardSampler,
+    check_one_global_batch,
+    global_batches,
+    make_loader,
+    run_examples,
+    to_device,
+)
+from latentwire.harness.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    ddp_buffer_options,
+    group_options,
+    leave_together,
+    torchrun_rank,
+)
 from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, main_guard, out_of_memory
 from latentwire.harness.layout import laid_out
 from latentwire.harness.loop_config import LoopConfig, OptimizerConfig, load_config
 from latentwire.harness.metrics import MetricsLogger, StepMeter
-from latentwire.harness.precision import (AMP_DTYPES, cuda_capability, frozen_weight_dtype, matmul_arithmetic,
-                                          sdpa_backends, use_tf32)
+from latentwire.harness.precision import (
+    AMP_DTYPES,
+    cuda_capability,
+    frozen_weight_dtype,
+    matmul_arithmetic,
+    sdpa_backends,
+    use_tf32,
+)
 from latentwire.harness.preemption import StopFlag, stop_code
 from latentwire.harness.profiling import MemorySnapshots, NoProfiler, profiler_options
 from latentwire.harness.recipe import Task
-from latentwire.harness.resume import (check_init_from, check_resume_data, check_resume_settings, requeued,
-                                       resolve_checkpoint, resume)
+from latentwire.harness.resume import (
+    check_init_from,
+    check_resume_data,
+    check_resume_settings,
+    requeued,
+    resolve_checkpoint,
+    resume,
+)
 from latentwire.harness.run_dir import check_out_dir, one_run_at_a_time, prepare_out_dir
 from latentwire.planner.elastic import apply_elastic_batch
 from latentwire.planner.step import TrainingStep

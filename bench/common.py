@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from latentwire.dataset import Collator, DataSources, PromptDataset  # noqa: E402
 from latentwire.harness.data import ShardSampler  # noqa: E402
-from latentwire.harness.data import make_loader as harness_loader
+from latentwire.harness.data import make_loader as harness_loader  # noqa: E402
 from latentwire.harness.precision import frozen_weight_dtype  # noqa: E402
 from latentwire.llm import build_frozen_llms  # noqa: E402
 from latentwire.model import WireEncoder  # noqa: E402

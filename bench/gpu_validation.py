@@ -166,14 +166,14 @@ def kernel_facts(device: torch.device) -> dict:
     mask[0, :, 3] = False  # one query row that sees no key
     for backend in backends:
         q = torch.randn(2, 4, 16, 64, device=device, dtype=dtype, requires_grad=True)
-        facts["keyless_row"][backend] = attempt(backend, lambda: keyless(q))
+        facts["keyless_row"][backend] = attempt(backend, lambda q=q: keyless(q))
     for width in (12, 25, 64):
         x = torch.randn(2, 4, 16, width, device=device, dtype=dtype)
         pad = torch.ones(2, 1, 1, 16, dtype=torch.bool, device=device)
         pad[0, ..., 10:] = False
-        facts["head_width"][str(width)] = [b for b in backends
-                                           if not attempt(b, lambda: str(sdpa(x, x, x, attn_mask=pad).shape))
-                                           .startswith("refused")]
+        facts["head_width"][str(width)] = [
+            b for b in backends
+            if not attempt(b, lambda x=x, pad=pad: str(sdpa(x, x, x, attn_mask=pad).shape)).startswith("refused")]
 
     # Llama-3.1-8B's attention: 32 query heads over 8 key/value heads of width 128, causal, no mask.
     q0, k0, v0 = (torch.randn(2, h, 256, 128, device=device) for h in (32, 8, 8))
@@ -362,7 +362,9 @@ def shipped_plan(flags: list[str], profile: str, recompute: bool) -> dict | None
 def trace_plan(flags: list[str], path: Path, run, budget_s: float = 300) -> dict | str:
     """`python -m latentwire.plan` for `flags` (through `run`, a Runner): the plan, or why there is none."""
     child = run([sys.executable, "-m", "latentwire.plan", *flags, "--json", str(path)], budget_s)
-    return json.loads(path.read_text()) if child.status == "done" else f"plan {child.status}: {error_line(child.output)}"
+    if child.status != "done":
+        return f"plan {child.status}: {error_line(child.output)}"
+    return json.loads(path.read_text())
 
 
 def the_plan(run, profile: str, readers: list[str], recompute: bool, rows: list[str],

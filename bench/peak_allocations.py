@@ -30,12 +30,14 @@ def report(snapshot: dict, top: int) -> str:
                      f"{len(live)} blocks allocated since recording began")
         lines.append("     GiB | blocks x MiB | allocated at (innermost first)")
         for site in sites[:top]:
-            lines.append(f"{site.block_bytes * site.blocks / GIB:8.3f} | {site.blocks:6d} x {site.block_bytes / 2 ** 20:9.2f} | "
-                         + "  <  ".join(site.frames))
+            lines.append(f"{site.block_bytes * site.blocks / GIB:8.3f} | {site.blocks:6d} x "
+                         f"{site.block_bytes / 2 ** 20:9.2f} | " + "  <  ".join(site.frames))
         rest = sum(s.block_bytes * s.blocks for s in sites[top:])
         if rest:
             lines.append(f"{rest / GIB:8.3f} | the other {len(sites) - top} sites")
-    return "\n".join(lines) if lines else "no allocation history in this snapshot (recorded without --memory-snapshot true?)"
+    if not lines:
+        return "no allocation history in this snapshot (recorded without --memory-snapshot true?)"
+    return "\n".join(lines)
 
 
 def main() -> None:

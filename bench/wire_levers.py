@@ -86,7 +86,8 @@ def run(command: list[str], threads: int, cwd: Path = REPO) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| lever (flags over `--profile cpu`) | train s | wire EM: llama / qwen | share of text F1: llama / qwen |",
+    lines = ["| lever (flags over `--profile cpu`) | train s | wire EM: llama / qwen "
+             "| share of text F1: llama / qwen |",
              "|---|---:|---:|---:|"]
     for r in rows:
         em = " / ".join(f"{r[w]['em_wire']:.1f} ± {r[w]['em_wire_se']:.1f}" for w in READERS)
@@ -108,7 +109,9 @@ def by_attribute(run: Path) -> str:
         before, after = attr.question.split("{name}")
         asked = [a for a in report["answers"] if examples[a["index"]]["question"].startswith(before)
                  and examples[a["index"]]["question"].endswith(after)]
-        em = lambda key: 100 * sum(a[key] == answer_text(examples[a["index"]]) for a in asked) / len(asked)
+        def em(key: str, asked: list[dict] = asked) -> float:
+            return 100 * sum(a[key] == answer_text(examples[a["index"]]) for a in asked) / len(asked)
+
         cells = [f"{em(f'wire_{who}'):.0f} / {em(f'text_{who}'):.0f}" for who in READERS]
         lines.append(f"| {attr.question.format(name='X')} | {len(attr.values)} | {len(asked)} | " + " | ".join(cells)
                      + " |")

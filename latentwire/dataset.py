@@ -229,7 +229,7 @@ class TrainingSet:
         examples = sources.train_examples(num_examples)
         past = answers_past_cut(examples, max_prompt_bytes)
         check_answers_reachable(past, sources.dataset, max_prompt_bytes)
-        kept = [ex for ex, cut in zip(examples, past) if not (drop_cut_answers and cut)]
+        kept = [ex for ex, cut in zip(examples, past, strict=True) if not (drop_cut_answers and cut)]
         return cls(kept, sources.dataset, sources.fraction_held_out(sources.dataset), len(examples), past.count(True),
                    len(examples) - len(kept))
 

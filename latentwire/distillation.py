@@ -133,7 +133,7 @@ def teacher_targets(llms: dict, dataset, collate, examples: list[int], *, k: int
             shares[name].append((window,) if width[name] == vocab[name] else top_k_buckets(window, width[name]))
     targets = {}
     for name, parts in shares.items():
-        pieces = [_gather(torch.cat(piece), n, rank, world) for piece in zip(*parts)]
+        pieces = [_gather(torch.cat(piece), n, rank, world) for piece in zip(*parts, strict=True)]
         if len(pieces) == 1:  # full rows: no ids, no rest
             pieces += [None, None]
         targets[name] = TeacherTargets(*pieces, row=row)

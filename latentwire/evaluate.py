@@ -112,7 +112,8 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     prepare_frozen_llms(llms, checkpointing=False, compile_options=None, mesh=mesh, device=di.device,
                         fp8=cfg.frozen.fp8)
     if sharded and di.is_main:
-        print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr, flush=True)
+        print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr,
+              flush=True)
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
     settings = EvalSettings.of(cfg, text_baselines=True, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                            progress=report_progress(di.world_size) if di.is_main else None, lockstep=sharded)

@@ -246,7 +246,8 @@ def format_trial(t: Trial) -> str:
     if not t.fits:
         return f"trial micro-batch {t.micro_batch:>5}: out of memory: {t.error}  {t.seconds:.1f} s"
     reserved = "" if t.peak_reserved is None else f", {t.peak_reserved / GIB:.3f} GiB reserved"
-    return f"trial micro-batch {t.micro_batch:>5}: peak {t.peak_allocated / GIB:.3f} GiB allocated{reserved}, fits  {t.seconds:.1f} s"
+    return (f"trial micro-batch {t.micro_batch:>5}: peak {t.peak_allocated / GIB:.3f} GiB allocated{reserved}, "
+            f"fits  {t.seconds:.1f} s")
 
 
 def write_tensorboard(tb_dir: str, trials: list[Trial], fit: Fit | None) -> None:

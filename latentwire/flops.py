@@ -111,7 +111,7 @@ class FlopModel:
         flops = 6 * (self.encoder_token_params * s.patches + self.latent_params * s.rows * m)
         flops += self.encoder_layers * attention_flops_per_pair(h, self.encoder_dim // h) * s.patches_squared
         flops += self.pooler_rounds * attention_flops_per_pair(h, self.d_z // h) * (m * s.patches + m * m * s.rows)
-        for (_, shape), (seq, seq_squared, head_positions) in zip(self.llms, s.llms):
+        for (_, shape), (seq, seq_squared, head_positions) in zip(self.llms, s.llms, strict=True):
             flops += 4 * shape.matmul_params * seq
             flops += shape.layers * attention_flops_per_pair(shape.heads, shape.head_dim) * seq_squared
             # The head's forward, and one input gradient per loss output: no weight gradient.
@@ -131,7 +131,7 @@ class FlopModel:
         flops = self.step_flops(micro_batches)
         if self.recompute:
             for batch in micro_batches:
-                for (_, shape), (seq, seq_squared, _) in zip(self.llms, self.padded_sizes(batch).llms):
+                for (_, shape), (seq, seq_squared, _) in zip(self.llms, self.padded_sizes(batch).llms, strict=True):
                     flops += 2 * shape.recomputed_params * seq
                     flops += shape.layers * attention_forward_flops_per_pair(shape.heads, shape.head_dim) * seq_squared
         return flops
@@ -202,7 +202,8 @@ def _cpu_flash_backward(grad_out_shape, query_shape, key_shape, value_shape, *ar
 
 def register_cpu_attention_flops() -> None:
     aten = torch.ops.aten
-    fwd, bwd = aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward
     if fwd not in flop_counter.flop_registry:
         register_flop_formula(fwd)(_cpu_flash_forward)
         register_flop_formula(bwd)(_cpu_flash_backward)

@@ -44,7 +44,8 @@ class _HeadLosses(torch.autograd.Function):
         values, grads = [], []
         for start in range(0, hidden.shape[0], rows):
             part = [x[start:start + rows] for x in inputs]
-            out, vjp = torch.func.vjp(lambda h: losses(F.linear(h, weight), *part), hidden[start:start + rows])
+            out, vjp = torch.func.vjp(lambda h, part=part: losses(F.linear(h, weight), *part),
+                                      hidden[start:start + rows])
             values.append(out)
             grads.append(torch.stack([vjp(one_output(out, j))[0] for j in range(out.shape[1])]))
         ctx.save_for_backward(torch.cat(grads, dim=1))

@@ -141,7 +141,8 @@ def build_model(config, dtype: torch.dtype) -> nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
 
 
-def build_frozen_llm(name: str, source: str, dtype: torch.dtype, prompt: PromptFormat = PromptFormat()) -> FrozenLLM:
+def build_frozen_llm(name: str, source: str, dtype: torch.dtype,
+                     prompt: PromptFormat = PromptFormat()) -> FrozenLLM:  # noqa: B008 (a frozen dataclass)
     """`name` is 'llama' or 'qwen'; `source` is what `llm_sources.read_source` reads; `prompt` makes
     its tokenizer's prompt contract. Built under `torch.device("meta")`, the model is frozen
     structure until `to_empty` and `read_weights`."""

@@ -159,7 +159,7 @@ class LatentPooler(nn.Module):
 
     def forward(self, feats: torch.Tensor, feat_mask: torch.Tensor) -> torch.Tensor:
         z = self.queries.expand(feats.shape[0], -1, -1)
-        for cross, self_attn in zip(self.cross, self.self_attn):
+        for cross, self_attn in zip(self.cross, self.self_attn, strict=True):
             z = self_attn(cross(z, feat_mask, kv=feats), None)  # latents are never padding: no mask
         return self.norm(z)
 

@@ -42,7 +42,7 @@ class Objectives:
     @property
     def weighted(self) -> dict[str, float]:
         """The terms that are on, with their weights, in TERMS order."""
-        weights = dict(zip(TERMS, (1.0, self.first_token_weight, self.k_token_weight, self.kd_weight)))
+        weights = dict(zip(TERMS, (1.0, self.first_token_weight, self.k_token_weight, self.kd_weight), strict=True))
         return {term: w for term, w in weights.items() if w > 0}
 
     @property
@@ -189,5 +189,7 @@ class WireTask:
         weighted = torch.cat([terms, self.objectives.weighted_sum(terms)[:, None]], dim=1)
         rows = weighted.tolist()
         per_llm = [row[-1] for row in rows]
-        return {"loss": sum(per_llm) / len(per_llm), **{f"loss_{n}": v for n, v in zip(self.llms, per_llm)},
-                **{f"{term}_{n}": row[j] for n, row in zip(self.llms, rows) for j, term in enumerate(self.objectives.terms)}}
+        return {"loss": sum(per_llm) / len(per_llm),
+                **{f"loss_{n}": v for n, v in zip(self.llms, per_llm, strict=True)},
+                **{f"{term}_{n}": row[j] for n, row in zip(self.llms, rows, strict=True)
+                   for j, term in enumerate(self.objectives.terms)}}

@@ -32,18 +32,18 @@ from pathlib import Path
 
 import train
 
-from .settings import load_config
-from .harness.config import Parser, positive
 from .dataset import round_up
+from .distillation import target_width, targets_bytes
+from .harness.config import Parser, positive
 from .harness.errors import UserError, main_guard
 from .known_llms import llm_parameter_count
 from .llm import LLM_NAMES
 from .llm_sources import llm_spec
 from .planner.analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
-from .distillation import target_width, targets_bytes
 from .planner.budget import GIB, Budget, budget_for
 from .planner.memory_plan import Plan, make_plan, trainable_shapes
 from .planner.step import TrainingStep
+from .settings import load_config
 
 PROG = "python -m latentwire.plan"
 # train.py's optimizer and step: what is planned is what trains.
@@ -113,7 +113,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(_row(label, (traced, analytic), size) + _diff(traced, analytic))
     if cfg.frozen.fp8:
         lines.append("  (--frozen-fp8: the decoder layers' linears hold 1 byte per weight, the analytic column 2)")
-    lines += ["", f"  {'at the peak (' + unit + '), micro-batch':<40}" + "".join(f"{t.micro_batch:>10}" for t in plan.traces)]
+    lines += ["", f"  {'at the peak (' + unit + '), micro-batch':<40}"
+              + "".join(f"{t.micro_batch:>10}" for t in plan.traces)]
     for key in ("parameters", "buffers", "gradients", "optimizer", "activations", "temporaries", "other",
                 *(["gathered"] if plan.gathered_bytes else []), "total"):
         label = {"total": "peak (total)", "gathered": "fsdp: two units all-gathered"}.get(key, key)
@@ -126,8 +127,9 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  -> the step's tensors may peak at {budget.allowed_peak(plan.weight_bytes) / GIB:.2f} GiB")
     asked = next(t for t in plan.traces if t.micro_batch == cfg.training.micro_batch_size)
     needed = budget.needed(asked.peak["total"], plan.weight_bytes)
-    lines.append(f"micro-batch {asked.micro_batch}: traced peak {asked.peak['total'] / GIB:.2f} GiB, {needed / GIB:.2f} GiB "
-                 f"with the reserve: {'fits' if needed <= budget.target_bytes else 'does NOT fit'}")
+    verdict = "fits" if needed <= budget.target_bytes else "does NOT fit"
+    lines.append(f"micro-batch {asked.micro_batch}: traced peak {asked.peak['total'] / GIB:.2f} GiB, "
+                 f"{needed / GIB:.2f} GiB with the reserve: {verdict}")
     best = plan.max_micro_batch
     lines.append("largest micro-batch: none fits, not even 1" if best == 0 else
                  f"largest micro-batch: {best} (fitted peak {fit(best) / GIB:.2f} GiB, "
@@ -172,10 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks (adds NCCL and DDP buckets; divides the frozen weights under fsdp); default: the "
                         "profile's num_gpus, 1 without a profile")
     p.add_argument("--analytic", action="store_true", help="the quick calculator: static memory from parameter counts")
-    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help="(--analytic) the optimizer (default: adamw, as train.py)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS),
+                   help="(--analytic) the optimizer (default: adamw, as train.py)")
     p.add_argument("--params", type=_count, help="(--analytic without --profile) frozen parameters, e.g. 8.03e9")
     p.add_argument("--model-size-gb", type=positive(float),
-                   help="(--analytic without --profile) instead of --params: frozen weights in GB (1e9 bytes) at --precision")
+                   help="(--analytic without --profile) instead of --params: frozen weights in GB (1e9 bytes) at "
+                        "--precision")
     p.add_argument("--trainable-params", type=_count, help="(--analytic without --profile) trainable parameters")
     p.add_argument("--gpu-memory-gb", type=positive(float), help="(--analytic without --profile) card memory in GiB")
     return p
@@ -192,7 +196,8 @@ def _calculator(args, rest: list[str]) -> tuple[StaticMemory, Budget]:
         raise UserError("--analytic without --profile needs --gpu-memory-gb")
     if more.target_util > 1:
         raise UserError(f"--target-util must be at most 1, got {more.target_util}")
-    frozen = args.params if args.params is not None else round(args.model_size_gb * GB / frozen_bytes_per_param(more.precision))
+    frozen = (args.params if args.params is not None
+              else round(args.model_size_gb * GB / frozen_bytes_per_param(more.precision)))
     memory = static_memory(frozen, args.trainable_params or 0, more.precision, args.optimizer or "adamw")
     return memory, budget_for("cuda", args.gpu_memory_gb, more.target_util, args.num_gpus, memory.trainable_params)
 

@@ -111,7 +111,8 @@ def build_reader(name: str, steps: int, batch_size: int, lr: float, seed: int, l
 
 def main(argv: list[str] | None = None) -> None:
     p = Parser(prog="python -m latentwire.readers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(TINY_READERS), help="directory that gets llama/ and qwen/ (default: the shipped ones)")
+    p.add_argument("--out", default=str(TINY_READERS),
+                   help="directory that gets llama/ and qwen/ (default: the shipped ones)")
     p.add_argument("--steps", type=positive(int), help="optimizer steps (default: STEPS, per reader)")
     p.add_argument("--batch-size", type=positive(int), default=32)
     p.add_argument("--lr", type=positive(float), default=3e-3)

@@ -49,14 +49,16 @@ class LatentWire:
         sources = DataSources.of(data, seed=cfg.training.seed)
         self.training = TrainingSet.load(sources, data.num_examples, data.max_prompt_bytes, data.drop_cut_answers)
         held_out = sources.held_out_source()
-        self.eval_examples = sources.held_out_examples(cfg.evaluation.examples, held_out) if cfg.output.eval_every else []
+        self.eval_examples = (sources.held_out_examples(cfg.evaluation.examples, held_out) if cfg.output.eval_every
+                              else [])
         self.dataset = PromptDataset(self.training.examples)
         self.data_identity, self.data_facts = self.training.identity(), self.training.facts()
         # The step's numerics, for the teacher's one-off pass.
         self.amp_dtype = AMP_DTYPES[cfg.numerics.precision]
         self.attention, _ = sdpa_backends(cuda_capability(di.device), frozen_weight_dtype(cfg.numerics.precision))
         self.sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
-        self.di.say(f"data: {self.training.summary(data.max_prompt_bytes)}; held out: {sources.describe_held_out(held_out)}")
+        self.di.say(f"data: {self.training.summary(data.max_prompt_bytes)}; "
+                    f"held out: {sources.describe_held_out(held_out)}")
 
     def build_model(self, compile_options: dict | None) -> tuple[nn.Module, WireTask]:
         """The frozen readers, stored in the autocast dtype (no gradients and no optimizer state,

@@ -197,7 +197,8 @@ def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
+                                  f"stderr:\n{proc.stderr[-5000:]}")
     return proc
 
 
@@ -249,7 +250,7 @@ def wait_for_step(out, step, proc, timeout=300):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         path = out / "metrics.jsonl"
-        if path.exists() and any(json.loads(l)["step"] >= step for l in path.read_text().splitlines() if l):
+        if path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines() if line):
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
@@ -259,7 +260,10 @@ def wait_for_step(out, step, proc, timeout=300):
 def assert_same_run(straight, resumed, from_step):
     a, b = final_weights(straight), final_weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise
-    losses = lambda out: [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(out)]
+
+    def losses(out):
+        return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(out)]
+
     assert losses(resumed) == losses(straight)  # every step once, the resumed ones identical
     last = read_metrics(straight)[-1]["step"]
     assert [m["step"] for m in read_metrics(resumed)][from_step:] == list(range(from_step + 1, last + 1))

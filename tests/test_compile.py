@@ -13,13 +13,13 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from conftest import ALL_TERMS
-from latentwire.parallelize import DECODER_LAYER_VARIANTS, prepare_frozen_llms, wire_regions
-from latentwire.harness.compiling import stable_shapes
-from latentwire.settings import load_config
 from latentwire.dataset import IGNORE_INDEX, PAD_BYTE, label_positions
+from latentwire.harness.compiling import stable_shapes
 from latentwire.llm import build_frozen_llms
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
+from latentwire.parallelize import DECODER_LAYER_VARIANTS, prepare_frozen_llms, wire_regions
+from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
 BACKEND = "aot_eager"
@@ -110,7 +110,7 @@ def compiled_run():
         graphs_after.append(graphs())
     model.zero_grad(set_to_none=True)
     yield {"model": model, "llms": llms, "step": step, "batches": batches,
-           "compiled_in": [i for i, (a, b) in enumerate(zip(graphs_before, graphs_after)) if b > a],
+           "compiled_in": [i for i, (a, b) in enumerate(zip(graphs_before, graphs_after, strict=True)) if b > a],
            "graphs": graphs_after[-1] - graphs_before[0]}
     torch._dynamo.reset()
 
@@ -175,7 +175,10 @@ def test_decoder_layer_variants_compile_within_the_recompile_limit(compiled_run)
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     model, llms, step = compiled_run["model"], compiled_run["llms"], compiled_run["step"]
-    entries = lambda: len(_debug_get_cache_entry_list(CheckpointWrapper.forward.__code__))
+
+    def entries():
+        return len(_debug_get_cache_entry_list(CheckpointWrapper.forward.__code__))
+
     varied = [with_kd_targets(make_batch(llms, MICRO_BATCH, p, w, seed), llms) for seed, (p, w) in enumerate(widths(4))]
     one_row = with_kd_targets(make_batch(llms, 1, 64, {"llama": 16, "qwen": 8}, seed=7), llms)
     counts = []
@@ -207,7 +210,10 @@ def test_regions_are_the_checkpointed_decoder_layers_and_the_encoder_blocks():
 
 def test_stable_shapes_is_scoped():
     import torch.fx.experimental._config as fx_config
-    settings = lambda: (torch._dynamo.config.specialize_float, fx_config.use_duck_shape)
+
+    def settings():
+        return torch._dynamo.config.specialize_float, fx_config.use_duck_shape
+
     outside = settings()
     with stable_shapes():
         assert settings() == (True, False)

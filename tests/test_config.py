@@ -36,7 +36,7 @@ def test_cards_follow_their_hardware():
 
 
 def test_extends_overrides_only_what_it_names():
-    h100, h100x4 = SCHEMA.resolve_profile(PROFILES, "h100", DEFAULT_PROFILES), SCHEMA.resolve_profile(PROFILES, "h100x4", DEFAULT_PROFILES)
+    h100, h100x4 = (SCHEMA.resolve_profile(PROFILES, key, DEFAULT_PROFILES) for key in ("h100", "h100x4"))
     differing = {k for k in FIELDS if h100[k] != h100x4[k]}
     assert differing == set(PROFILES["h100x4"]) - {"extends"}
 

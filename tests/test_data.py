@@ -5,12 +5,24 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from latentwire.dataset import (
+    PAD_BYTE,
+    Collator,
+    DataSources,
+    PromptDataset,
+    TrainingSet,
+    answer_end_byte,
+    answer_text,
+    answers_past_cut,
+    hotpot_to_squad,
+    load_examples,
+    prompt_text,
+    round_up,
+    synthetic_corpus_text,
+    synthetic_examples,
+)
 from latentwire.harness.errors import UserError
 from latentwire.harness.resume import fingerprint
-from latentwire.dataset import (
-    PAD_BYTE, Collator, DataSources, PromptDataset, TrainingSet, answer_end_byte, answer_text, answers_past_cut,
-    hotpot_to_squad, load_examples, prompt_text, round_up, synthetic_corpus_text, synthetic_examples,
-)
 from latentwire.objectives import Objectives, WireTask, target_counts
 from latentwire.prompting import PromptContract, PromptFormat
 
@@ -149,7 +161,8 @@ def test_answer_end_is_where_the_encoder_reads_the_answer_s_last_byte():
     # An answer_start that does not point at the answer is searched for instead, as a whole word.
     wrong = {"context": context, "question": "Who?", "answers": {"text": ["Ada"], "answer_start": [900]}}
     assert answer_end_byte(wrong) == answer_end_byte({**wrong, "answers": {"text": ["Ada"]}})
-    assert answer_end_byte({"context": "It rained yesterday.", "question": "Dry?", "answers": {"text": ["yes"]}}) is None
+    dry = {"context": "It rained yesterday.", "question": "Dry?", "answers": {"text": ["yes"]}}
+    assert answer_end_byte(dry) is None
 
 
 def long_records(n_reachable: int, n_cut: int) -> list[dict]:
@@ -312,7 +325,8 @@ def contracts_of(tokenizers, anchor=ANCHOR):
 def collate(tokenizers, examples, teacher=False, **overrides):
     settings = dict(max_prompt_bytes=512, max_answer_tokens=16, pad_multiple=32) | overrides
     ds = PromptDataset(examples)
-    return Collator(tokenizers, contracts_of(tokenizers), teacher=teacher, **settings)([ds[i] for i in range(len(ds))]), ds
+    collate = Collator(tokenizers, contracts_of(tokenizers), teacher=teacher, **settings)
+    return collate([ds[i] for i in range(len(ds))]), ds
 
 
 def test_collate_bytes_are_padded_to_a_multiple(tokenizers):

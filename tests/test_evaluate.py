@@ -150,11 +150,12 @@ def test_no_attention_query_of_an_evaluation_sees_no_key(cfg, llms, monkeypatch)
 def test_first_token_accuracy_is_the_readers_argmax_right_after_the_prompt(llms):
     examples = synthetic_examples(8, seed=8)
     for llm in llms.values():
-        answers = [llm.tokenizer(" " + ex["answers"]["text"][0], add_special_tokens=False)["input_ids"] for ex in examples]
+        answers = [llm.tokenizer(" " + ex["answers"]["text"][0], add_special_tokens=False)["input_ids"]
+                   for ex in examples]
         _, _, hits = gen.continuation_nll(llm, gen.text_prompts(llm, examples, None), answers)
         alone = [llm.model(input_ids=torch.tensor([gen.text_prompt_ids(llm, ex, None)])).logits[0, -1].argmax().item()
                  for ex in examples]
-        assert hits == [first == answer[0] for first, answer in zip(alone, answers)]
+        assert hits == [first == answer[0] for first, answer in zip(alone, answers, strict=True)]
         assert any(hits)  # the tiny readers read, so this compares hits too, not only misses
 
 
@@ -188,7 +189,7 @@ def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
     with torch.no_grad():
         training_sums = forward_loss_sums(model.eval(), llms, batch, Objectives())[:, 0]
     counts = target_counts(batch, Objectives())[:, 0]
-    for i, (name, count) in enumerate(zip(batch["answers"], counts.tolist())):
+    for i, (name, count) in enumerate(zip(batch["answers"], counts.tolist(), strict=True)):
         assert sum(r["tokens"][f"wire_{name}"] for r in records) == count
         assert sum(r["nll_sum"][f"wire_{name}"] for r in records) == pytest.approx(training_sums[i].item(), rel=1e-5)
 
@@ -218,7 +219,8 @@ def test_activation_checkpointed_llms_evaluate_alike(cfg):
     examples = synthetic_examples(4, seed=10)
     settings = EvalSettings.of(cfg, text_baselines=False)
     expected = ev.evaluate_wire(wire_encoder(cfg, plain), plain, examples, settings, CPU, 0, 1)
-    assert ev.evaluate_wire(wire_encoder(cfg, wrapped), wrapped, examples, settings, CPU, 0, 1) == pytest.approx(expected)
+    got = ev.evaluate_wire(wire_encoder(cfg, wrapped), wrapped, examples, settings, CPU, 0, 1)
+    assert got == pytest.approx(expected)
 
 
 def summed_nll(llms, prompts, texts) -> list[float]:
@@ -226,7 +228,7 @@ def summed_nll(llms, prompts, texts) -> list[float]:
     total = [0.0] * len(texts)
     for name, llm in llms.items():
         ids = [llm.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        total = [a + b for a, b in zip(total, gen.continuation_nll(llm, prompts[name], ids)[0])]
+        total = [a + b for a, b in zip(total, gen.continuation_nll(llm, prompts[name], ids)[0], strict=True)]
     return total
 
 
@@ -392,7 +394,8 @@ def test_report_has_baselines_compression_and_payload(one_process_report):
     assert report["payload_bytes"] == {"fp32": 16 * 64 * 4, "bf16": 16 * 64 * 2, "int8": 16 * 64 + 16 * 4}
     c = report["compression"]
     for name in LLM_NAMES:
-        assert c[f"compression_{name}"] == pytest.approx(c[f"prompt_tokens_{name}"] / 16) and c[f"compression_{name}"] > 1
+        assert c[f"compression_{name}"] == pytest.approx(c[f"prompt_tokens_{name}"] / 16)
+        assert c[f"compression_{name}"] > 1
         assert f"| {name} | {report['metrics'][f'nll_wire_{name}']:.3f} |" in md
     assert "## Answers" in md and "## Does the wire carry information?" in md and "wire in int8" in md
     m, share = report["metrics"], report["wire_share_of_text"]
@@ -419,12 +422,14 @@ def test_train_logs_periodic_evaluation_equal_to_the_command(tmp_path):
     events.Reload()
     assert [s.step for s in events.Scalars("eval_nll_wire_qwen")] == [2, 4]
 
-    args = ["--ckpt", str(out), "--eval-examples", "24", "--batch-size", "4", "--max-new-tokens", "4", "--out-dir", str(tmp_path)]
+    args = ["--ckpt", str(out), "--eval-examples", "24", "--batch-size", "4", "--max-new-tokens", "4",
+            "--out-dir", str(tmp_path)]
     ok(run_module("latentwire.evaluate", args))
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert {f"eval_{k}": v for k, v in report["metrics"].items() if f"eval_{k}" in logged[4]} == \
         pytest.approx({k: v for k, v in logged[4].items() if k.startswith("eval_")}, rel=1e-6)
-    assert sum(k.startswith("eval_") for k in logged[4]) == 26  # 5 wire inputs x 2 LLMs x (NLL, first token) + EM/F1 x 3
+    # 5 wire inputs x 2 LLMs x (NLL, first token) + EM/F1 x 3
+    assert sum(k.startswith("eval_") for k in logged[4]) == 26
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])

@@ -3,14 +3,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from latentwire.settings import load_config
+from conftest import distilled_collator
 from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset, input_lengths, synthetic_examples
 from latentwire.flops import FlopModel, register_cpu_attention_flops
 from latentwire.llm import load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
-
-from conftest import distilled_collator
+from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
 
@@ -40,7 +39,7 @@ def test_analytic_flops_match_flop_counter(setup, batch_size, pad_multiple, kd):
     settings = (cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, pad_multiple)
     collate = distilled_collator(llms, dataset, objectives, *settings) if kd else Collator.for_llms(llms, *settings)
     batch = collate([dataset[i] for i in range(batch_size)])
-    analytic = FlopModel.of(model, {n: l.model for n, l in llms.items()}, cfg.wire).step_flops([batch])
+    analytic = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg.wire).step_flops([batch])
     measured = counted(model, llms, batch, objectives)
     assert analytic == pytest.approx(measured, rel=0.05)
 
@@ -119,7 +118,7 @@ def test_useful_flops_are_each_row_alone_without_its_padding(setup):
     cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(8, 4))[i] for i in range(6)]
     batch = Collator.for_llms(llms, cfg.data.max_prompt_bytes, 16, 32)(items)
-    flops = FlopModel.of(model, {n: l.model for n, l in llms.items()}, cfg.wire)
+    flops = FlopModel.of(model, {n: llm.model for n, llm in llms.items()}, cfg.wire)
     useful = flops.useful_flops([batch])
     assert useful.dtype == torch.int64 and useful.item() == sum(flops.step_flops([alone(batch, i)]) for i in range(6))
     assert useful.item() < 0.9 * flops.step_flops([batch])

@@ -61,8 +61,9 @@ def test_attention_kernels_follow_the_card_and_the_dtype():
         assert f"sm{capability[0]}{capability[1]}" in why and "math" in why
 
 
-@pytest.mark.parametrize("flags, width", [(["--encoder-dim", "96", "--encoder-heads", "8"], "encoder_dim / encoder_heads = 12"),
-                                          (["--d-z", "200"], "d_z / encoder_heads = 25")])
+@pytest.mark.parametrize("flags, width", [
+    (["--encoder-dim", "96", "--encoder-heads", "8"], "encoder_dim / encoder_heads = 12"),
+    (["--d-z", "200"], "d_z / encoder_heads = 25")])
 def test_head_widths_no_fused_kernel_takes_are_refused_on_cuda_only(flags, width):
     """The encoder's and pooler's masked attention has only the memory-efficient kernel on an sm80+
     card in bf16 (flash takes no mask, math is not allowed), and it needs widths % 8 == 0: refused
@@ -207,13 +208,16 @@ def test_mfu_peak_follows_the_arithmetic_in_use():
     from latentwire.settings import load_config
 
     h100 = load_config(["--profile", "h100"]).card
-    peak = lambda precision, tf32: getattr(h100, "peak_tflops_" + matmul_arithmetic(precision, tf32))
+
+    def peak(precision, tf32):
+        return getattr(h100, "peak_tflops_" + matmul_arithmetic(precision, tf32))
+
     assert peak("bf16", True) == 989.4
     assert peak("fp32", False) == 66.9  # IEEE fp32: TF32 is off
     assert peak("fp32", True) == 494.7
     a100 = load_config(["--profile", "a100-80gb"]).card
     assert getattr(a100, "peak_tflops_" + matmul_arithmetic("fp32", False)) == 19.5
-    assert getattr(load_config(["--profile", "rtx6000ada"]).card, "peak_tflops_fp32") == 91.1
+    assert load_config(["--profile", "rtx6000ada"]).card.peak_tflops_fp32 == 91.1
     v100 = load_config(["--profile", "v100"])
     assert v100.card.peak_tflops_fp16 == 125.0 and not v100.numerics.tf32
 
@@ -335,7 +339,8 @@ def test_random_llm_is_the_configured_architecture_seeded_and_planned_alike(tmp_
     config.write_text(json.dumps(SMALL_LLAMA))
     a, b = (load_frozen_llm("llama", f"random:{config}", torch.float32, CPU) for _ in range(2))
     assert a.model.config.hidden_size == 64 and a.model.config.vocab_size == 4096
-    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))  # every rank alike
+    # every rank alike
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
     assert a.contract.lead == (a.tokenizer.bos_token_id,)  # the Llama family's tokenizer: BOS leads every prompt
     spec = llm_spec("llama", f"random:{config}")
     assert spec.has_bos and spec.config.vocab_size == 4096
@@ -412,4 +417,4 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
         optimizer.zero_grad = lambda set_to_none=True: None
         TRAINING_STEP.run(cfg, model, llms, optimizer, batch, [SDPBackend.MATH])
         grads.append([p.grad for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -75,8 +75,10 @@ def test_the_graph_is_read_from_every_kind_of_import():
 def test_train_py_reaches_the_model_through_its_recipe_alone():
     """Besides the harness, train.py imports the recipe and the memory planner (its elastic batch
     block): what a copy of the loop replaces (docs/loop.md, "Lifting the loop")."""
-    project = {m for m in import_graph()["train"] if m.startswith("latentwire.") and not m.startswith("latentwire.harness")}
-    assert project == {"latentwire.recipe", "latentwire.planner", "latentwire.planner.elastic", "latentwire.planner.step"}
+    project = {m for m in import_graph()["train"]
+               if m.startswith("latentwire.") and not m.startswith("latentwire.harness")}
+    assert project == {"latentwire.recipe", "latentwire.planner", "latentwire.planner.elastic",
+                       "latentwire.planner.step"}
 
 
 def test_no_module_imports_itself_round_a_circle():

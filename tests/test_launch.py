@@ -305,7 +305,7 @@ def run_two_nodes(args, tmp_path, node_env: list[dict], prefix: list[list[str]])
                 os.killpg(node.pid, signal.SIGKILL)
                 node.wait()
     outputs = []
-    for node, files in zip(nodes, logs):
+    for node, files in zip(nodes, logs, strict=True):
         texts = []
         for f in files:
             f.seek(0)

@@ -4,11 +4,11 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from conftest import ALL_TERMS, distilled_collator
-from latentwire.settings import load_config
 from latentwire.dataset import Collator, PromptDataset, label_positions, synthetic_examples
 from latentwire.llm import is_decoder_layer, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
+from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
 ANSWER_CE = Objectives()
@@ -122,7 +122,7 @@ def test_adapters_emit_the_llm_embedding_scale(cfg):
 def test_tiny_llms_are_the_same_every_time_and_different_from_each_other():
     a, b = load_frozen_llm("llama", "tiny", torch.float32, CPU), load_frozen_llm("llama", "tiny", torch.float32, CPU)
     q = load_frozen_llm("qwen", "tiny", torch.float32, CPU)
-    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert a.hidden_size != q.hidden_size and len(a.tokenizer) != len(q.tokenizer)
     assert a.contract.lead == (a.tokenizer.bos_token_id,) and q.contract.lead == ()

@@ -6,17 +6,23 @@ import torch
 import torch.nn.functional as F
 
 import train
-from latentwire.harness.loop_config import OptimizerConfig
-from latentwire.settings import load_config
+from conftest import ALL_TERMS, distilled_collator, full_logits_sums
 from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset, label_positions, synthetic_examples
+from latentwire.harness.loop_config import OptimizerConfig
+from latentwire.harness.precision import sdpa_backends
 from latentwire.head_losses import head_losses
 from latentwire.llm import LLM_NAMES, FrozenLLM, load_frozen_llm
 from latentwire.model import WireEncoder
-from latentwire.objectives import (Objectives, WireTask, first_targets, forward_loss_sums, kd_divergence, llm_term_sums,
-                                   target_counts)
-from latentwire.harness.precision import sdpa_backends
-
-from conftest import ALL_TERMS, distilled_collator, full_logits_sums
+from latentwire.objectives import (
+    Objectives,
+    WireTask,
+    first_targets,
+    forward_loss_sums,
+    kd_divergence,
+    llm_term_sums,
+    target_counts,
+)
+from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
 
@@ -177,8 +183,8 @@ def test_the_head_runs_at_the_labels_a_chunk_at_a_time_and_takes_no_weight_gradi
     together exactly the labelled positions (padded to their multiple), and no matmul makes a
     head-shaped gradient: the frozen head's weight gets none. No tensor of logits beyond a chunk's
     is ever made, in fp32 or not (the teacher's targets, gathered at the same positions, aside)."""
-    from torch.utils._pytree import tree_leaves
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     class Outputs(TorchDispatchMode):
         def __init__(self):

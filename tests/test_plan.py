@@ -8,25 +8,25 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
+from conftest import assert_one_line_error, distilled_collator, instruct_reader, ok, run_module
+from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset
+from latentwire.find_batch import Probe
+from latentwire.harness.errors import UserError, main_guard
+from latentwire.harness.layout import scaled_lr
+from latentwire.harness.precision import frozen_weight_dtype
+from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
+from latentwire.llm import build_frozen_llm, is_decoder_layer, load_frozen_llm
+from latentwire.llm_sources import llm_spec
 from latentwire.parallelize import prepare_frozen_llms
+from latentwire.plan import TRAINING_STEP
+from latentwire.plan import main as plan_main
 from latentwire.planner.analytic import optimizer_state_bytes, static_memory
 from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
-from latentwire.settings import load_config
-from latentwire.harness.errors import UserError, main_guard
-from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset
-from latentwire.harness.layout import scaled_lr
 from latentwire.planner.elastic import elastic_batch
-from latentwire.find_batch import Probe
-from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
-from latentwire.llm_sources import llm_spec
-from latentwire.llm import build_frozen_llm, is_decoder_layer, load_frozen_llm
-from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, cuda_kernels, fake_llms, planning_batch
-from latentwire.plan import TRAINING_STEP, main as plan_main
 from latentwire.planner.memory_plan import make_plan, planned_rows
-from latentwire.harness.precision import frozen_weight_dtype
+from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, cuda_kernels, fake_llms, planning_batch
 from latentwire.prompting import CHAT_FRAMING_TOKENS, DEFAULT_ANCHOR, PromptFormat
-
-from conftest import assert_one_line_error, distilled_collator, instruct_reader, ok, run_module
+from latentwire.settings import load_config
 
 LLAMA_3_1_8B_PARAMS = 8_030_261_248  # the published counts
 QWEN_2_5_7B_PARAMS = 7_615_616_512
@@ -112,8 +112,8 @@ def test_planning_batch_is_the_longest_the_collator_emits():
     dataset = PromptDataset([long_example] * 3)
     collated = distilled_collator(llms, dataset, cfg.objectives, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens,
                                   cfg.data.pad_multiple)([dataset[i] for i in range(3)])
-    planned = planning_batch(cfg.data, cfg.objectives, {n: (len(l.contract.lead), len(l.contract.tail),
-                                                            len(l.tokenizer)) for n, l in llms.items()}, 3)
+    planned = planning_batch(cfg.data, cfg.objectives, {n: (len(llm.contract.lead), len(llm.contract.tail),
+                                                            len(llm.tokenizer)) for n, llm in llms.items()}, 3)
     assert planned["bytes"].shape == collated["bytes"].shape
     assert torch.equal(planned["byte_mask"], collated["byte_mask"])
     for name in llms:
@@ -132,7 +132,7 @@ def test_the_planning_batch_holds_word_patched_prompts():
     llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
     dataset = PromptDataset([{"context": "a " * 200, "question": "Which?", "answers": {"text": ["a"]}}])
     collated = Collator.for_llms(llms, 300, 16, 32, word_patch=cfg.wire.word_patch)([dataset[0]])
-    rows = {n: (len(l.contract.lead), len(l.contract.tail), len(l.tokenizer)) for n, l in llms.items()}
+    rows = {n: (len(llm.contract.lead), len(llm.contract.tail), len(llm.tokenizer)) for n, llm in llms.items()}
     planned = planning_batch(cfg.data, cfg.objectives, rows, 1, word_patch=cfg.wire.word_patch)
     assert collated["bytes"].shape[1] > 2 * 280 and planned["bytes"].shape[1] >= collated["bytes"].shape[1]
 

@@ -23,7 +23,7 @@ MICRO_BATCH = 2
 BASE = ["--profile", "cpu", "--precision", "fp32", "--activation-checkpointing", "true", "--max-prompt-bytes", "384",
         "--micro-batch-size", str(MICRO_BATCH)]
 SETTINGS = {"--kd-weight": ("1", "0"), "--chat-template": ("auto", "false"), "--word-patches": ("true", "false")}
-COMBINATIONS = [[flag for pair in zip(SETTINGS, values) for flag in pair]
+COMBINATIONS = [[flag for pair in zip(SETTINGS, values, strict=True) for flag in pair]
                 for values in itertools.product(*SETTINGS.values())]
 
 

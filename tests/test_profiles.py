@@ -8,13 +8,12 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from latentwire.settings import load_config
+from conftest import REPO, full_logits_sums
 from latentwire.objectives import WireTask
 from latentwire.plan import TRAINING_STEP
 from latentwire.planner.budget import GIB, Fit, fit_line
 from latentwire.planner.memory_plan import make_plan
-
-from conftest import REPO, full_logits_sums
+from latentwire.settings import load_config
 
 HW_PROFILES = REPO / "hw_profiles.json"
 
@@ -46,7 +45,7 @@ def plans() -> dict[str, tuple[int, int, Fit]]:
     (6-21 s a profile), so on CI's two cores that nearly halves the nine plans' wall time."""
     keys = gpu_profiles()
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return dict(zip(keys, pool.map(planned, keys)))
+        return dict(zip(keys, pool.map(planned, keys), strict=True))
 
 
 @pytest.mark.slow

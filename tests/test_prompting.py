@@ -76,7 +76,7 @@ def test_the_teacher_logits_are_the_readers_own_on_each_unpadded_text_prompt(llm
         assert len(set(rows["text_mask"].sum(1).tolist())) > 1  # the prompts really are padded
         teacher = llm.teacher_logits(rows["text_ids"], rows["text_mask"], rows["input_ids"])
         assert teacher.shape[1] == rows["input_ids"].shape[1] + 1
-        for r, (example, answer) in enumerate(zip(examples, gen.answer_ids(rows))):
+        for r, (example, answer) in enumerate(zip(examples, gen.answer_ids(rows), strict=True)):
             alone = torch.tensor([gen.text_prompt_ids(llm, example, None) + answer])
             logits = llm.model(input_ids=alone).logits[0, -(len(answer) + 1):]
             start = len(llm.contract.tail)  # the kept logit that predicts the answer's first token (see the labels)

@@ -8,7 +8,17 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-from conftest import RUN, SMALL_LLAMA, assert_same_run, evaluate_cli, final_weights, ok, read_metrics, run_module, run_train
+from conftest import (
+    RUN,
+    SMALL_LLAMA,
+    assert_same_run,
+    evaluate_cli,
+    final_weights,
+    ok,
+    read_metrics,
+    run_module,
+    run_train,
+)
 
 # Two ranks, accumulation 2, fp32 without dropout, the decoder layers recomputed in backward as on
 # the GPU profiles; the last step evaluates, which under fsdp must make the same LLM calls on every
@@ -59,7 +69,8 @@ def test_stop_and_resume_under_fsdp_is_bitwise_exact(runs, saved_reader, tmp_pat
 def test_the_memory_plan_holds_what_a_sharded_rank_holds(runs, saved_reader, tmp_path):
     """The plan computes the shards (padding included) and the all-gathered units rather than
     tracing them: its frozen bytes per rank are what rank 0 of the real run holds."""
-    ok(run_module("latentwire.plan", ["--profile", "cpu", "--qwen", str(saved_reader), "--frozen-sharding", "fsdp", "--json", str(tmp_path / "p.json")]))
+    ok(run_module("latentwire.plan", ["--profile", "cpu", "--qwen", str(saved_reader), "--frozen-sharding", "fsdp",
+                                      "--json", str(tmp_path / "p.json")]))
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["world_size"] == 2 and plan["frozen_sharding"] == "fsdp"  # the cpu profile's num_gpus
     assert plan["params_frozen_bytes"] / 2 ** 20 == pytest.approx(held_mib(runs["fsdp"][1]), abs=0.006)
@@ -149,10 +160,9 @@ def test_backward_gathers_every_decoder_layer_and_never_the_embedding_table(fake
     it) and nothing that backward does not use: FSDP2's default prefetch would gather the embedding
     table, the unit that ran before layer 0, at the end of every backward (2.5 GB for Qwen2.5-7B's);
     nor the head, gathered once for the loss, which takes there what backward needs."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup, TrainingState
     from torch.distributed.tensor import DTensor
-
-    from torch.distributed.fsdp import fully_shard
 
     from latentwire.dataset import label_positions
     from latentwire.llm import build_frozen_llm, fsdp_units, read_weights, skip_unused_backward_gathers

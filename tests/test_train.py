@@ -1,4 +1,5 @@
 """train.py end to end: the correctness rules of DESIGN.md, checked from the outside."""
+import itertools
 import json
 import math
 import re
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from conftest import ALL_TERMS_FLAGS, EXACT, FAST, final_weights, max_rel_diff, ok, read_metrics, run_train
-from latentwire.settings import load_config
 from latentwire.llm import build_frozen_llms
+from latentwire.settings import load_config
 
 # The cpu profile's shape and batch before November 2026 (one encoder layer, 16 x 1 x 2 since): what the
 # counts and measurements in the bf16 and compile-under-DDP tests were made for.
@@ -189,7 +190,7 @@ def test_bf16_autocast_tracks_fp32_and_needs_no_scaler(tmp_path):
     assert bf16[0]["loss"] != fp32[0]["loss"]  # it really ran in bf16
     for run in (fp32, bf16):
         losses = [m["loss"] for m in run]
-        assert len(losses) == 3 and all(b < a for a, b in zip(losses, losses[1:])), losses
+        assert len(losses) == 3 and all(b < a for a, b in itertools.pairwise(losses)), losses
     assert scaler_state(runs["bf16"]) == {} and scaler_state(runs["fp32"]) == {}
 
 
@@ -292,7 +293,8 @@ def test_compiled_loss_equals_eager_under_ddp_with_checkpointing(tmp_path):
     for name in ("eval_nll_wire_llama", "eval_nll_wire_qwen"):
         assert b[name] == pytest.approx(a[name], rel=1e-4)
     rank0 = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]")]
-    buckets = [int(n) for line in rank0 for n in re.findall(r"DDPOptimizer used bucket cap \d+ and created (\d+)", line)]
+    buckets = [int(n) for line in rank0
+               for n in re.findall(r"DDPOptimizer used bucket cap \d+ and created (\d+)", line)]
     assert buckets == [1, 1, 1], "\n".join(rank0)  # the block, its maskless variant, the pooler: none split
     assert sum("Recompiling function" in line for line in rank0) == 2
     assert not any("Graph break" in line for line in rank0)

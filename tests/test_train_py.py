@@ -26,7 +26,8 @@ def docstring_lines(tree: ast.Module) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
                 lines.update(range(first.lineno, first.end_lineno + 1))
     return lines
 
@@ -83,7 +84,8 @@ def lifted(source: str) -> str:
     toy's recipe named in place of LatentWire's, and the elastic batch block (LatentWire's memory
     planner) taken out with its imports."""
     source = source.replace("from latentwire.harness.", "from harness.")
-    source = source.replace("from latentwire.recipe import LatentWire as Recipe", "from toy_recipe import Toy as Recipe")
+    source = source.replace("from latentwire.recipe import LatentWire as Recipe",
+                            "from toy_recipe import Toy as Recipe")
     source = re.sub(r"from latentwire\.planner\.\w+ import \w+\n", "", source)
     return re.sub(r"\n *# --- Elastic batch.*?\n *di\.say\(why\)\n", "\n", source, flags=re.DOTALL)
 

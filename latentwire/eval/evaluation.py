@@ -107,7 +107,8 @@ def add_nll(records: list[dict], key: str, llms: dict, prompts: dict, targets: d
             record["first_token"][f"{key}_{name}"] = float(hit)
 
 
-def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]], settings: EvalSettings) -> None:
+def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]],
+                settings: EvalSettings) -> None:
     answers = {name: [decode_answer(llm.tokenizer, ids) for ids in
                       greedy_generate(llm, prompts[name], settings.max_new_tokens, stop_together=settings.lockstep)]
                for name, llm in llms.items()}
@@ -136,8 +137,8 @@ def gather_records(local: list[dict], world: int) -> list[dict]:
     return sorted((r for part in parts for r in part), key=lambda r: r["index"])
 
 
-def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], settings: EvalSettings, device: torch.device,
-                      rank: int, world: int) -> list[dict] | None:
+def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], settings: EvalSettings,
+                      device: torch.device, rank: int, world: int) -> list[dict] | None:
     """Per-example records of all `examples`, on every rank, or None when `settings.stop` stopped it. A
     collective when distributed."""
     collate = Collator.for_llms(llms, settings.max_prompt_bytes, settings.max_answer_tokens, settings.pad_multiple,

@@ -82,7 +82,8 @@ def build_report(ckpt: Path, step, cfg, dataset: str, held_out: str, examples: l
         "wire_vs_controls": margins,
         "wire_carries_information": {name: all(m["margin"] > SIGNIFICANT_SE * m["se"] for m in by_control.values())
                                      for name, by_control in margins.items()},
-        "wire_share_of_text": {who: share_of_text(metrics, who) for who in (*llms, "joint")} if settings.text_baselines else {},
+        "wire_share_of_text": ({who: share_of_text(metrics, who) for who in (*llms, "joint")}
+                               if settings.text_baselines else {}),
         "compression": compression(llms, examples, cfg.wire.num_latents),
         "payload_bytes": payload_bytes(cfg.wire.num_latents, cfg.wire.d_z),
         "answers": [{"index": r["index"], "question": examples[r["index"]]["question"],
@@ -121,7 +122,8 @@ def markdown(report: dict) -> str:
         for who in (*names, "joint"):
             first, nll = ((f"{m[f'first_token_{key}_{who}']:.1f}", f"{m[f'nll_{key}_{who}']:.3f}") if who != "joint"
                           else ("", ""))
-            lines.append(f"| {label} | {who} | {m[f'em_{key}_{who}']:.1f} | {m[f'f1_{key}_{who}']:.1f} | {first} | {nll} |")
+            lines.append(f"| {label} | {who} | {m[f'em_{key}_{who}']:.1f} | {m[f'f1_{key}_{who}']:.1f} "
+                         f"| {first} | {nll} |")
     lines += [
         "",
         "## The wire's share of the text baseline",

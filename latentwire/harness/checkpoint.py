@@ -78,7 +78,7 @@ def _fsync_dir(path: Path) -> None:
 def first_non_finite(weights: dict) -> str | None:
     """The name of the first tensor holding a NaN or an inf; all are checked in one host sync."""
     finite = torch.stack([torch.isfinite(t).all() for t in weights.values()]).tolist()
-    return next((name for name, ok in zip(weights, finite) if not ok), None)
+    return next((name for name, ok in zip(weights, finite, strict=True) if not ok), None)
 
 
 def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, meta: dict, rank: int) -> Path:

@@ -107,9 +107,11 @@ class Schema:
         """A `--field-name` flag for every field, None unless given; its help shows the value in
         `shown` (a profile's), if any."""
         for name, spec in self.fields.items():
-            value = f" ({shown['profile']}: {_as_flag(shown['values'][name])})" if name in shown.get("values", {}) else ""
+            value = (f" ({shown['profile']}: {_as_flag(shown['values'][name])})" if name in shown.get("values", {})
+                     else "")
             parser.add_argument("--" + name.replace("_", "-"), dest=name, type=_flag_type(spec), default=None,
-                                metavar=_metavar(spec), help=(spec.help + value).replace("%", "%%"))  # argparse formats help
+                                metavar=_metavar(spec),
+                                help=(spec.help + value).replace("%", "%%"))  # argparse formats help
 
     def with_flags(self, values: dict, args: argparse.Namespace) -> dict:
         """A resolved profile's `values` with the flags given in `args` over them, every rule checked."""

@@ -110,9 +110,10 @@ def static_memory(frozen_params: int, trainable: list[tuple[int, ...]] | int, pr
 
 
 def format_static(m: StaticMemory) -> list[str]:
-    per_param = lambda nbytes, n: f"{nbytes / n:.2f}" if n else "-"
-    row = lambda name, n, nbytes: (f"  {name:<34}{n:>16,}{per_param(nbytes, n):>8}"
-                                   f"{nbytes / GB:>10.2f}{nbytes / GIB:>10.2f}")
+    def row(name: str, n: int, nbytes: int) -> str:
+        per_param = f"{nbytes / n:.2f}" if n else "-"
+        return f"  {name:<34}{n:>16,}{per_param:>8}{nbytes / GB:>10.2f}{nbytes / GIB:>10.2f}"
+
     lines = [f"  {'':<34}{'parameters':>16}{'B/param':>8}{'GB':>10}{'GiB':>10}",
              row(f"frozen weights ({m.precision})", m.frozen_params, m.frozen),
              row("trainable weights (fp32)", m.trainable_params, m.trainable),
@@ -121,5 +122,6 @@ def format_static(m: StaticMemory) -> list[str]:
     lines.append(f"  {'static total per GPU':<34}{'':>24}{m.total / GB:>10.2f}{m.total / GIB:>10.2f}")
     lines.append(f"  optimizer: {OPTIMIZERS[m.optimizer]}")
     if m.optimizer == "adafactor" and not m.shapes_known:
-        lines.append("  (a bare parameter count is taken as one vector: Adafactor's factored state for matrices is far smaller)")
+        lines.append("  (a bare parameter count is taken as one vector: Adafactor's factored state for matrices is "
+                     "far smaller)")
     return lines

@@ -59,8 +59,11 @@ class Budget:
         return (self.target_bytes - self.fixed_reserve + self.fragmentation * weight_bytes) / (1 + self.fragmentation)
 
     def lines(self) -> list[str]:
-        gib = lambda n: f"{n / GIB:.2f} GiB"
-        return [f"card {gib(self.card_bytes)} x target_util {self.target_util:g} = {gib(self.target_bytes)}, of which reserved:",
+        def gib(n: float) -> str:
+            return f"{n / GIB:.2f} GiB"
+
+        return [f"card {gib(self.card_bytes)} x target_util {self.target_util:g} = {gib(self.target_bytes)}, "
+                "of which reserved:",
                 f"  CUDA context, cuBLAS/cuDNN workspaces, loaded kernels  {gib(self.cuda_context)}",
                 f"  NCCL buffers (more than one rank)                      {gib(self.nccl)}",
                 f"  DDP gradient buckets (more than one rank)              {gib(self.ddp_buckets)}",
@@ -96,10 +99,10 @@ def fit_line(points: dict[int, float]) -> Fit:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     fixed = my - slope * mx
     ss_tot = sum((y - my) ** 2 for y in ys)
-    ss_res = sum((y - fixed - slope * x) ** 2 for x, y in zip(xs, ys))
+    ss_res = sum((y - fixed - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
     return Fit(fixed, slope, 1.0 if ss_tot == 0 else 1 - ss_res / ss_tot)
 
 

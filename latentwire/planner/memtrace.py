@@ -26,10 +26,10 @@ from torch.utils._pytree import tree_leaves
 
 from ..dataset import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, padded_positions, round_up
 from ..distillation import target_width
+from ..harness.precision import frozen_weight_dtype, sdpa_backends
 from ..llm import FrozenLLM, build_model, freeze
 from ..model import WireEncoder
 from ..objectives import Objectives
-from ..harness.precision import frozen_weight_dtype, sdpa_backends
 from .step import TrainingStep
 
 CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
@@ -38,7 +38,8 @@ CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _Mem
 
 
 def planning_batch(data: DataConfig, objectives: Objectives, answers: dict[str, tuple[int, int, int]],
-                   micro_batch: int, device: torch.device = torch.device("cpu"), word_patch: int = 0) -> dict:
+                   micro_batch: int, device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
+                   word_patch: int = 0) -> dict:
     """The largest batch `data.Collator` can emit for this configuration.
 
     Every prompt is cut at max_prompt_bytes and every answer at max_answer_tokens, padded as the
@@ -97,7 +98,8 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if attn_mask is None:  # the LLMs: causal, no mask; flash reads grouped K/V heads as they are
         return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
                                                                   scale=scale)[0]
-    # The encoder's padded attention (a step runs no masked LLM attention, so no grouped heads). As on CUDA: the boolean mask becomes an additive bias in the query's dtype, broadcast (a view).
+    # The encoder's padded attention (a step runs no masked LLM attention, so no grouped heads). As on
+    # CUDA: the boolean mask becomes an additive bias in the query's dtype, broadcast (a view).
     bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~attn_mask, float("-inf"))
     bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p,

@@ -138,8 +138,8 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     checkpointer = Checkpointer(tmp_path, rank=0, keep=2, meta={"config": {"lr": 0.1}}, model=model,
-                                optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4),
-                                scaler=torch.amp.GradScaler("cpu", enabled=False))
+                                optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                                scheduler=torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4))
     data = {"dataset": "rows", "examples": 16, "fingerprint": "0"}
     for step in (1, 2):
         newest = checkpointer.save(TrainState(step, 0, 8 * step, layout=(1, 8, 1), data=data))
