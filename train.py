@@ -147,7 +147,6 @@ class Run:
     logger: MetricsLogger
     profiler: object
     on_disk: int | None  # the step whose checkpoint exists already (a resumed run's)
-    exit_after_save: SystemExit | None
 
 
 def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run | None:
@@ -263,13 +262,10 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     # A few steps after the first (compile, allocator warm-up), not the run: one trace per rank.
     profiler = (torch.profiler.profile(**profiler_options(cfg.profiler, out_dir, rank, device))
                 if cfg.profiler.enabled else NoProfiler())
-    # --- A signal while building: save at once, not after the first step's compile --------------------
-    code = stop.on_any_rank(device)
     return Run(recipe=recipe, model=model, ddp_model=ddp_model, task=task, amp_dtype=amp_dtype,
                attention_backends=attention_backends, scaler=scaler, optimizer=optimizer, scheduler=scheduler,
                checkpointer=checkpointer, state=state, batches=batches, snapshots=snapshots, meter=meter,
-               logger=logger, profiler=profiler, on_disk=state.step if cfg.run.resume else None,
-               exit_after_save=stopped(code, stop, state.step, di.is_main) if code else None)
+               logger=logger, profiler=profiler, on_disk=state.step if cfg.run.resume else None)
 
 
 def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
@@ -277,7 +273,10 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
     divergence; every way out saves the same way."""
     device, world, steps, state = di.device, di.world_size, cfg.training.max_steps, run.state
     global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * world
-    exit_after_save, skipped, bad_in_a_row = run.exit_after_save, 0, 0
+    # --- A signal while building: save at once, not after the first step's compile --------------------
+    code = stop.on_any_rank(device)
+    exit_after_save = stopped(code, stop, state.step, di.is_main) if code else None
+    skipped, bad_in_a_row = 0, 0
     run.model.train()
     # closing(batches): every way out, a failure included, stops the loader's workers at once.
     with run.profiler, closing(run.batches), out_of_memory(Recipe.memory_advice(cfg.run.profile),
