@@ -1,10 +1,11 @@
 """Compile time: the whole step as one graph versus one graph per repeated region.
 
-Two ways to torch.compile train.py's step, same shape settings (`latentwire.compiling.stable_shapes`:
-dynamic sizes, no duck sizing, constant floats) and the same compile mode:
+Two ways to torch.compile train.py's step, same shape settings
+(`latentwire.harness.compiling.stable_shapes`: dynamic sizes, no duck sizing, constant floats) and
+the same compile mode:
 - whole:    torch.compile(forward_loss_sums): one graph, every decoder layer of both LLMs unrolled
             in it (how train.py compiled before);
-- regional: train.py's compile blocks (`prepare_frozen_llms` and `wire_regions`): each decoder
+- regional: what train.py compiles (`latentwire.parallelize`: `prepare_frozen_llms`, `wire_regions`): each decoder
             layer (inside its activation checkpointing wrapper), each byte-encoder block and the
             pooler compiled on their own; the layers of one LLM share one graph.
 Each runs in a fresh process with an empty inductor cache directory, so neither finds graphs or
@@ -113,7 +114,7 @@ def whole_step(mode: str, backend: str):
 
 
 def regional_step(model, llms: dict, mode: str, backend: str):
-    """train.py's compile blocks: each of the step's regions compiled on its own, the decoder layers
+    """What train.py compiles: each of the step's regions compiled on its own, the decoder layers
     by train.py's own prepare_frozen_llms."""
     prepare_frozen_llms(llms, checkpointing=False, compile_options=compile_kwargs(mode, backend), mesh=None,
                               device=None)

@@ -67,6 +67,21 @@ def block_titles(source: str) -> list[str]:
             for line in source.splitlines() if re.match(r"\s*# --- ", line)]
 
 
+def test_each_block_says_why_in_at_most_three_lines():
+    """A labelled block is a title line and at most three lines of why; the long story lives in
+    the module that does the work."""
+    lines = TRAIN_PY.splitlines()
+    long = []
+    for i, line in enumerate(lines):
+        if re.match(r"\s*# --- ", line):
+            why = 0
+            while i + 1 + why < len(lines) and re.match(r"\s*#(?! ---)", lines[i + 1 + why]):
+                why += 1
+            if why > 3:
+                long.append(line.strip())
+    assert not long, long
+
+
 def test_docs_list_the_blocks_of_train_py_in_its_order():
     table = re.search(r"\| block in `train.py` \| why \|\n\|---\|---\|\n((?:\|.*\n)+)",
                       (REPO / "docs" / "loop.md").read_text()).group(1)
@@ -102,6 +117,9 @@ def test_lifting_changes_few_lines_of_train_py_beyond_its_imports():
                                                      lineterm="", n=0)
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     assert 0 < len(changed) <= MAX_LIFT_LINES, changed
+    said = [int(n) for n in re.findall(r"(\d+) lines of\s+`train.py`", (REPO / "docs" / "loop.md").read_text() +
+                                       (REPO / "README.md").read_text())]
+    assert len(said) == 2 and all(n == len(changed) for n in said), (said, len(changed))  # the docs' count is this one
     _, code = comment_and_code_lines(copy)
     assert not [line for i, line in enumerate(copy.splitlines(), 1) if i in code and "latentwire" in line]
 
