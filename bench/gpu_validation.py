@@ -22,8 +22,11 @@ from its error line to its exit. Every run entry has `mfu`, `hfu` (the recompute
 
 The next lent H100 runs the levers: `python bench/gpu_validation.py --levers --out $OUT --deadline
 480` with a 540 s timeout, about 8 minutes of parts after the machine's 1-2 minutes of start
-(expected: baseline 75 s, no recompute 70 s, each FP8 run 75 s where train.py has --frozen-fp8,
-the profile 55 s, the failing run 25 s); the plans it reads are shipped.
+(expected: baseline 75 s, no recompute 70 s, each FP8 run 75 s, the profile 55 s, the failing run
+25 s); the plans it reads are shipped. The card has no network and no torchao: the FP8 parts need
+its wheel carried with the tree (`pip download --no-deps -r requirements-fp8.txt -d .whl` here,
+then on the card `pip install --no-deps --target /tmp/site .whl/*.whl` and
+`PYTHONPATH=/tmp/site`), else they are recorded as refused.
 
 A lent GPU gives minutes, and a command stopped at its limit returns only the files it had already
 written, so nothing waits for the end: each part runs in its own process group, under
