@@ -104,8 +104,8 @@ def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
     """Every input checked before anything heavy loads or anything on disk changes, and the batch
     this world runs: the configuration returned is final."""
     out_dir = Path(cfg.output.out_dir)
-    run, why = requeued(cfg.run, out_dir)  # resumed where it saved, started where it never did
-    cfg = replace(cfg, run=run)
+    flags, why = requeued(cfg.run, out_dir)  # resumed where it saved, started where it never did
+    cfg = replace(cfg, run=flags)
     di.say(why)
     check_out_dir(out_dir, cfg.run.resume, cfg.run.overwrite)
     init = init_checkpoint(cfg)
@@ -113,7 +113,7 @@ def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
         check_init_from(init, cfg.to_dict(), cfg.WEIGHT_FIELDS)
     if cfg.compile.enabled:
         check_can_create(compile_cache(cfg), "compile_cache")
-    # --- The profile's batch on this world size: kept where it splits, else the lr follows (harness.layout) --
+    # --- The profile's batch on this world size: kept where it splits, else the lr follows --------
     cfg, why = laid_out(cfg, di.world_size)
     di.say(why)
     # --- Elastic batch: the micro-batch from the memory plan of this very configuration -----------
