@@ -45,8 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-import train
 from common import summary
+
+# isort: split
+import train  # found through the repository path that common puts on sys.path
 from latentwire.dataset import Collator, DataSources, PromptDataset
 from latentwire.fp8 import convert_frozen_linears, convertible_linears, fp8_linears
 from latentwire.harness.data import to_device

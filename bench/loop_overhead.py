@@ -34,8 +34,10 @@ from pathlib import Path
 
 import torch
 
-import train  # found through the repository path that common puts on sys.path
 from common import STEPS_ONLY, bare_step, build_model, cpu_config, make_loader, median, parse_settings, summary
+
+# isort: split
+import train  # found through the repository path that common puts on sys.path
 
 
 @dataclass(frozen=True)
