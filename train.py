@@ -172,7 +172,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     if tf32:
         torch.set_float32_matmul_precision("high")  # not fp32_precision = "tf32": max-autotune reads this one
 
-    # --- Fused attention kernels: train_step's sdpa_kernel(attention_backends)  ----------------------
+    # --- Fused attention kernels: train_step's sdpa_kernel(attention_backends) -----------------------
     # On sm80+ in bf16/fp16 only flash and memory-efficient: a silent fallback to the O(L^2)-memory
     # math kernel becomes an error (harness.precision.sdpa_backends says why, cuDNN included).
     attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.numerics.precision))
