@@ -11,10 +11,10 @@ from __future__ import annotations
 import random
 
 import torch
-import torch.distributed as dist
 
 from ..dataset import Collator, PromptDataset
 from ..harness.data import to_device
+from ..harness.distributed import gather_objects
 from ..harness.precision import AMP_DTYPES
 from ..model import WireEncoder
 from .generation import (
@@ -132,9 +132,7 @@ def gather_records(local: list[dict], world: int) -> list[dict]:
     """Every rank's records on every rank, in example order (`world` ranks share the examples)."""
     if world == 1:
         return local
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    return sorted((r for part in parts for r in part), key=lambda r: r["index"])
+    return sorted((r for part in gather_objects(local) for r in part), key=lambda r: r["index"])
 
 
 def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], settings: EvalSettings,

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from .distributed import gather_objects
 from .errors import CheckpointWriteFailed, Diverged, UserError
 
 STEP_PREFIX = "step_"
@@ -141,11 +141,7 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
 
 def _first_failure(failed: str | None) -> str | None:
     """Collective: the first rank's failure of a phase, on every rank (also its barrier)."""
-    if not dist.is_initialized():
-        return failed
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failed)
-    return next((f for f in failures if f is not None), None)
+    return next((f for f in gather_objects(failed) if f is not None), None)
 
 
 def _write_failed(tmp: Path, final: Path, error: Exception, rank: int) -> CheckpointWriteFailed:

@@ -124,6 +124,16 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def gather_objects(obj) -> list:
+    """Every rank's `obj` (a picklable value), in rank order, on every rank; [obj] in a world of one.
+    all_gather_object works on gloo and NCCL alike."""
+    if not dist.is_initialized():
+        return [obj]
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
 def broadcast_from_main(obj):
     """Rank 0's `obj` (a picklable value) on every rank; itself in a world of one."""
     if not dist.is_initialized():

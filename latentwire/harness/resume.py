@@ -21,9 +21,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import torch.distributed as dist
-
 from .checkpoint import META, WEIGHTS, Checkpointer, CorruptCheckpoint, TrainState, list_checkpoints, load_checkpoint
+from .distributed import gather_objects
 from .errors import UserError
 
 # --- the training data's identity ------------------------------------------------------------------
@@ -68,15 +67,6 @@ def no_checkpoint(out_dir: Path) -> UserError:
     return UserError(f"no usable checkpoint to resume from in {Path(out_dir) / 'checkpoints'}: there is none")
 
 
-def _on_every_rank(ok: bool) -> bool:
-    """Collective: whether `ok` holds on every rank (all_gather_object works on gloo and NCCL)."""
-    if not dist.is_initialized():
-        return ok
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, ok)
-    return all(flags)
-
-
 def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
     """Collective: the newest checkpoint that every rank loads (each reads its own RNG file, so
     ranks can disagree; they must not resume from different steps). A partial or corrupt newer one
@@ -87,7 +77,7 @@ def load_newest_checkpoint(out_dir: Path, rank: int, warn) -> dict:
             ckpt, reason = load_checkpoint(path, rank), None
         except CorruptCheckpoint as e:
             ckpt, reason = None, str(e)
-        if not _on_every_rank(ckpt is not None):
+        if not all(gather_objects(ckpt is not None)):  # a collective: every rank the same checkpoint
             unreadable.append(reason or f"{path}: unreadable on another rank")
             continue
         for reason in unreadable:
