@@ -237,9 +237,10 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
             return None
 
     # --- The loader: workers collate while the model computes -----------------------------------------
-    # Work done once per example (LatentWire's distillation targets) covers the examples the run's
-    # steps draw, which the sampler decides in advance.
-    collate = recipe.collator(run_examples(len(recipe.dataset), seed=seed, state=state, steps=steps))
+    # Work done once per example (LatentWire's distillation targets), in the step's numerics, covers
+    # the examples the run's steps draw, which the sampler decides in advance.
+    with sdpa_kernel(attention_backends), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        collate = recipe.collator(run_examples(len(recipe.dataset), seed=seed, state=state, steps=steps))
     loader = make_loader(recipe.dataset, sampler, collate, micro_batch_size=micro, num_workers=cfg.loader.num_workers,
                          prefetch_factor=cfg.loader.prefetch_factor, device_type=device.type, seed=seed + rank)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, micro * accum * world)

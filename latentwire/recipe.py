@@ -17,7 +17,6 @@ import torch
 import transformers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.nn.attention import sdpa_kernel
 
 from .dataset import Collator, DataSources, PromptDataset, TrainingSet
 from .distillation import describe_targets, teacher_targets
@@ -27,7 +26,7 @@ from .flops import FlopModel
 from .fp8 import check_fp8, describe_fp8
 from .harness.compiling import stable_shapes
 from .harness.distributed import DistInfo
-from .harness.precision import AMP_DTYPES, cuda_capability, frozen_weight_dtype, sdpa_backends
+from .harness.precision import frozen_weight_dtype
 from .llm import build_frozen_llms, describe_prompts, held_per_rank
 from .model import WireEncoder, count_parameters
 from .objectives import WireTask, forward_loss_sums
@@ -53,9 +52,6 @@ class LatentWire:
                               else [])
         self.dataset = PromptDataset(self.training.examples)
         self.data_identity, self.data_facts = self.training.identity(), self.training.facts()
-        # The step's numerics, for the teacher's one-off pass.
-        self.amp_dtype = AMP_DTYPES[cfg.numerics.precision]
-        self.attention, _ = sdpa_backends(cuda_capability(di.device), frozen_weight_dtype(cfg.numerics.precision))
         self.sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
         self.di.say(f"data: {self.training.summary(data.max_prompt_bytes)}; "
                     f"held out: {sources.describe_held_out(held_out)}")
@@ -99,15 +95,14 @@ class LatentWire:
 
     def teacher_targets(self, visited: list[int]) -> dict | None:
         """The teacher's targets (latentwire.distillation): each rank computes a share, gathered to
-        all; eagerly (a one-off pass), in the step's autocast and attention kernels. None when a
-        signal stopped the pass: the run then saves where it stands and leaves, as a signal while
-        loading does."""
+        all; eagerly (a one-off pass), in the step's autocast and attention kernels, which train.py
+        sets around `collator`. None when a signal stopped the pass: the run then saves where it
+        stands and leaves, as a signal while loading does."""
         cfg, di, data = self.cfg, self.di, self.cfg.data
         started = time.perf_counter()
         rows = Collator.for_llms(self.llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
                                  teacher=True)
-        with torch.compiler.set_stance("force_eager"), sdpa_kernel(self.attention), \
-                torch.autocast(di.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+        with torch.compiler.set_stance("force_eager"):
             targets = teacher_targets(self.llms, self.dataset, rows, visited, k=cfg.objectives.k_tokens,
                                       temperature=cfg.objectives.kd_temperature, top_k=cfg.objectives.kd_top_k,
                                       batch_size=cfg.training.micro_batch_size, device=di.device, rank=di.rank,

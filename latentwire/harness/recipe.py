@@ -62,7 +62,8 @@ class Recipe(Protocol):
 
     def collator(self, visited: list[int]) -> Callable[[list], dict]:
         """The DataLoader's collate function; any work done once per example before training
-        (distillation targets, say) is done here, for the examples the run draws (`visited`)."""
+        (distillation targets, say) is done here, for the examples the run draws (`visited`), in the
+        step's autocast and attention kernels (train.py calls it inside them)."""
 
     def step_flops(self, micro_batches: list[dict]) -> float:
         """The model's FLOPs of one optimizer step over these micro-batches (MFU)."""
