@@ -112,10 +112,10 @@ def run_examples(n: int, *, seed: int, state, steps: int) -> list[int]:
     the whole run's whether it stops early or resumes late: the same examples then pass through it
     in the same batches, so a run that stopped and resumed trains bitwise as the one that did not."""
     world, micro, accum = state.layout
-    draws = dict(seed=seed, world=world, micro=micro, accum=accum)
-    return sorted({*examples_visited(n, **draws, epoch=0, examples_done=0, steps=steps),
-                   *examples_visited(n, **draws, epoch=state.epoch, examples_done=state.examples_done,
-                                     steps=steps - state.step)})
+    starts = {(0, 0, steps), (state.epoch, state.examples_done, steps - state.step)}  # one, unless resumed
+    return sorted({i for epoch, done, left in starts
+                   for i in examples_visited(n, seed=seed, world=world, micro=micro, accum=accum, epoch=epoch,
+                                             examples_done=done, steps=left)})
 
 
 def check_one_global_batch(n: int, micro: int, accum: int, world: int) -> None:
