@@ -3,9 +3,9 @@
     torchrun --nproc_per_node=4 train.py --profile h100     # one node, 4 GPUs
     torchrun --nproc_per_node=2 train.py --profile cpu      # anywhere, 2 gloo processes
 
-main() is the table of contents; each optimization is a labelled block. The model (LatentWire: a
-byte encoder and adapters feeding soft tokens to two frozen LLMs) comes through one recipe, the
-machinery from latentwire/harness/; docs/loop.md lists the blocks and how to lift the loop.
+main() is the table of contents; each optimization is a labelled block. The model comes through
+one recipe, the one import that names it; the machinery from the harness. docs/loop.md lists the
+blocks and how to lift the loop onto another model.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ from latentwire.harness.precision import (
 )
 from latentwire.harness.preemption import StopFlag, stop_code
 from latentwire.harness.profiling import MemorySnapshots, NoProfiler, profiler_options
-from latentwire.harness.recipe import Task
+from latentwire.harness.recipe import Task, TrainingStep
 from latentwire.harness.resume import (
     check_init_from,
     check_resume_data,
@@ -66,8 +66,6 @@ from latentwire.harness.resume import (
     resume,
 )
 from latentwire.harness.run_dir import check_out_dir, one_run_at_a_time, prepare_out_dir
-from latentwire.planner.elastic import apply_elastic_batch
-from latentwire.planner.step import TrainingStep
 from latentwire.recipe import LatentWire as Recipe  # the model this loop trains
 
 PROFILES = Path(__file__).with_name("hw_profiles.json")
@@ -110,18 +108,16 @@ def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
     check_out_dir(out_dir, cfg.run.resume, cfg.run.overwrite)
     init = init_checkpoint(cfg)
     if init is not None:
-        check_init_from(init, cfg.to_dict(), cfg.WEIGHT_FIELDS)
+        check_init_from(init, cfg.to_dict(), cfg.weight_fields())
     if cfg.compile.enabled:
         check_can_create(compile_cache(cfg), "compile_cache")
     # --- The profile's batch on this world size: kept where it splits, else the lr follows --------
     cfg, why = laid_out(cfg, di.world_size)
     di.say(why)
-    # --- Elastic batch: the micro-batch from the memory plan of this very configuration -----------
-    # The plan traces the step on the CPU (FakeTensorMode: real shapes, no memory); accumulation
-    # keeps the global batch.
-    if cfg.planning.elastic_batch:
-        cfg, why = apply_elastic_batch(cfg, di.world_size, TrainingStep(adamw, train_step))
-        di.say(why)
+    # --- Micro-batch from the model's memory plan: where the recipe has a planner, it traces this
+    # very step (what is planned is what trains); accumulation keeps the global batch.
+    cfg, why = Recipe.sized_to_memory(cfg, di.world_size, TrainingStep(adamw, train_step))
+    di.say(why)
     if cfg.run.resume:
         check_resume_settings(out_dir, cfg.to_dict(), cfg.restored(), cfg.run)
     return cfg
@@ -179,8 +175,8 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     di.say(why and f"note: {why}", warning=True)
 
     # --- The model: built and wrapped by its recipe, as torchtitan's parallelize -------------------
-    # LatentWire's frozen readers: activation checkpointing, compile per decoder layer and FSDP2
-    # (--frozen-sharding fsdp) in one order (latentwire.parallelize), then allocated and read.
+    # Its frozen parts, if any, are wrapped (checkpointing, compile, sharding) in one order on the
+    # meta device, then allocated and read: the recipe's build_model.
     compile_options = {"mode": cfg.compile.mode, "dynamic": True} if cfg.compile.enabled else None
     model, task = recipe.build_model(compile_options)
     init = init_checkpoint(cfg)
@@ -237,7 +233,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
             return None
 
     # --- The loader: workers collate while the model computes -----------------------------------------
-    # Work done once per example (LatentWire's distillation targets), in the step's numerics, covers
+    # Work done once per example (a teacher's targets, say), in the step's numerics, covers
     # the examples the run's steps draw, which the sampler decides in advance.
     with sdpa_kernel(attention_backends), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         collate = recipe.collator(run_examples(len(recipe.dataset), seed=seed, state=state, steps=steps))
@@ -252,8 +248,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     snapshots.start()
     # --- Metrics: throughput, MFU against the peak of the arithmetic the matmuls run in, HFU, memory -
     # `mfu` of what the step runs, padding included; `mfu_useful` of the real positions alone.
-    meter = StepMeter(device, recipe.step_flops, hardware_flops=recipe.step_hardware_flops,
-                      useful_flops=recipe.useful_flops,
+    meter = StepMeter(device, recipe.flops,
                       peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
                            first_record=recipe.data_facts, started=started)
@@ -455,10 +450,10 @@ def stopped(code: int, stop: StopFlag, step: int, is_main: bool) -> SystemExit:
 
 
 def nonfinite_hint(precision: str) -> str:
-    """fp16 overflows where bf16 does not (Qwen2.5 under fp16 autocast on a V100 is a known case)."""
+    """fp16 overflows where bf16 does not: a model trained in bf16 may hold activations past fp16's range."""
     if precision != "fp16":
         return ""
-    return ("; in fp16, LLMs trained in bf16 (Qwen2.5 among them) can overflow: lower --lr, or try "
+    return ("; in fp16, models trained in bf16 can overflow: lower --lr, or try "
             "--precision fp32 if memory allows")
 
 

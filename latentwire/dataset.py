@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .harness.config import setting
 from .harness.errors import UserError
 from .harness.resume import data_identity
 
@@ -154,14 +155,19 @@ def same_dataset(a: str, b: str) -> bool:
 @dataclass(frozen=True)
 class DataConfig:
     """The profile's data fields: which examples, and how they are cut and padded."""
-    dataset: str
-    eval_dataset: str | None
-    held_out_fraction: float
-    drop_cut_answers: bool
-    num_examples: int
-    max_prompt_bytes: int
-    max_answer_tokens: int
-    pad_multiple: int
+    dataset: str = setting("synthetic", "'synthetic', 'squad', 'hotpot_qa' or a local .json/.jsonl/.parquet")
+    eval_dataset: str | None = setting(None, "held-out examples: 'synthetic', 'squad', 'hotpot_qa' or a local file "
+                                             "(null: the dataset's own validation split; of a local file, a seeded "
+                                             "held_out_fraction of it)")
+    held_out_fraction: float = setting(0.1, "part of a local dataset file held out from training when no eval_dataset "
+                                            "is named", gt=0, lt=1)
+    drop_cut_answers: bool = setting(False, "drop training examples whose answer lies past max_prompt_bytes (the "
+                                            "encoder never sees it)")
+    num_examples: int = setting(100000, "size of the synthetic training set; of another, a seeded subset of at most "
+                                         "this many", gt=0)
+    max_prompt_bytes: int = setting(4096, "prompts are cut to this many UTF-8 bytes", gt=0)
+    max_answer_tokens: int = setting(32, "answers are cut to this many tokens", gt=0)
+    pad_multiple: int = setting(256, "pad lengths to a multiple of this (few shapes for compile)", gt=0)
 
 
 @dataclass(frozen=True)

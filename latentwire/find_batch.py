@@ -54,12 +54,14 @@ from .harness.distributed import process_group
 from .harness.errors import UserError, main_guard
 from .harness.precision import cuda_capability, frozen_weight_dtype, sdpa_backends
 from .harness.profiling import MemorySnapshots
+from .harness.recipe import TrainingStep
 from .llm import build_frozen_llms
 from .model import WireEncoder
 from .parallelize import prepare_frozen_llms
-from .plan import TRAINING_STEP, write_json
 from .planner.budget import GIB, Fit, fit_line
+from .planner.memory_plan import write_json
 from .planner.memtrace import planning_batch
+from .planner.step import run_step, script_step
 from .settings import load_config
 
 PROG = "python -m latentwire.find_batch"
@@ -128,8 +130,9 @@ class Probe:
     """Runs a trial: a fresh trainable model and optimizer, `steps` real training steps at one
     micro-batch, the peak measured; raises torch.OutOfMemoryError past `cap_bytes`."""
 
-    def __init__(self, cfg, llms: dict, device: torch.device, steps: int, cap_bytes: int):
-        self.cfg, self.llms, self.device, self.steps, self.cap_bytes = cfg, llms, device, steps, cap_bytes
+    def __init__(self, cfg, llms: dict, step: TrainingStep, device: torch.device, steps: int, cap_bytes: int):
+        self.cfg, self.llms, self.step, self.device, self.steps = cfg, llms, step, device, steps
+        self.cap_bytes = cap_bytes
         self.answers = {name: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)
                         for name, llm in llms.items()}
         # train.py's attention kernels for this card and dtype
@@ -163,11 +166,11 @@ class Probe:
         torch.manual_seed(self.cfg.training.seed)
         model = WireEncoder.for_llms(self.cfg.wire, self.llms)
         model.to(self.device).train()
-        optimizer = TRAINING_STEP.adamw(model, self.cfg.optimizer, self.device.type)
+        optimizer = self.step.adamw(model, self.cfg.optimizer, self.device.type)
         batch = planning_batch(self.cfg.data, self.cfg.objectives, self.answers, micro_batch, self.device,
                                self.cfg.wire.word_patch)
         for _ in range(self.steps):
-            TRAINING_STEP.run(self.cfg, model, self.llms, optimizer, batch, self.attention_backends)
+            run_step(self.step, self.cfg, model, self.llms, optimizer, batch, self.attention_backends)
 
 
 def free_memory(device: torch.device) -> None:
@@ -282,10 +285,10 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = build_parser().parse_known_args(argv)
     cfg = load_config(rest, prog=PROG)
     with process_group(cfg.card.device, cfg.training.dist_timeout_s) as di:
-        find(cfg, args, di)
+        find(cfg, args, di, script_step())
 
 
-def find(cfg, args, di) -> None:
+def find(cfg, args, di, step: TrainingStep) -> None:
     if cfg.frozen.sharding == "fsdp":
         raise UserError("find_batch measures with whole frozen LLMs on each rank; for --frozen-sharding fsdp, "
                         f"plan the micro-batch with python -m latentwire.plan --profile {cfg.run.profile}")
@@ -301,7 +304,7 @@ def find(cfg, args, di) -> None:
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
                                device=di.device, fp8=cfg.frozen.fp8)
-    probe = Probe(cfg, llms, di.device, args.steps, cap)
+    probe = Probe(cfg, llms, step, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)
     say(f"find_batch {cfg.run.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "
         f"{args.steps} steps per trial, starting at micro-batch {cfg.training.micro_batch_size}", flush=True)

@@ -29,6 +29,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from .dataset import IGNORE_INDEX, input_lengths
+from .harness.recipe import StepFlops
 
 
 def linear_params(module: nn.Module) -> int:
@@ -76,7 +77,7 @@ class Sizes:
 
 
 @dataclass(frozen=True)
-class FlopModel:
+class FlopModel(StepFlops):
     encoder_token_params: int  # applied to every byte patch: encoder + the pooler's key/value maps
     latent_params: int         # applied to every wire token: the rest of the pooler, the adapters
     encoder_layers: int

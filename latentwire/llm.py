@@ -8,12 +8,13 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Literal
 
 import torch
 from torch import nn
 
 from .attention import causal_attention, padded_causal_mask, positions
+from .harness.config import setting
 from .harness.errors import UserError
 from .llm_sources import LLM_NAMES, one_line_error, read_source
 from .prompting import PromptContract, PromptFormat
@@ -22,12 +23,17 @@ from .prompting import PromptContract, PromptFormat
 @dataclass(frozen=True)
 class FrozenConfig:
     """Where the two frozen LLMs come from (a source each, see llm_sources) and how a rank holds them."""
-    llama: str
-    qwen: str
-    activation_checkpointing: bool  # recompute each decoder layer in backward
-    sharding: str  # none (whole on every rank) or fsdp
-    fp8: bool  # the decoder layers' linears in float8 (latentwire.fp8)
-    FLAT_NAMES: ClassVar[dict] = {"sharding": "frozen_sharding", "fp8": "frozen_fp8"}
+    llama: str = setting("tiny", "Llama-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), "
+                                 "'tiny-random', or 'random:HUB_ID_OR_CONFIG_JSON'", weights=True)
+    qwen: str = setting("tiny", "Qwen-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), "
+                                "'tiny-random', or 'random:HUB_ID_OR_CONFIG_JSON'", weights=True)
+    activation_checkpointing: bool = setting(False, "recompute the frozen LLMs' decoder layers in backward")
+    sharding: Literal["none", "fsdp"] = setting(
+        "none", "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded over the ranks by "
+                "FSDP2, a decoder layer gathered only while it runs)", key="frozen_sharding")
+    fp8: bool = setting(False, "run the frozen LLMs' decoder-layer linears in float8 (torchao: forward and input "
+                               "gradients; bf16, compiled, a card with FP8 tensor cores or the CPU's emulation; MFU "
+                               "stays counted against the bf16 peak)", key="frozen_fp8")
 
     def source(self, name: str) -> str:
         return getattr(self, name)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dataset import PAD_BYTE
+from .harness.config import setting
 
 NUM_BYTE_IDS = PAD_BYTE + 1  # 256 byte values + the padding id
 ROPE_BASE = 10_000.0
@@ -183,17 +184,21 @@ class Adapter(nn.Module):
 @dataclass(frozen=True)
 class WireConfig:
     """The shape of the trainable model: what a checkpoint's weights need to load."""
-    num_latents: int  # M soft tokens
-    d_z: int  # width of the wire
-    encoder_dim: int
-    encoder_layers: int
-    encoder_heads: int
-    patch_bytes: int  # bytes per encoder position
-    dropout: float
+    num_latents: int = setting(64, "M, the number of soft tokens on the wire", gt=0, restored=True, weights=True)
+    d_z: int = setting(256, "width of one wire token", gt=0, restored=True, weights=True)
+    encoder_dim: int = setting(512, "width of the byte encoder", gt=0, restored=True, weights=True)
+    encoder_layers: int = setting(6, "transformer layers of the byte encoder", gt=0, restored=True, weights=True)
+    encoder_heads: int = setting(8, "attention heads of the byte encoder", gt=0, restored=True, weights=True)
+    patch_bytes: int = setting(4, "bytes per position of the byte encoder (its attention is patch_bytes^2 cheaper)",
+                               gt=0, restored=True, weights=True)
+    dropout: float = setting(0.1, "dropout in the encoder and adapters", ge=0, lt=1)
     # Each word starts a patch (data.Collator pads the patch before it): a word's bytes fill the
     # same slots of the same patches wherever it sits in the prompt.
-    word_patches: bool = False
-    patch_mlp: bool = False  # the byte encoder's patch embedding is a GELU MLP, not linear
+    word_patches: bool = setting(False, "start every word (a space or newline and the bytes up to the next) at a patch "
+                                        "of the byte encoder, padding the patch before it, so a word is patched the "
+                                        "same wherever it sits")
+    patch_mlp: bool = setting(False, "the byte encoder reads a patch's bytes jointly (a GELU MLP) instead of as a sum "
+                                     "of per-slot codes (linear)", restored=True, weights=True)
 
     @property
     def word_patch(self) -> int:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dataset import IGNORE_INDEX, input_lengths
+from .harness.config import setting
 from .head_losses import head_losses
 
 TERMS = ("answer_ce", "first_token_ce", "k_token_ce", "kd")
@@ -32,12 +33,17 @@ TERMS = ("answer_ce", "first_token_ce", "k_token_ce", "kd")
 
 @dataclass(frozen=True)
 class Objectives:
-    first_token_weight: float = 0.0
-    k_token_weight: float = 0.0
-    kd_weight: float = 0.0
-    k_tokens: int = 4
-    kd_temperature: float = 2.0
-    kd_top_k: int = 64  # distillation targets kept per position where full rows do not fit
+    """The terms' weights beside the answer cross-entropy, which always has weight 1."""
+    first_token_weight: float = setting(0.0, "weight of the cross-entropy of the first answer token (0: off)", ge=0)
+    k_token_weight: float = setting(0.0, "weight of the cross-entropy of the first k_tokens answer targets (0: off)",
+                                    ge=0)
+    kd_weight: float = setting(0.0, "weight of distillation from the LLM reading the text prompt, over the first "
+                                    "k_tokens answer positions (0: off, and no teacher pass)", ge=0)
+    k_tokens: int = setting(4, "answer positions of k_token_weight and kd_weight", gt=0)
+    kd_temperature: float = setting(2.0, "softmax temperature of distillation", gt=0)
+    kd_top_k: int = setting(64, "distillation targets kept per answer position where the teacher's full "
+                                "distributions do not fit in 1 GiB per LLM: its k most likely tokens and one bucket "
+                                "for the rest", gt=0)
 
     @property
     def weighted(self) -> dict[str, float]:

@@ -26,11 +26,7 @@ This module is the command; `latentwire.planner` holds the plan itself.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
-
-import train
 
 from .dataset import round_up
 from .distillation import target_width, targets_bytes
@@ -41,13 +37,11 @@ from .llm import LLM_NAMES
 from .llm_sources import llm_spec
 from .planner.analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
 from .planner.budget import GIB, Budget, budget_for
-from .planner.memory_plan import Plan, make_plan, trainable_shapes
-from .planner.step import TrainingStep
+from .planner.memory_plan import Plan, make_plan, trainable_shapes, write_json
+from .planner.step import script_step
 from .settings import load_config
 
 PROG = "python -m latentwire.plan"
-# train.py's optimizer and step: what is planned is what trains.
-TRAINING_STEP = TrainingStep(adamw=train.adamw, train_step=train.train_step)
 
 
 # --- the report -------------------------------------------------------------------------------
@@ -218,14 +212,6 @@ def analytic_json(memory: StaticMemory, budget: Budget, num_gpus: int) -> dict:
             "card_bytes": budget.card_bytes, "target_util": budget.target_util}
 
 
-def write_json(path: str, payload: dict) -> None:
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror}") from None
-
-
 def main(argv: list[str] | None = None) -> None:
     args, rest = build_parser().parse_known_args(argv)
     if args.profile is None and not args.analytic:
@@ -248,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.optimizer not in (None, "adamw"):
             raise UserError("the traced plan steps train.py's AdamW; --optimizer is for --analytic")
         else:
-            plan = make_plan(cfg, args.num_gpus, TRAINING_STEP)
+            plan = make_plan(cfg, args.num_gpus, script_step())
             print(format_plan(plan))
             payload = plan.to_json()
     if args.json:

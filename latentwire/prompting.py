@@ -25,15 +25,15 @@ the wire trained for a context it never meets.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Literal
 
+from .harness.config import setting
 from .harness.errors import UserError
 
 DEFAULT_ANCHOR = "\nanswer:"
 # Of the instructions tried on SmolLM2-135M-Instruct (docs/evaluation.md), the one whose answers
 # scored best; a larger instruct model follows any of them.
 DEFAULT_INSTRUCTION = "Answer the question with one or two words."
-CHAT_TEMPLATE_CHOICES = ("auto", "true", "false")
 # What the memory plan allows for a chat template's own tokens around a user turn, before it has
 # the tokenizer: Llama-3.1's and Qwen2.5's put 30-odd there with their default system prompts.
 CHAT_FRAMING_TOKENS = 64
@@ -44,11 +44,14 @@ MIDDLE = "\u241fLATENTWIRE_PROMPT\u241f"
 @dataclass(frozen=True)
 class PromptFormat:
     """The run's choice: the anchor text, when to wrap the middle in a reader's chat template
-    (CHAT_TEMPLATE_CHOICES) and the instruction that follows the middle inside it."""
-    anchor: str = DEFAULT_ANCHOR
-    chat_template: str = "auto"
-    instruction: str = DEFAULT_INSTRUCTION
-    FLAT_NAMES: ClassVar[dict] = {"anchor": "anchor_text", "instruction": "answer_instruction"}
+    (auto, true or false) and the instruction that follows the middle inside it."""
+    anchor: str = setting(DEFAULT_ANCHOR, "text after the wire and after a text prompt, before the answer (training, "
+                                          "teacher and evaluation alike; '' for none)", key="anchor_text")
+    chat_template: Literal["auto", "true", "false"] = setting(
+        "auto", "wrap the wire and text prompts in a reader's chat template: auto (each reader whose tokenizer has "
+                "one: instruct models), true (both, or an error), false (neither)")
+    instruction: str = setting(DEFAULT_INSTRUCTION, "inside a chat template, after the prompt: the instruction asking "
+                                                    "for the short answer ('' for none)", key="answer_instruction")
 
 
 def uses_chat_template(choice: str, has_template: bool, who: str = "the") -> bool:

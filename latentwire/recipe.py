@@ -27,23 +27,34 @@ from .fp8 import check_fp8, describe_fp8
 from .harness.compiling import stable_shapes
 from .harness.distributed import DistInfo
 from .harness.precision import frozen_weight_dtype
+from .harness.recipe import Recipe, TrainingStep
 from .llm import build_frozen_llms, describe_prompts, held_per_rank
 from .model import WireEncoder, count_parameters
 from .objectives import WireTask, forward_loss_sums
 from .parallelize import prepare_frozen_llms, wire_regions
+from .planner.elastic import apply_elastic_batch
 from .settings import Config
 
 
-class LatentWire:
+class LatentWire(Recipe):
     """A byte encoder and one adapter per frozen reader (a Llama and a Qwen), which read the wire's
     soft tokens in place of the prompt's text."""
     Config = Config
+
+    @classmethod
+    def sized_to_memory(cls, cfg: Config, world_size: int, step: TrainingStep) -> tuple[Config, str | None]:
+        """--elastic-batch: the micro-batch from the memory plan of this very configuration, which
+        traces `step` on the CPU (FakeTensorMode: real shapes, no memory); accumulation keeps the
+        global batch (latentwire.planner.elastic)."""
+        if not cfg.planning.elastic_batch:
+            return cfg, None
+        return apply_elastic_batch(cfg, world_size, step)
 
     def __init__(self, cfg: Config, di: DistInfo, stop: Callable[[], int]):
         """The data, loaded and checked, and what it is said up front: the answers the prompt's cut
         hides from the encoder, and where the held-out examples come from. The readers load in
         `build_model`."""
-        self.cfg, self.di, self.stop = cfg, di, stop
+        super().__init__(cfg, di, stop)
         data = cfg.data
         sources = DataSources.of(data, seed=cfg.training.seed)
         self.training = TrainingSet.load(sources, data.num_examples, data.max_prompt_bytes, data.drop_cut_answers)
@@ -111,15 +122,6 @@ class LatentWire:
         self.di.say(f"a signal stopped the distillation teacher's pass after {seconds:.1f} s" if targets is None
                     else describe_targets(targets, len(self.dataset), seconds))
         return targets
-
-    def step_flops(self, micro_batches: list[dict]) -> float:
-        return self.flops.step_flops(micro_batches)
-
-    def step_hardware_flops(self, micro_batches: list[dict]) -> float:
-        return self.flops.step_hardware_flops(micro_batches)
-
-    def useful_flops(self, micro_batches: list[dict]) -> torch.Tensor:
-        return self.flops.useful_flops(micro_batches)
 
     def evaluate(self, model: nn.Module) -> dict | None:
         """The held-out split, sharded over the ranks, equal to `python -m latentwire.evaluate` on

@@ -1,14 +1,17 @@
 """hw_profiles.json and the command line: every profile validates, bad input is one clear line."""
+import dataclasses
 import json
+import typing
 
 import pytest
 
 from conftest import assert_one_line_error, run_train
-from latentwire.harness.config import flat_names, read_profiles
+from latentwire.harness.config import read_profiles
 from latentwire.harness.errors import UserError
-from latentwire.settings import DEFAULT_PROFILES, SCHEMA, Config, load_config
+from latentwire.settings import DEFAULT_PROFILES, Config, load_config
 
 PROFILES = read_profiles(DEFAULT_PROFILES)
+SCHEMA = Config.schema()
 FIELDS = SCHEMA.fields  # the loop's and LatentWire's
 REQUIRED_KEYS = {"cpu", "h100", "h100x4", "h200", "a100-80gb", "a100-40gb", "rtx6000ada", "v100"}
 
@@ -50,7 +53,7 @@ def broken(tmp_path, mutate) -> str:
 
 
 @pytest.mark.parametrize("mutate, fragments", [
-    (lambda p: p["cpu"].pop("lr"), ["'cpu'", "missing field 'lr'"]),
+    (lambda p: p["cpu"].pop("memory_gb"), ["'cpu'", "missing field 'memory_gb'"]),
     (lambda p: p["cpu"].update(learning_rate=1.0), ["'cpu'", "unknown field 'learning_rate'"]),
     (lambda p: p["cpu"].update(micro_batch_size="8"), ["'cpu'", "'micro_batch_size' must be int"]),
     (lambda p: p["cpu"].update(micro_batch_size=0), ["'micro_batch_size' must be > 0"]),
@@ -68,24 +71,30 @@ def test_broken_profile_names_the_field(tmp_path, mutate, fragments):
         assert fragment in str(e.value)
 
 
-def test_an_optional_field_left_out_takes_its_default(tmp_path):
-    """A profile may leave out the fields that have a default (whole LLMs, one GPU, IEEE fp32)."""
-    path = broken(tmp_path, lambda p: [p["cpu"].pop(name) for name in ("frozen_sharding", "num_gpus", "tf32",
-                                                                        "peak_tflops_tf32")])
-    cfg = load_config(["--profile", "cpu", "--hw-profiles", path])
-    assert (cfg.frozen.sharding, cfg.training.num_gpus, cfg.numerics.tf32, cfg.card.peak_tflops_tf32) == \
-        ("none", 1, False, None)
+def test_a_profile_names_its_card_and_what_differs_from_the_defaults(tmp_path):
+    """Every setting but the card's name, device and memory has a default; a profile of those three
+    alone is the defaults' run (one GPU-free reference: fp32, eager, the tiny offline readers), and
+    its out_dir is runs/<key>."""
+    path = tmp_path / "hw_profiles.json"
+    path.write_text(json.dumps({"mine": {"description": "a laptop", "device": "cpu", "memory_gb": 16}}))
+    cfg = load_config(["--profile", "mine", "--hw-profiles", str(path)])
+    assert (cfg.numerics.precision, cfg.compile.enabled, cfg.frozen.llama, cfg.data.dataset) == \
+        ("fp32", False, "tiny", "synthetic")
+    assert (cfg.training.num_gpus, cfg.card.peak_tflops_tf32, cfg.output.out_dir) == (1, None, "runs/mine")
+    assert sorted(k for k, f in FIELDS.items() if f.default is dataclasses.MISSING) == \
+        ["description", "device", "memory_gb"]
+    for key, profile in PROFILES.items():  # no profile restates a default or its parent's value
+        parent = SCHEMA.resolve_profile(PROFILES, profile["extends"], DEFAULT_PROFILES) if "extends" in profile \
+            else SCHEMA.defaults()
+        assert not [k for k, v in profile.items() if k not in ("extends", "description") and parent.get(k) == v], key
 
 
-def test_every_field_is_read_by_one_section_and_meta_json_keeps_the_flat_names():
-    """The typed sections cover the flat fields (profile keys, flags, meta.json) once each, and
-    the flat record a checkpoint keeps reads back into the same configuration."""
-    owners = {}
-    for attr, section in Config.sections().items():
-        for name, flat in flat_names(section).items():
-            owners.setdefault(flat, []).append(f"{attr}.{name}")
-    assert {flat: where for flat, where in owners.items() if len(where) > 1} == {}
-    assert set(owners) == set(FIELDS)
+def test_every_field_is_one_setting_of_one_section_and_meta_json_keeps_the_flat_names():
+    """Each setting, declared once as a section's field, is one profile key and flag, and the flat
+    record a checkpoint keeps reads back into the same configuration."""
+    for key, field in FIELDS.items():
+        section = typing.get_type_hints(Config)[field.section]
+        assert field.name in {f.name for f in dataclasses.fields(section)}, key
     cfg = load_config(["--profile", "cpu", "--compile", "true", "--compile-mode", "max-autotune-no-cudagraphs",
                        "--adam-beta1", "0.8", "--anchor-text", " A:", "--eval-every", "7", "--profiler", "true",
                        "--frozen-sharding", "fsdp"])

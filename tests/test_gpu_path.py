@@ -397,8 +397,8 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     from latentwire.llm import build_frozen_llms
     from latentwire.model import WireEncoder
     from latentwire.parallelize import prepare_frozen_llms
-    from latentwire.plan import TRAINING_STEP
     from latentwire.planner.memtrace import planning_batch
+    from latentwire.planner.step import run_step, script_step
     from latentwire.settings import load_config
 
     cfg = load_config(["--profile", "cpu", "--precision", "fp32", "--dropout", "0", "--kd-weight", "0",
@@ -415,6 +415,6 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
         batch = planning_batch(cfg.data, cfg.objectives, answers, 2, CPU, cfg.wire.word_patch)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the step's gradients, kept by zero_grad below
         optimizer.zero_grad = lambda set_to_none=True: None
-        TRAINING_STEP.run(cfg, model, llms, optimizer, batch, [SDPBackend.MATH])
+        run_step(script_step(), cfg, model, llms, optimizer, batch, [SDPBackend.MATH])
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

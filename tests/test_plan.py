@@ -18,15 +18,17 @@ from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
 from latentwire.llm import build_frozen_llm, is_decoder_layer, load_frozen_llm
 from latentwire.llm_sources import llm_spec
 from latentwire.parallelize import prepare_frozen_llms
-from latentwire.plan import TRAINING_STEP
 from latentwire.plan import main as plan_main
 from latentwire.planner.analytic import optimizer_state_bytes, static_memory
 from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
 from latentwire.planner.elastic import elastic_batch
 from latentwire.planner.memory_plan import make_plan, planned_rows
 from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, cuda_kernels, fake_llms, planning_batch
+from latentwire.planner.step import script_step
 from latentwire.prompting import CHAT_FRAMING_TOKENS, DEFAULT_ANCHOR, PromptFormat
 from latentwire.settings import load_config
+
+TRAINING_STEP = script_step()  # train.py's, as the commands plan it
 
 LLAMA_3_1_8B_PARAMS = 8_030_261_248  # the published counts
 QWEN_2_5_7B_PARAMS = 7_615_616_512

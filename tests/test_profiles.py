@@ -10,9 +10,9 @@ import torch
 
 from conftest import REPO, full_logits_sums
 from latentwire.objectives import WireTask
-from latentwire.plan import TRAINING_STEP
 from latentwire.planner.budget import GIB, Fit, fit_line
 from latentwire.planner.memory_plan import make_plan
+from latentwire.planner.step import script_step
 from latentwire.settings import load_config
 
 HW_PROFILES = REPO / "hw_profiles.json"
@@ -35,7 +35,7 @@ def planned(key: str) -> tuple[int, int, Fit]:
     --profile KEY` prints): its largest micro-batch, the largest one it traced and its fitted peak."""
     torch.set_num_threads(1)  # a fresh worker process: the suite's thread count
     cfg = load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)])
-    plan = make_plan(cfg, cfg.training.num_gpus, TRAINING_STEP)
+    plan = make_plan(cfg, cfg.training.num_gpus, script_step())
     return plan.max_micro_batch, max(t.micro_batch for t in plan.traces), plan.fit
 
 
@@ -85,7 +85,7 @@ def test_the_h100_plan_is_what_an_h100_measured_for_the_same_rows(plans, monkeyp
     measured = fit_line({t["micro_batch"]: t["peak_gb"] * GIB for t in trials})
     monkeypatch.setattr(WireTask, "loss_sums", lambda task, model, batch: full_logits_sums(model, task.llms, batch,
                                                                                             task.objectives))
-    plan = make_plan(load_config(["--profile", "h100", "--hw-profiles", str(HW_PROFILES)]), 1, TRAINING_STEP).fit
+    plan = make_plan(load_config(["--profile", "h100", "--hw-profiles", str(HW_PROFILES)]), 1, script_step()).fit
     assert plan.per_sample == pytest.approx(measured.per_sample, rel=0.02)
     assert plan.fixed == pytest.approx(measured.fixed, rel=0.02)
     assert plans["h100"][2].per_sample < 0.98 * measured.per_sample  # less, beyond the margin above

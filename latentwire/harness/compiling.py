@@ -20,17 +20,24 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Literal
 
 import torch
+
+from .config import setting
 
 
 @dataclass(frozen=True)
 class CompileConfig:
-    enabled: bool  # torch.compile the regions
-    mode: str  # torch.compile's mode
-    cache: str  # inductor's cache directory, '' for inductor_cache_dir's choice
-    FLAT_NAMES: ClassVar[dict] = {"enabled": "compile", "mode": "compile_mode", "cache": "compile_cache"}
+    enabled: bool = setting(False, "torch.compile the forward pass", key="compile")
+    mode: Literal["default", "max-autotune-no-cudagraphs"] = setting(
+        "default", "torch.compile mode", key="compile_mode",
+        refused=dict.fromkeys(("reduce-overhead", "max-autotune"),
+                              "captures CUDA graphs, which no GPU run has yet tried with this loop's dynamic shapes, "
+                              "per-layer compiled regions and FSDP hooks"))
+    cache: str = setting("", "where inductor keeps the compiled regions for the next run, a requeued or resumed job on "
+                             "another machine included ('': $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/<app>/"
+                             "inductor; torch's own default is under /tmp)", key="compile_cache")
 
 
 def inductor_cache_dir(requested: str, app: str) -> Path:

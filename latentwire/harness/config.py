@@ -1,15 +1,17 @@
-"""Settings from hardware profiles and the command line, for any model.
+"""Settings, each declared once: a field of a typed section with its default, help and bounds.
 
-A profile is one key of a JSON file of profiles. It may `extend` another profile and override some
-of its fields. Every field is checked against the caller's `Schema` (name, type, allowed values,
-and the rules that tie fields together), so that a typo in the JSON or on the command line is a
-one-line error naming the field, not a KeyError deep inside the loop. Every field is also a
-command-line flag of the same name with dashes (`micro_batch_size` -> `--micro-batch-size`).
+A section is a frozen dataclass owned by the module that reads it (as torchtitan's components own
+their configs); each of its fields is a `setting(default, help, ...)`, whose type annotation gives
+its kind (`int`, `float`, `bool`, `str`; `X | None` for nullable; `Literal[...]` for a choice).
+A run's configuration is a dataclass of sections. From it follow everything else (`Schema.of`):
+the profile keys and the command-line flags (the field's name, or its `key`; `--micro-batch-size`
+for `micro_batch_size`), the validation (type, choices, bounds, and the configuration's `rules`
+that tie fields together), --help, and the flat record meta.json keeps.
 
-The resolved settings are typed: frozen dataclasses, one per concern, each defined by the module
-that reads it (as torchtitan's components own their configs), built from the flat fields
-(`sections_of`); a section may read a field under another name (its `FLAT_NAMES`). Profiles, flags
-and a checkpoint's meta.json keep the flat names.
+A profile is one key of a JSON file of profiles: the defaults, under what the profiles it
+`extends` name, under what it names itself (nanoGPT's defaults-then-overrides). Every value is
+checked, so a typo in the JSON or on the command line is a one-line error naming the field, not a
+KeyError deep inside the loop.
 """
 from __future__ import annotations
 
@@ -19,60 +21,128 @@ import json
 import math
 import os
 import textwrap
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import MISSING, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 from .errors import UserError
 
-REQUIRED = object()
+BOUNDS = {"gt": (">", float.__gt__), "ge": (">=", float.__ge__), "lt": ("<", float.__lt__),
+          "le": ("<=", float.__le__)}
+
+
+def setting(default=MISSING, help: str = "", *, key: str | None = None, refused: dict | None = None,
+            restored: bool = False, weights: bool = False, **bounds: float):
+    """A section's field as a setting: its `default` (none: every profile must name it), its
+    `help`, the profile key and flag it goes by where that is not its own name (`key`), values
+    refused with a reason (`refused`), its bounds (`gt`, `ge`, `lt`, `le`), whether a resume may
+    not change it (`restored`: the checkpoint's state depends on it) and whether the trained
+    weights depend on it (`weights`: --init-from compares it)."""
+    assert set(bounds) <= set(BOUNDS), f"unknown bounds {sorted(set(bounds) - set(BOUNDS))}"
+    spec = dict(help=help, key=key, refused=refused or {}, restored=restored, weights=weights, bounds=bounds)
+    return dataclasses.field(default=default, metadata={"setting": spec})
 
 
 @dataclass(frozen=True)
 class Field:
+    """One setting as profiles, flags and meta.json see it, derived from its section's field."""
+    key: str  # the profile key and, with dashes, the flag
+    section: str  # the configuration's attribute that holds the section
+    name: str  # the section's attribute
     kind: type  # int, float, bool or str
     help: str
+    default: object  # MISSING: every profile names it
     choices: tuple = ()
     nullable: bool = False
-    positive: bool = False  # > 0 (numbers only)
-    non_negative: bool = False  # >= 0 (numbers only)
+    bounds: tuple = ()  # (("gt", 0.0), ...)
     refused: dict = dataclasses.field(default_factory=dict)  # value -> why it is not (yet) taken
-    default: object = REQUIRED  # a field with a default may be left out of a profile; the rest must be given
+    restored: bool = False
+    weights: bool = False
+
+
+def fields_of(section_attr: str, section: type) -> list[Field]:
+    """A section's settings, their kinds read from its annotations."""
+    hints = typing.get_type_hints(section)
+    out = []
+    for f in dataclasses.fields(section):
+        spec = f.metadata.get("setting")
+        assert spec is not None, f"{section.__name__}.{f.name} is not declared with setting()"
+        kind, nullable, choices = _kind(hints[f.name])
+        out.append(Field(key=spec["key"] or f.name, section=section_attr, name=f.name, kind=kind, help=spec["help"],
+                         default=f.default, choices=choices, nullable=nullable,
+                         bounds=tuple(spec["bounds"].items()), refused=spec["refused"], restored=spec["restored"],
+                         weights=spec["weights"]))
+    return out
+
+
+def _kind(hint) -> tuple[type, bool, tuple]:
+    """(kind, nullable, choices) of an annotation: `float`, `float | None`, `Literal["a", "b"]`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _kind(inner)[0], True, _kind(inner)[2]
+    if typing.get_origin(hint) is Literal:
+        choices = typing.get_args(hint)
+        return type(choices[0]), False, choices
+    assert hint in (int, float, bool, str), f"a setting is int, float, bool or str, not {hint}"
+    return hint, False, ()
 
 
 class Schema:
-    """A run's fields (name -> Field) and `rules(values, where)`, the checks that tie fields
+    """A run's settings (key -> Field) and `rules(values, where)`, the checks that tie fields
     together (raising UserError), run on every resolved profile and on the final settings. --help
     lists each profile by its `description` field, which a schema therefore has."""
 
-    def __init__(self, fields: dict[str, Field], rules: Callable[[dict, str], None] = lambda values, where: None):
-        self.fields, self.rules = fields, rules
+    def __init__(self, fields: list[Field], rules: Callable[[dict, str], None] = lambda values, where: None):
+        self.fields = {f.key: f for f in fields}
+        assert len(self.fields) == len(fields), "two settings share a profile key"
+        self.rules = rules
+
+    @classmethod
+    def of(cls, sections: dict[str, type], rules: Callable[[dict, str], None] = lambda values, where: None):
+        """The schema of a configuration made of `sections` (attribute -> section dataclass)."""
+        return cls([f for attr, section in sections.items() for f in fields_of(attr, section)], rules)
 
     def defaults(self) -> dict:
         """The fields that have a default, with it."""
-        return {name: spec.default for name, spec in self.fields.items() if spec.default is not REQUIRED}
+        return {key: f.default for key, f in self.fields.items() if f.default is not MISSING}
 
-    def check_value(self, field: str, value, where: str):
-        spec = self.fields[field]
+    def check_value(self, key: str, value, where: str):
+        spec = self.fields[key]
         if value is None:
             if spec.nullable:
                 return None
-            raise UserError(f"{where}: field {field!r} must not be null")
+            raise UserError(f"{where}: field {key!r} must not be null")
         if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if type(value) is not spec.kind:
-            raise UserError(f"{where}: field {field!r} must be {spec.kind.__name__}, got {value!r}")
+            raise UserError(f"{where}: field {key!r} must be {spec.kind.__name__}, got {value!r}")
         if spec.kind is float and not math.isfinite(value):  # JSON's Infinity/NaN, or --lr inf
-            raise UserError(f"{where}: field {field!r} must be a finite number, got {value!r}")
+            raise UserError(f"{where}: field {key!r} must be a finite number, got {value!r}")
         if value in spec.refused:
-            raise UserError(f"{where}: {field} {value!r} {spec.refused[value]}; use one of {', '.join(spec.choices)}")
+            raise UserError(f"{where}: {key} {value!r} {spec.refused[value]}; use one of {', '.join(spec.choices)}")
         if spec.choices and value not in spec.choices:
-            raise UserError(f"{where}: field {field!r} must be one of {', '.join(spec.choices)}, got {value!r}")
-        if spec.positive and not value > 0:
-            raise UserError(f"{where}: field {field!r} must be > 0, got {value!r}")
-        if spec.non_negative and not value >= 0:
-            raise UserError(f"{where}: field {field!r} must be >= 0, got {value!r}")
+            raise UserError(f"{where}: field {key!r} must be one of {', '.join(spec.choices)}, got {value!r}")
+        for bound, limit in spec.bounds:
+            symbol, holds = BOUNDS[bound]
+            if not holds(float(value), float(limit)):
+                raise UserError(f"{where}: field {key!r} must be {symbol} {limit}, got {value!r}")
         return value
+
+    def resolve(self, named: dict, where: str) -> dict:
+        """The defaults under the values `named` (a profile's, or a checkpoint's record), every one
+        checked and every rule kept."""
+        unknown = [key for key in named if key not in self.fields]
+        if unknown:
+            raise UserError(f"{where}: unknown field {unknown[0]!r}")
+        values = self.defaults() | named
+        missing = [key for key in self.fields if key not in values]
+        if missing:
+            raise UserError(f"{where}: missing field {missing[0]!r}")
+        values = {key: self.check_value(key, values[key], where) for key in self.fields}
+        self.rules(values, where)
+        return values
 
     def resolve_profile(self, profiles: dict, key: str, path: Path) -> dict:
         """The profile `key` of the file `path` with its `extends` chain applied, every field checked."""
@@ -88,37 +158,31 @@ class Schema:
             cur = profiles[cur].get("extends")
             if cur is not None and not isinstance(cur, str):
                 raise UserError(f"profile {chain[-1]!r} in {path}: field 'extends' must be a profile key")
-        merged = self.defaults()
-        for name in reversed(chain):
-            merged.update({k: v for k, v in profiles[name].items() if k != "extends"})
         for name in chain:
-            for field in profiles[name]:
-                if field != "extends" and field not in self.fields:
-                    raise UserError(f"profile {name!r} in {path}: unknown field {field!r}")
-        missing = [f for f in self.fields if f not in merged]
-        if missing:
-            raise UserError(f"profile {key!r} in {path}: missing field {missing[0]!r}")
-        for field, value in merged.items():
-            merged[field] = self.check_value(field, value, where=f"profile {key!r} in {path}")
-        self.rules(merged, f"profile {key!r}")
-        return merged
+            unknown = [field for field in profiles[name] if field != "extends" and field not in self.fields]
+            if unknown:
+                raise UserError(f"profile {name!r} in {path}: unknown field {unknown[0]!r}")
+        named = {}
+        for name in reversed(chain):
+            named.update({k: v for k, v in profiles[name].items() if k != "extends"})
+        return self.resolve(named, f"profile {key!r} in {path}")
 
     def add_flags(self, parser: argparse.ArgumentParser, shown: dict) -> None:
         """A `--field-name` flag for every field, None unless given; its help shows the value in
         `shown` (a profile's), if any."""
-        for name, spec in self.fields.items():
-            value = (f" ({shown['profile']}: {_as_flag(shown['values'][name])})" if name in shown.get("values", {})
+        for key, spec in self.fields.items():
+            value = (f" ({shown['profile']}: {_as_flag(shown['values'][key])})" if key in shown.get("values", {})
                      else "")
-            parser.add_argument("--" + name.replace("_", "-"), dest=name, type=_flag_type(spec), default=None,
+            parser.add_argument("--" + key.replace("_", "-"), dest=key, type=_flag_type(spec), default=None,
                                 metavar=_metavar(spec),
                                 help=(spec.help + value).replace("%", "%%"))  # argparse formats help
 
     def with_flags(self, values: dict, args: argparse.Namespace) -> dict:
         """A resolved profile's `values` with the flags given in `args` over them, every rule checked."""
-        for name in self.fields:
-            flag = getattr(args, name)
+        for key in self.fields:
+            flag = getattr(args, key)
             if flag is not None:
-                values[name] = self.check_value(name, flag, where="--" + name.replace("_", "-"))
+                values[key] = self.check_value(key, flag, where="--" + key.replace("_", "-"))
         self.rules(values, "the resolved configuration")
         return values
 
@@ -139,6 +203,17 @@ class Schema:
             return described, {"profile": key, "values": self.resolve_profile(profiles, key, path)} if key else {}
         except UserError:
             return described, {}
+
+    def sections(self, values: dict) -> dict:
+        """The sections' keyword arguments (attribute -> {name: value}) from the flat `values`."""
+        out: dict[str, dict] = {}
+        for key, f in self.fields.items():
+            out.setdefault(f.section, {})[f.name] = values[key]
+        return out
+
+    def flat(self, config) -> dict:
+        """The flat values (profile keys) of a configuration built from this schema, in its order."""
+        return {key: getattr(getattr(config, f.section), f.name) for key, f in self.fields.items()}
 
 
 def read_profiles(path: Path) -> dict:
@@ -162,26 +237,6 @@ def profile_listing(described: dict) -> str:
     """--help's list of profiles: each key with its description, wrapped."""
     return "\n".join(textwrap.fill(description, 100, initial_indent=f"  {key:<10} ", subsequent_indent=" " * 13)
                      for key, description in described.items())
-
-
-# --- typed sections -----------------------------------------------------------------------------
-
-def flat_names(section: type) -> dict[str, str]:
-    """A section's fields and the flat field each is read from."""
-    renamed = getattr(section, "FLAT_NAMES", {})
-    return {f.name: renamed.get(f.name, f.name) for f in dataclasses.fields(section)}
-
-
-def sections_of(sections: dict[str, type], values: dict) -> dict:
-    """Each section (attribute -> dataclass) built from the flat `values`."""
-    return {attr: section(**{name: values[flat] for name, flat in flat_names(section).items()})
-            for attr, section in sections.items()}
-
-
-def flat_of(obj, sections: dict[str, type]) -> dict:
-    """The flat fields of an object whose attributes are `sections`."""
-    return {flat: getattr(getattr(obj, attr), name)
-            for attr, section in sections.items() for name, flat in flat_names(section).items()}
 
 
 # --- the command line -----------------------------------------------------------------------------

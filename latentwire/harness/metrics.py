@@ -1,6 +1,6 @@
 """What a logged step reports: throughput, MFU, memory, data stalls; written to the console,
 `metrics.jsonl` and TensorBoard (`tb/`), on rank 0 only. A step's FLOPs are the caller's count
-(`StepMeter(step_flops=...)`): the harness knows no model."""
+(`StepMeter(flops=...)`): the harness knows no model."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -164,33 +163,37 @@ class StepMeter:
     """What a log record says of the steps since the previous one: throughput and MFU (a Window),
     this rank's memory (a MemoryMeter), the GPU's utilisation and power (a GpuMonitor)."""
 
-    def __init__(self, device: torch.device, step_flops: Callable[[list[dict]], float], peak_tflops: float | None,
-                 hardware_flops: Callable[[list[dict]], float] | None = None,
-                 useful_flops: Callable[[list[dict]], torch.Tensor] | None = None):
-        """`step_flops`: the model's FLOPs of one optimizer step's micro-batches, as they run
-        (padding included), from their shapes (MFU); `hardware_flops`: what the device executes for
-        them where that is more (HFU: activation checkpointing's recompute), default the same;
-        `useful_flops`: the model's FLOPs without the padding, counted on the batches' device (their
-        real lengths are there), None where not counted; `peak_tflops`: the card's peak for the
-        arithmetic the matmuls run in, None where unknown (no MFU, no HFU)."""
-        self.step_flops, self.count_useful_flops = step_flops, useful_flops
-        self.hardware_flops = hardware_flops or step_flops
-        self.peak_flops = None if peak_tflops is None else peak_tflops * 1e12  # FLOP/s
+    def __init__(self, device: torch.device, flops, peak_tflops: float | None):
+        """`flops`: the model's FLOP count (harness.recipe.StepFlops: of a step's micro-batches as they
+        run, padding included, for MFU; what the device executes, for HFU; without padding, counted on
+        the batches' device), None where the model counts none (no MFU, no HFU); `peak_tflops`: the
+        card's peak for the arithmetic the matmuls run in, None where unknown."""
+        self.flops, self.device, self.useful_counted = flops, device, False
+        self.peak_flops = None if peak_tflops is None or flops is None else peak_tflops * 1e12  # FLOP/s
         self.window, self.memory, self.gpu = Window(), MemoryMeter(device), GpuMonitor(device)
 
     def useful_flops(self, micro_batches: list[dict]) -> torch.Tensor:
         """The step's FLOPs without the padding, a 0-dim tensor on the batches' device: for the
-        loop to read with its other values in the step's one host sync, and hand back to `add`."""
-        return self.count_useful_flops(micro_batches)
+        loop to read with its other values in the step's one host sync, and hand back to `add`
+        (0 where not counted)."""
+        counted = None if self.flops is None else self.flops.useful_flops(micro_batches)
+        self.useful_counted = counted is not None
+        return torch.zeros((), dtype=torch.int64, device=self.device) if counted is None else counted
 
     def add(self, micro_batches: list[dict], data_wait: float, useful_flops: float | None = None, **counts) -> None:
         """One step: its `counts` (`samples=`, `tokens=`, ...; each becomes `<name>_per_s`) and
         `useful_flops`, as read (`mfu_useful`; None: not counted)."""
-        self.window.add(counts, self.step_flops(micro_batches), self.hardware_flops(micro_batches), useful_flops,
-                        data_wait)
+        if self.flops is None:
+            self.window.add(counts, 0.0, 0.0, None, data_wait)
+            return
+        self.window.add(counts, self.flops.step_flops(micro_batches), self.flops.step_hardware_flops(micro_batches),
+                        useful_flops if self.useful_counted else None, data_wait)
 
     def read(self) -> dict:
-        return {**self.window.rates(self.peak_flops), **self.memory.read(), **self.gpu.read()}
+        rates = self.window.rates(self.peak_flops)
+        if self.flops is None:
+            rates["tflops_per_gpu"] = None
+        return {**rates, **self.memory.read(), **self.gpu.read()}
 
     def next_window(self, after_pause: bool) -> None:
         """The next window starts where this one was read, so logging counts as training time;

@@ -7,27 +7,32 @@ of plain inputs (compute capability, dtype), so CPU tests take each branch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+from .config import setting
 
 
 @dataclass(frozen=True)
 class Card:
-    """The profile's device: what it is, its memory, and the peaks MFU is measured against."""
-    description: str
-    device: str  # cuda or cpu
-    memory_gb: float
-    supports_bf16: bool  # bf16 tensor cores: sm80 and newer
-    peak_tflops_bf16: float | None
-    peak_tflops_fp16: float | None
-    peak_tflops_tf32: float | None
-    peak_tflops_fp32: float | None
+    """The profile's device: what it is, its memory, and the peaks MFU is measured against (null:
+    unknown, no MFU)."""
+    description: str = setting(help="what this profile is for")
+    device: Literal["cuda", "cpu"] = setting(help="cuda or cpu")
+    memory_gb: float = setting(help="memory of one device in GB (GiB for CUDA cards)", gt=0)
+    supports_bf16: bool = setting(False, "whether the card has bf16 tensor cores (sm80 and newer)")
+    peak_tflops_bf16: float | None = setting(None, "dense bf16 peak TFLOP/s of one device", gt=0)
+    peak_tflops_fp16: float | None = setting(None, "dense fp16 peak TFLOP/s of one device", gt=0)
+    peak_tflops_tf32: float | None = setting(None, "dense TF32 tensor-core peak TFLOP/s (Ampere and newer)", gt=0)
+    peak_tflops_fp32: float | None = setting(None, "dense IEEE fp32 peak TFLOP/s (no tensor cores)", gt=0)
 
 
 @dataclass(frozen=True)
 class Numerics:
-    precision: str  # the autocast dtype: bf16, fp16 or fp32
-    tf32: bool  # TF32 tensor cores for the matmuls left in fp32
+    precision: Literal["bf16", "fp16", "fp32"] = setting("fp32", "autocast dtype", restored=True)
+    tf32: bool = setting(False, "TF32 tensor cores for fp32 matmuls on Ampere and newer (--precision fp32 --tf32 "
+                                "false: the IEEE fp32 reference)")
 
 
 # The autocast dtype of each --precision; fp32 runs without autocast.

@@ -15,10 +15,11 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from torch.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
+
+from .config import setting
 
 
 class NoProfiler:
@@ -38,17 +39,14 @@ class NoProfiler:
 class ProfilerConfig:
     """What a run records to be looked at later: a torch.profiler trace (the schedule in steps and
     what it records) and the CUDA allocator's history."""
-    enabled: bool
-    wait: int
-    warmup: int
-    active: int
-    shapes: bool
-    memory: bool
-    stacks: bool
-    memory_snapshot: bool
-    FLAT_NAMES: ClassVar[dict] = {"enabled": "profiler", "wait": "profiler_wait", "warmup": "profiler_warmup",
-                                  "active": "profiler_active", "shapes": "profiler_shapes",
-                                  "memory": "profiler_memory", "stacks": "profiler_stacks"}
+    enabled: bool = setting(False, "run torch.profiler and write traces under out_dir", key="profiler")
+    wait: int = setting(5, "profiler schedule: steps skipped", key="profiler_wait", ge=0)
+    warmup: int = setting(2, "profiler schedule: steps traced but discarded", key="profiler_warmup", ge=0)
+    active: int = setting(3, "profiler schedule: steps recorded", key="profiler_active", gt=0)
+    shapes: bool = setting(True, "profiler: record operator input shapes", key="profiler_shapes")
+    memory: bool = setting(False, "profiler: record tensor allocations and frees", key="profiler_memory")
+    stacks: bool = setting(False, "profiler: record Python stacks (slower, larger traces)", key="profiler_stacks")
+    memory_snapshot: bool = setting(False, "CUDA: record allocation history, write a snapshot at the end")
 
 
 def profiler_options(config: ProfilerConfig, out_dir: Path, rank: int, device: torch.device) -> dict:

@@ -1,4 +1,5 @@
 """The memory planner: which micro-batch fits a card, traced on the CPU before renting it
 (`memory_plan`, `memtrace`, `budget`, `analytic`), and elastic batch built on it. A tool above the
-library: train.py (--elastic-batch) and `python -m latentwire.plan` / `find_batch` use it, each handing
-in train.py's step (`memtrace.TrainingStep`)."""
+library: train.py (--elastic-batch, through the recipe) hands it train.py's step
+(`harness.recipe.TrainingStep`), and `python -m latentwire.plan` / `find_batch` read that step from
+the script beside the package (`step.script_step`)."""

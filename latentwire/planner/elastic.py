@@ -14,7 +14,7 @@ import math
 
 from ..harness.errors import UserError
 from ..harness.layout import scaled_lr
-from .step import TrainingStep
+from ..harness.recipe import TrainingStep
 
 # An exact split may take up to this many times the fewest micro-steps per optimizer step (its
 # micro-batches are then at least about half of what fits, which still keeps a large GPU busy);

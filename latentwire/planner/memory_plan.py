@@ -5,14 +5,17 @@ card. What `python -m latentwire.plan` prints and what --elastic-batch takes its
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from ..harness.errors import UserError
+from ..harness.recipe import TrainingStep
 from ..known_llms import KNOWN_LLMS, llm_parameter_count
 from ..llm import LLM_NAMES, fsdp_units, held_bytes
 from ..llm_sources import LLMSpec, llm_spec, read_source
@@ -22,7 +25,6 @@ from ..prompting import CHAT_FRAMING_TOKENS, PromptContract, PromptFormat, own_t
 from .analytic import StaticMemory, static_memory
 from .budget import Budget, Fit, budget_for, fit_line, largest_fitting
 from .memtrace import StepTrace, StepTracer, fake_llms
-from .step import TrainingStep
 
 
 @dataclass(frozen=True)
@@ -215,3 +217,12 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
 def plan_max_micro_batch(cfg, world_size: int, step: TrainingStep) -> int:
     """The largest micro-batch per rank that fits the profile's card: what elastic batch uses."""
     return make_plan(cfg, world_size, step).max_micro_batch
+
+
+def write_json(path: str, payload: dict) -> None:
+    """A plan or a search's trials as JSON; a path that cannot be written is a one-line error."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None

@@ -27,10 +27,11 @@ from torch.utils._pytree import tree_leaves
 from ..dataset import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, padded_positions, round_up
 from ..distillation import target_width
 from ..harness.precision import frozen_weight_dtype, sdpa_backends
+from ..harness.recipe import TrainingStep
 from ..llm import FrozenLLM, build_model, freeze
 from ..model import WireEncoder
 from ..objectives import Objectives
-from .step import TrainingStep
+from .step import run_step
 
 CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
             _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
@@ -234,7 +235,7 @@ class StepTracer:
         every_kernel, _ = sdpa_backends(None, frozen_weight_dtype(self.cfg.numerics.precision))  # traced on the CPU
         with tracker, kernels:
             for _ in range(steps):
-                self.step.run(self.cfg, self.model, self.llms, self.optimizer, batch, every_kernel)
+                run_step(self.step, self.cfg, self.model, self.llms, self.optimizer, batch, every_kernel)
                 tracker.reset_mod_stats()
         for hook in hooks:
             hook.remove()
