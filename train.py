@@ -29,21 +29,21 @@ from latentwire.harness.config import check_can_create
 from latentwire.harness.data import (
     ShardSampler,
     check_one_global_batch,
+    examples_drawn,
     global_batches,
     make_loader,
-    run_examples,
     to_device,
 )
 from latentwire.harness.distributed import (
     DistInfo,
-    all_reduce_sum,
+    all_reduce,
     ddp_buffer_options,
     group_options,
     leave_together,
     torchrun_rank,
 )
 from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, main_guard, out_of_memory
-from latentwire.harness.layout import laid_out
+from latentwire.harness.layout import config_for_world
 from latentwire.harness.loop_config import LoopConfig, OptimizerConfig, load_config
 from latentwire.harness.metrics import MetricsLogger, StepMeter
 from latentwire.harness.precision import (
@@ -61,7 +61,7 @@ from latentwire.harness.resume import (
     check_init_from,
     check_resume_data,
     check_resume_settings,
-    requeued,
+    flags_for_requeue,
     resolve_checkpoint,
     resume,
 )
@@ -83,48 +83,48 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.set_device(di.device)
         dist.init_process_group(**group_options(di.device, cfg.training.dist_timeout_s))
     # Out of memory outside the loop (loading, the last save) is one line and exit 5 too.
-    with leave_together(), out_of_memory(Recipe.memory_advice(cfg.run.profile)):
+    with leave_together(), out_of_memory(Recipe.memory_advice(cfg.invocation.profile)):
         # --- Preemption and Ctrl-C: a signal only sets a flag; ranks agree on it at a step's end,
         # save and exit (75 preempted, 130 interrupted). Set first, so a signal while loading is heard.
         stop = StopFlag(announce=di.is_main)
         # --- One run at a time in out_dir: a lock rank 0 holds, which the kernel drops when it exits
         with one_run_at_a_time(Path(cfg.output.out_dir), di):
             cfg = resolve_run(cfg, di)
-            run = build(cfg, di, stop, started)
-            if run is not None:  # None: a resumed run that had already finished
-                train(cfg, di, stop, run)
+            parts = build(cfg, di, stop, started)
+            if parts is not None:  # None: a resumed run that had already finished
+                train(cfg, di, stop, parts)
             # The run's objects go while its process group stands: DDP's reducer holds the group, and
             # freed after leave_together destroys it, its destructor joins gloo's threads holding the GIL.
-            del run
+            del parts
 
 
 def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
     """Every input checked before anything heavy loads or anything on disk changes, and the batch
     this world runs: the configuration returned is final."""
     out_dir = Path(cfg.output.out_dir)
-    flags, why = requeued(cfg.run, out_dir)  # resumed where it saved, started where it never did
-    cfg = replace(cfg, run=flags)
+    flags, why = flags_for_requeue(cfg.invocation, out_dir)  # resumed where it saved, started where it never did
+    cfg = replace(cfg, invocation=flags)
     di.say(why)
-    check_out_dir(out_dir, cfg.run.resume, cfg.run.overwrite)
+    check_out_dir(out_dir, cfg.invocation.resume, cfg.invocation.overwrite)
     init = init_checkpoint(cfg)
     if init is not None:
         check_init_from(init, cfg.to_dict(), cfg.weight_fields())
     if cfg.compile.enabled:
         check_can_create(compile_cache(cfg), "compile_cache")
     # --- The profile's batch on this world size: kept where it splits, else the lr follows --------
-    cfg, why = laid_out(cfg, di.world_size)
+    cfg, why = config_for_world(cfg, di.world_size)
     di.say(why)
     # --- Micro-batch from the model's memory plan: where the recipe has a planner, it traces this
     # very step (what is planned is what trains); accumulation keeps the global batch.
-    cfg, why = Recipe.sized_to_memory(cfg, di.world_size, TrainingStep(adamw, train_step))
+    cfg, why = Recipe.config_for_memory(cfg, di.world_size, TrainingStep(adamw, train_step))
     di.say(why)
-    if cfg.run.resume:
-        check_resume_settings(out_dir, cfg.to_dict(), cfg.restored(), cfg.run)
+    if cfg.invocation.resume:
+        check_resume_settings(out_dir, cfg.to_dict(), cfg.restored(), cfg.invocation)
     return cfg
 
 
 @dataclass
-class Run:
+class Parts:
     """What build() makes and the loop uses."""
     recipe: Recipe
     model: nn.Module  # the trainable model itself: checkpoints and evaluation take it
@@ -145,14 +145,14 @@ class Run:
     on_disk: int | None  # the step whose checkpoint exists already (a resumed run's)
 
 
-def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run | None:
+def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Parts | None:
     """The run's parts in the order they are made; None when a resumed run had already finished."""
     device, rank, world, out_dir = di.device, di.rank, di.world_size, Path(cfg.output.out_dir)
     seed, steps = cfg.training.seed, cfg.training.max_steps
     micro, accum = cfg.training.micro_batch_size, cfg.training.grad_accum_steps
     recipe = Recipe(cfg, di, stop=lambda: stop.on_any_rank(device))  # the model's data, loaded and checked
-    if cfg.run.resume:
-        check_resume_data(out_dir, recipe.data_identity, cfg.run.new_data)
+    if cfg.invocation.resume:
+        check_resume_data(out_dir, recipe.data_identity, cfg.invocation.new_data)
     # --- Seeds: the same on every rank, so the initial weights agree -------------------------------
     random.seed(seed)
     np.random.seed(seed)
@@ -221,13 +221,14 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     # The newest checkpoint every rank loads (harness.resume); the same layout resumes bitwise the run
     # that never stopped on CPU, on CUDA to rounding (its attention backward adds in varying order).
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, micro, accum), data=recipe.data_identity)
-    meta = {"profile": cfg.run.profile, "config": cfg.to_dict(), "data": recipe.data_identity,
+    meta = {"profile": cfg.invocation.profile, "config": cfg.to_dict(), "data": recipe.data_identity,
             "init_from": str(init) if init else None, **recipe.meta()}
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.output.keep_checkpoints, meta=meta, model=model,
                                 optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    if cfg.run.resume:
+    if cfg.invocation.resume:
+        flags = cfg.invocation
         state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), max_steps=steps,
-                       stop_at_step=cfg.run.stop_at_step, new_data=cfg.run.new_data, setting=cfg.run.setting,
+                       stop_at_step=flags.stop_at_step, new_data=flags.new_data, setting=flags.setting,
                        say=di.say, warn=lambda line: di.say(line, warning=True))
         if state is None:
             return None
@@ -236,12 +237,12 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     # Work done once per example (a teacher's targets, say), in the step's numerics, covers
     # the examples the run's steps draw, which the sampler decides in advance.
     with sdpa_kernel(attention_backends), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        collate = recipe.collator(run_examples(len(recipe.dataset), seed=seed, state=state, steps=steps))
+        collate = recipe.collator(examples_drawn(len(recipe.dataset), seed=seed, state=state, steps=steps))
     loader = make_loader(recipe.dataset, sampler, collate, micro_batch_size=micro, num_workers=cfg.loader.num_workers,
                          prefetch_factor=cfg.loader.prefetch_factor, device_type=device.type, seed=seed + rank)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, micro * accum * world)
     if di.is_main:  # every input has been checked: only now may --overwrite delete the old run
-        prepare_out_dir(out_dir, cfg.run.overwrite)
+        prepare_out_dir(out_dir, cfg.invocation.overwrite)
 
     # --- Memory snapshot: allocation history on request, and always one on out-of-memory ------------
     snapshots = MemorySnapshots(cfg.profiler.memory_snapshot, device, out_dir, rank)
@@ -252,69 +253,69 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
                       peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
     logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
                            first_record=recipe.data_facts, started=started)
-    di.say(f"profile {cfg.run.profile}: {world} x {device.type}, {cfg.numerics.precision}, global batch "
+    di.say(f"profile {cfg.invocation.profile}: {world} x {device.type}, {cfg.numerics.precision}, global batch "
            f"{micro} x {accum} x {world} = {micro * accum * world}, {recipe.describe(model)}")
     # --- Profiler: torch.profiler on the profile's wait / warmup / active schedule ---------------------
     # A few steps after the first (compile, allocator warm-up), not the run: one trace per rank.
     profiler = (torch.profiler.profile(**profiler_options(cfg.profiler, out_dir, rank, device))
                 if cfg.profiler.enabled else NoProfiler())
-    return Run(recipe=recipe, model=model, ddp_model=ddp_model, task=task, amp_dtype=amp_dtype,
+    return Parts(recipe=recipe, model=model, ddp_model=ddp_model, task=task, amp_dtype=amp_dtype,
                attention_backends=attention_backends, scaler=scaler, optimizer=optimizer, scheduler=scheduler,
                checkpointer=checkpointer, state=state, batches=batches, snapshots=snapshots, meter=meter,
-               logger=logger, profiler=profiler, on_disk=state.step if cfg.run.resume else None)
+               logger=logger, profiler=profiler, on_disk=state.step if cfg.invocation.resume else None)
 
 
-def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
+def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
     """The loop: one optimizer step per global batch until max_steps, --stop-at-step, a signal or
     divergence; every way out saves the same way."""
-    device, world, steps, state = di.device, di.world_size, cfg.training.max_steps, run.state
+    device, world, steps, state = di.device, di.world_size, cfg.training.max_steps, parts.state
     global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * world
     # --- A signal while building: save at once, not after the first step's compile --------------------
     code = stop.on_any_rank(device)
     exit_after_save = stopped(code, stop, state.step, di.is_main) if code else None
     skipped, bad_in_a_row = 0, 0
-    run.model.train()
+    parts.model.train()
     # closing(batches): every way out, a failure included, stops the loader's workers at once.
-    with run.profiler, closing(run.batches), out_of_memory(Recipe.memory_advice(cfg.run.profile),
-                                                            cfg.training.micro_batch_size, run.snapshots):
+    with parts.profiler, closing(parts.batches), out_of_memory(Recipe.memory_advice(cfg.invocation.profile),
+                                                            cfg.training.micro_batch_size, parts.snapshots):
         while exit_after_save is None and state.step < steps:
             t_wait = time.perf_counter()
-            next_epoch, next_done, micro_batches = next(run.batches)
+            next_epoch, next_done, micro_batches = next(parts.batches)
             data_wait = time.perf_counter() - t_wait
             micro_batches = [to_device(b, device) for b in micro_batches]
 
             # --- Exact gradient accumulation ---------------------------------------------
             # Each loss term over its count in the whole global batch (the task's counts), made and
             # summed on the device; the tokens read and the stop flags ride the same all-reduce.
-            counts = torch.stack([run.task.counts(b) for b in micro_batches]).sum(0)
-            tokens_read = sum(run.task.tokens(b) for b in micro_batches)
-            reduced = all_reduce_sum(torch.cat([counts.flatten(), tokens_read[None], stop.flags(device)]))
+            counts = torch.stack([parts.task.counts(b) for b in micro_batches]).sum(0)
+            tokens_read = sum(parts.task.tokens(b) for b in micro_batches)
+            reduced = all_reduce(torch.cat([counts.flatten(), tokens_read[None], stop.flags(device)]))
             n_targets = reduced[:-3].view_as(counts).float()
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
             step_terms, grad_norm = train_step(
-                run.ddp_model, run.task, micro_batches, n_targets=n_targets, amp_dtype=run.amp_dtype,
-                attention_backends=run.attention_backends, scaler=run.scaler, optimizer=run.optimizer,
+                parts.ddp_model, parts.task, micro_batches, n_targets=n_targets, amp_dtype=parts.amp_dtype,
+                attention_backends=parts.attention_backends, scaler=parts.scaler, optimizer=parts.optimizer,
                 max_grad_norm=cfg.training.max_grad_norm, world_size=world,
-                no_sync=run.ddp_model.no_sync if di.is_distributed else nullcontext)
+                no_sync=parts.ddp_model.no_sync if di.is_distributed else nullcontext)
 
             # --- The step's one host sync ------------------------------------------------
             # Whether the gradient is finite, whether any rank was signalled, the token counts and this
             # rank's FLOPs without padding. The norm is global (after DDP's all-reduce): ranks agree.
             finite, scheduler_stops, person_stops, tokens, target_tokens, useful_flops = torch.stack(
-                [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], run.task.target_tokens(n_targets),
-                 run.meter.useful_flops(micro_batches)]).tolist()
+                [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], parts.task.target_tokens(n_targets),
+                 parts.meter.useful_flops(micro_batches)]).tolist()
             stop_requested = stop_code(scheduler_stops, person_stops)
 
             # --- Non-finite steps: skipped, counted, and the run stops if they persist ----
             # With fp16 the GradScaler skips the update itself and lowers its scale.
-            lr = run.scheduler.get_last_lr()[0]
-            if finite or run.scaler.is_enabled():
-                run.scaler.step(run.optimizer)
-            run.scaler.update()
-            run.scheduler.step()  # the schedule follows the step count, skipped steps included
-            run.optimizer.zero_grad(set_to_none=True)
-            run.profiler.step()
-            run.logger.step_done()
+            lr = parts.scheduler.get_last_lr()[0]
+            if finite or parts.scaler.is_enabled():
+                parts.scaler.step(parts.optimizer)
+            parts.scaler.update()
+            parts.scheduler.step()  # the schedule follows the step count, skipped steps included
+            parts.optimizer.zero_grad(set_to_none=True)
+            parts.profiler.step()
+            parts.logger.step_done()
             skipped += not finite
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             if bad_in_a_row >= cfg.training.max_nonfinite_steps:
@@ -322,12 +323,12 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
                                            f"the last good weights as checkpoint step {state.step}"
                                            f"{nonfinite_hint(cfg.numerics.precision)}")
                 break
-            run.meter.add(micro_batches, useful_flops=useful_flops, data_wait=data_wait, samples=global_batch,
+            parts.meter.add(micro_batches, useful_flops=useful_flops, data_wait=data_wait, samples=global_batch,
                           tokens=tokens, target_tokens=target_tokens)
 
             # --- Periodic evaluation: every rank answers its share of the held-out split --------
             # Taken after the window's rates, so it never counts as training time; a signal skips it.
-            run_ends = state.step == steps or state.step == cfg.run.stop_at_step
+            run_ends = state.step == steps or state.step == cfg.invocation.stop_at_step
             every = cfg.output.eval_every
             eval_scheduled = every > 0 and (state.step % every == 0 or state.step == steps)
             eval_due = eval_scheduled and not stop_requested
@@ -335,20 +336,20 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
             # --- Logging: the loss of the whole global batch, not the last micro-batch ----
             if state.step == 1 or state.step % cfg.output.log_every == 0 or state.step == steps or eval_due:
                 record = {"step": state.step, "time": time.time(), "epoch": state.epoch,
-                          **run.task.record(all_reduce_sum(step_terms)),
-                          "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **run.meter.read()}
+                          **parts.task.record(all_reduce(step_terms)),
+                          "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **parts.meter.read()}
                 if eval_due:
-                    scores = run.recipe.evaluate(run.model)
+                    scores = parts.recipe.evaluate(parts.model)
                     if scores is None:  # a signal during it: the evaluation is dropped, the step saved
                         stop_requested = stop.on_any_rank(device)
                     record |= scores or {}
-                run.logger.log(record)
-                run.meter.next_window(after_pause=eval_due)
+                parts.logger.log(record)
+                parts.meter.next_window(after_pause=eval_due)
 
             if run_ends:
                 if stop_requested and eval_scheduled:
                     di.say(f"note: a signal ({stop.signal_name or 'on another rank'}) dropped step {state.step}'s "
-                           f"evaluation; the run is done: {run.recipe.next_step(Path(cfg.output.out_dir))}",
+                           f"evaluation; the run is done: {parts.recipe.next_step(Path(cfg.output.out_dir))}",
                            warning=True)
                 break
             # --- A signal: the step is done; save it and leave ---------------------------
@@ -356,16 +357,16 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, run: Run) -> None:
                 exit_after_save = stopped(stop_requested, stop, state.step, di.is_main)
                 break
             if cfg.output.checkpoint_every and state.step % cfg.output.checkpoint_every == 0:
-                run.checkpointer.save(state)
+                parts.checkpointer.save(state)
 
     # Every way out of the loop (done, --stop-at-step, preempted, diverged) saves the same way.
     out_dir = Path(cfg.output.out_dir)
-    path = run.checkpointer.save(state) if state.step != run.on_disk else checkpoint_dir(out_dir, state.step)
-    run.snapshots.finish()
-    run.logger.close()
+    path = parts.checkpointer.save(state) if state.step != parts.on_disk else checkpoint_dir(out_dir, state.step)
+    parts.snapshots.finish()
+    parts.logger.close()
     if exit_after_save is not None:
         raise exit_after_save
-    di.say(closing_line(path, out_dir, run.recipe.next_step(out_dir) if state.step == steps else
+    di.say(closing_line(path, out_dir, parts.recipe.next_step(out_dir) if state.step == steps else
                         "continue: the same command with --resume"))
 
 
@@ -427,9 +428,9 @@ def one_cycle_pct_start(pct_start: float, max_steps: int) -> float:
 def init_checkpoint(cfg: LoopConfig) -> Path | None:
     """--init-from's checkpoint (a run stands for its newest); None without it, or when resuming
     (a requeued job keeps its flags, and continues from its own checkpoint)."""
-    if not cfg.run.init_from or cfg.run.resume:
+    if not cfg.invocation.init_from or cfg.invocation.resume:
         return None
-    return resolve_checkpoint(Path(cfg.run.init_from), "--init-from")
+    return resolve_checkpoint(Path(cfg.invocation.init_from), "--init-from")
 
 
 def compile_cache(cfg: LoopConfig) -> Path:

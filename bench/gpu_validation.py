@@ -440,7 +440,7 @@ def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env
     except (UserError, SystemExit):  # what train.py refused is in its error line
         cfg = None
     if cfg is not None:
-        entry |= {"profile": cfg.run.profile, "micro_batch_size": cfg.training.micro_batch_size,
+        entry |= {"profile": cfg.invocation.profile, "micro_batch_size": cfg.training.micro_batch_size,
                   "grad_accum_steps": cfg.training.grad_accum_steps, "compile": cfg.compile.enabled,
                   "compile_mode": cfg.compile.mode if cfg.compile.enabled else None,
                   "activation_checkpointing": cfg.frozen.activation_checkpointing,

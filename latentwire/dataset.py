@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from .harness.config import setting
+from .harness.data_identity import data_identity
 from .harness.errors import UserError
-from .harness.resume import data_identity
 
 PAD_BYTE = 256  # byte values are 0..255, so the encoder's byte embedding has 257 rows
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index

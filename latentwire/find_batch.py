@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
 def find(cfg, args, di, step: TrainingStep) -> None:
     if cfg.frozen.sharding == "fsdp":
         raise UserError("find_batch measures with whole frozen LLMs on each rank; for --frozen-sharding fsdp, "
-                        f"plan the micro-batch with python -m latentwire.plan --profile {cfg.run.profile}")
+                        f"plan the micro-batch with python -m latentwire.plan --profile {cfg.invocation.profile}")
     if cfg.frozen.fp8:
         check_fp8(di.device, cfg.numerics.precision, eager_backward=not cfg.compile.enabled)
     out = Path(cfg.output.out_dir)
@@ -306,7 +306,7 @@ def find(cfg, args, di, step: TrainingStep) -> None:
                                device=di.device, fp8=cfg.frozen.fp8)
     probe = Probe(cfg, llms, step, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)
-    say(f"find_batch {cfg.run.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "
+    say(f"find_batch {cfg.invocation.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "
         f"{args.steps} steps per trial, starting at micro-batch {cfg.training.micro_batch_size}", flush=True)
     # On request (--memory-snapshot true), the allocator's history over the trials: every block
     # live at a trial's peak and the line that allocated it (bench/peak_allocations.py, memory_viz).
@@ -323,7 +323,7 @@ def find(cfg, args, di, step: TrainingStep) -> None:
     say(f"largest micro-batch that fits: {best}" if best else "not even micro-batch 1 fits", flush=True)
     if di.is_main:
         write_json(str(json_path),
-                   {"profile": cfg.run.profile, "world_size": di.world_size, "device": di.device.type,
+                   {"profile": cfg.invocation.profile, "world_size": di.world_size, "device": di.device.type,
                     "cap_bytes": cap, "steps": args.steps, "max_micro_batch": best,
                     "fit": None if fit is None else asdict(fit), "trials": [asdict(t) for t in trials]})
         write_tensorboard(str(tb_dir), trials, fit)

@@ -82,7 +82,7 @@ def format_plan(plan: Plan) -> str:
     compile_note = "torch.compile usually keeps less" if cfg.compile.enabled else "no torch.compile"
     prompt = round_up(cfg.data.max_prompt_bytes, cfg.data.pad_multiple)
     fp8 = ", their decoder layers' linears in float8" if cfg.frozen.fp8 else ""
-    lines = [f"memory plan for profile {cfg.run.profile}: {cfg.card.description}",
+    lines = [f"memory plan for profile {cfg.invocation.profile}: {cfg.card.description}",
              f"{plan.world_size} rank(s) x {cfg.card.device}, {cfg.numerics.precision} autocast, frozen LLMs in "
              f"{cfg.numerics.precision}{fp8}"
              f"{' sharded by FSDP2 (the all-gathered units computed, not traced)' if plan.gathered_bytes else ''}, "

@@ -42,7 +42,7 @@ class LatentWire(Recipe):
     Config = Config
 
     @classmethod
-    def sized_to_memory(cls, cfg: Config, world_size: int, step: TrainingStep) -> tuple[Config, str | None]:
+    def config_for_memory(cls, cfg: Config, world_size: int, step: TrainingStep) -> tuple[Config, str | None]:
         """--elastic-batch: the micro-batch from the memory plan of this very configuration, which
         traces `step` on the CPU (FakeTensorMode: real shapes, no memory); accumulation keeps the
         global batch (latentwire.planner.elastic)."""

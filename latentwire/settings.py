@@ -14,7 +14,7 @@ from .dataset import DataConfig
 from .harness.checkpoint import META
 from .harness.config import setting
 from .harness.errors import UserError
-from .harness.loop_config import LoopConfig, RunFlags
+from .harness.loop_config import Invocation, LoopConfig
 from .harness.loop_config import build_parser as build_loop_parser
 from .harness.loop_config import load_config as load_loop_config
 from .harness.precision import fp8_refusal, frozen_weight_dtype, sdpa_backends
@@ -135,4 +135,4 @@ def read_meta(ckpt: Path) -> tuple[Config, int | None]:
     if not isinstance(config, dict):
         raise UserError(f"{where} has no 'config' object")
     values = Config.schema().resolve({k: v for k, v in config.items() if k != "profile"}, f"{where}: config")
-    return Config.of(values, RunFlags(profile=str(meta.get("profile")))), meta.get("step")
+    return Config.of(values, Invocation(profile=str(meta.get("profile")))), meta.get("step")

@@ -104,6 +104,20 @@ def one_thread():
     torch.set_num_threads(1)
 
 
+def tiny_llms() -> dict:
+    """The two tiny readers shipped in the repo, in fp32 on the CPU, as the tests read them."""
+    from latentwire.llm import load_frozen_llm
+    from latentwire.llm_sources import LLM_NAMES
+
+    return {n: load_frozen_llm(n, "tiny", torch.float32, torch.device("cpu")) for n in LLM_NAMES}
+
+
+@pytest.fixture(scope="module")
+def llms():
+    """tiny_llms(), once per test module (a module may change what they read around the wire)."""
+    return tiny_llms()
+
+
 @pytest.fixture(scope="session")
 def saved_reader(tmp_path_factory):
     """The tiny Qwen reader saved as a hub checkpoint is (safetensors, config, tokenizer)."""

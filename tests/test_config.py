@@ -104,7 +104,7 @@ def test_every_field_is_one_setting_of_one_section_and_meta_json_keeps_the_flat_
     meta = cfg.to_dict()
     assert list(meta) == ["profile", *FIELDS] and meta["compile_mode"] == "max-autotune-no-cudagraphs"
     assert meta["adam_beta1"] == 0.8 and meta["anchor_text"] == " A:" and meta["frozen_sharding"] == "fsdp"
-    assert Config.of(cfg.flat(), cfg.run) == cfg
+    assert Config.of(cfg.flat(), cfg.invocation) == cfg
 
 
 def test_inherited_field_errors_name_the_profile(tmp_path):

@@ -21,8 +21,8 @@ from latentwire.dataset import (
     synthetic_corpus_text,
     synthetic_examples,
 )
+from latentwire.harness.data_identity import fingerprint
 from latentwire.harness.errors import UserError
-from latentwire.harness.resume import fingerprint
 from latentwire.objectives import Objectives, WireTask, target_counts
 from latentwire.prompting import PromptContract, PromptFormat
 

@@ -7,16 +7,10 @@ import torch
 from conftest import ALL_TERMS, ALL_TERMS_FLAGS, RUN, assert_same_run, distilled_collator, ok, run_train
 from latentwire.dataset import Collator, PromptDataset, synthetic_examples
 from latentwire.distillation import TeacherTargets, softened, target_width, teacher_targets, top_k_buckets
-from latentwire.llm import LLM_NAMES, load_frozen_llm
 from latentwire.model import WireConfig, WireEncoder
 from latentwire.objectives import forward_loss_sums, kd_divergence
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def llms():
-    return {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-from conftest import assert_one_line_error, evaluate_cli, ok, read_metrics, run_module, run_train
+from conftest import assert_one_line_error, evaluate_cli, ok, read_metrics, run_module, run_train, tiny_llms
 from latentwire import evaluate as command
 from latentwire.dataset import ATTRIBUTES, Collator, PromptDataset, answer_text, load_examples, synthetic_examples
 from latentwire.eval import evaluation as ev
@@ -66,11 +66,6 @@ def test_several_gold_answers_take_the_best_of_each_metric():
 @pytest.fixture(scope="module")
 def cfg():
     return load_config(["--profile", "cpu", "--dropout", "0"])
-
-
-@pytest.fixture(scope="module")
-def llms():
-    return {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
 
 
 def wire_encoder(cfg, llms, seed=0):
@@ -212,8 +207,8 @@ def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
 
 def test_activation_checkpointed_llms_evaluate_alike(cfg):
     """GPU profiles wrap the frozen layers for recompute; generation with a KV cache must pass through."""
-    plain = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
-    wrapped = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
+    plain = tiny_llms()
+    wrapped = tiny_llms()
     for llm in wrapped.values():
         apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
     examples = synthetic_examples(4, seed=10)
@@ -353,7 +348,7 @@ def test_the_trained_wire_carries_information_and_content(default_run):
     least two thirds of what the readers get from the text (WIRE_EM_BOUND)."""
     ckpt = command.resolve_checkpoint(default_run, "--ckpt")
     cfg, _ = command.read_meta(ckpt)
-    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
+    llms = tiny_llms()
     model = command.load_wire_encoder(ckpt, cfg, llms, CPU)
     examples = load_examples(cfg.data.dataset, "validation", 256, cfg.training.seed)
     settings = EvalSettings.of(cfg, text_baselines=False, batch_size=32)

@@ -8,11 +8,12 @@ import torch
 
 from conftest import assert_one_line_error, ok, run_module
 from latentwire.find_batch import Probe, Trial, fit_trials, run_trial, search
-from latentwire.llm import load_frozen_llm
 from latentwire.model import WireEncoder
+from latentwire.planner.step import script_step
 from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
+STEP = script_step()  # train.py's, as the command measures it
 # Short prompts and answers keep each real trial well under a second.
 SMALL = ["--max-prompt-bytes", "96", "--pad-multiple", "32", "--max-answer-tokens", "4"]
 
@@ -37,18 +38,13 @@ def test_search_stops_growing_at_the_limit_and_reports_nothing_fits():
     assert search(fits_up_to(0), 8)[0] == 0
 
 
-@pytest.fixture(scope="module")
-def tiny_llms():
-    return {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
-
-
-def test_search_finds_the_true_limit_against_the_measured_cpu_probe(tiny_llms):
+def test_search_finds_the_true_limit_against_the_measured_cpu_probe(llms):
     """The cap sits between the measured peaks of micro-batches 5 and 6: the limit is 5."""
     cfg = load_config(["--profile", "cpu", *SMALL])
-    uncapped = Probe(cfg, tiny_llms, CPU, steps=3, cap_bytes=2 ** 62)
+    uncapped = Probe(cfg, llms, STEP, CPU, steps=3, cap_bytes=2 ** 62)
     peak5, peak6 = uncapped(5)[0], uncapped(6)[0]
     assert peak5 < peak6
-    probe = Probe(cfg, tiny_llms, CPU, steps=3, cap_bytes=(peak5 + peak6) // 2)
+    probe = Probe(cfg, llms, STEP, CPU, steps=3, cap_bytes=(peak5 + peak6) // 2)
     best, trials = search(lambda m: run_trial(probe, m, CPU), start=2)
     assert best == 5
     by_size = {t.micro_batch: t for t in trials}
@@ -59,9 +55,9 @@ def test_search_finds_the_true_limit_against_the_measured_cpu_probe(tiny_llms):
     assert fit.r2 > 0.99 and fit.per_sample > 0
 
 
-def test_a_real_allocation_failure_is_caught_freed_and_the_search_goes_on(tiny_llms):
+def test_a_real_allocation_failure_is_caught_freed_and_the_search_goes_on(llms):
     cfg = load_config(["--profile", "cpu", *SMALL])
-    probe = Probe(cfg, tiny_llms, CPU, steps=1, cap_bytes=2 ** 62)
+    probe = Probe(cfg, llms, STEP, CPU, steps=1, cap_bytes=2 ** 62)
     huge = run_trial(probe, 2 ** 40, CPU)  # the model is built, then the CPU allocator refuses 2^40 prompts
     assert not huge.fits and "can't allocate memory" in huge.error and huge.peak_allocated is None
     assert not [o for o in gc.get_objects() if type(o) is WireEncoder]  # the failed trial's model is gone

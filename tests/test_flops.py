@@ -3,10 +3,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import distilled_collator
+from conftest import distilled_collator, tiny_llms
 from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset, input_lengths, synthetic_examples
 from latentwire.flops import FlopModel, register_cpu_attention_flops
-from latentwire.llm import load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
 from latentwire.settings import load_config
@@ -18,7 +17,7 @@ CPU = torch.device("cpu")
 def setup():
     register_cpu_attention_flops()
     cfg = load_config(["--profile", "cpu"])
-    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
+    llms = tiny_llms()
     model = WireEncoder.for_llms(cfg.wire, llms)
     return cfg, llms, model
 
@@ -84,7 +83,7 @@ def test_hardware_flops_count_the_recompute_of_checkpointed_layers(setup):
     from latentwire.llm import is_decoder_layer
 
     cfg, _, _ = setup
-    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}  # wrapped below
+    llms = tiny_llms()  # wrapped below
     model = WireEncoder.for_llms(cfg.wire, llms)
     items = [PromptDataset(synthetic_examples(8, 2))[i] for i in range(4)]
     batch = Collator.for_llms(llms, cfg.data.max_prompt_bytes, 16, 32)(items)

@@ -156,11 +156,26 @@ def test_process_group_and_profiler_options_follow_the_device_type():
     assert profiler_options(config, Path("out"), 0, CPU)["activities"] == [ProfilerActivity.CPU]
 
 
-def test_ddp_skips_the_per_forward_buffer_broadcast_under_either_name():
+def test_ddp_skips_the_per_forward_buffer_broadcast_without_a_deprecation(tmp_path):
+    """DDP built with ddp_buffer_options broadcasts no buffers before a forward, where by default it
+    would (a module with buffers, in a one-rank gloo group), and this torch warns of nothing."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     from latentwire.harness.distributed import ddp_buffer_options
 
-    options = ddp_buffer_options()
-    assert options in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.BatchNorm1d(3)  # its running statistics are buffers
+        assert DDP(model).will_sync_module_buffers()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ddp = DDP(model, **ddp_buffer_options())
+        assert not ddp.will_sync_module_buffers()
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("device_type", ["cuda", "cpu"])

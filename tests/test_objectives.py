@@ -11,7 +11,7 @@ from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset, label_posi
 from latentwire.harness.loop_config import OptimizerConfig
 from latentwire.harness.precision import sdpa_backends
 from latentwire.head_losses import head_losses
-from latentwire.llm import LLM_NAMES, FrozenLLM, load_frozen_llm
+from latentwire.llm import FrozenLLM
 from latentwire.model import WireEncoder
 from latentwire.objectives import (
     Objectives,
@@ -25,11 +25,6 @@ from latentwire.objectives import (
 from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def llms():
-    return {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
 
 
 def batches(llms, distilled=None, n=2, size=4, seed=31):

@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-from conftest import assert_one_line_error, distilled_collator, instruct_reader, ok, run_module
+from conftest import assert_one_line_error, distilled_collator, instruct_reader, ok, run_module, tiny_llms
 from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset
 from latentwire.find_batch import Probe
 from latentwire.harness.errors import UserError, main_guard
@@ -108,7 +108,7 @@ def test_an_unknown_model_is_a_user_error():
 def test_planning_batch_is_the_longest_the_collator_emits():
     """Shapes as the collator pads prompts cut at max_prompt_bytes and answers cut at max_answer_tokens."""
     cfg = load_config(["--profile", "cpu", "--max-prompt-bytes", "100", "--max-answer-tokens", "5", "--kd-weight", "1"])
-    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
+    llms = tiny_llms()
     long_example = {"context": "Maria lives in Paris. " * 20, "question": "Where?",
                     "answers": {"text": ["Paris Tokyo Lima Cairo Oslo Berlin Madrid Toronto"]}}
     dataset = PromptDataset([long_example] * 3)
@@ -131,7 +131,7 @@ def test_planning_batch_is_the_longest_the_collator_emits():
 def test_the_planning_batch_holds_word_patched_prompts():
     """With word patches a prompt's row outgrows its bytes: one-letter words double it here."""
     cfg = load_config(["--profile", "cpu", "--max-prompt-bytes", "300", "--word-patches", "true"])
-    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in ("llama", "qwen")}
+    llms = tiny_llms()
     dataset = PromptDataset([{"context": "a " * 200, "question": "Which?", "answers": {"text": ["a"]}}])
     collated = Collator.for_llms(llms, 300, 16, 32, word_patch=cfg.wire.word_patch)([dataset[0]])
     rows = {n: (len(llm.contract.lead), len(llm.contract.tail), len(llm.tokenizer)) for n, llm in llms.items()}

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import CHAT_TEMPLATE, FAST, assert_one_line_error, instruct_reader, ok, run_module, run_train
+from conftest import CHAT_TEMPLATE, FAST, assert_one_line_error, instruct_reader, ok, run_module, run_train, tiny_llms
 from latentwire.dataset import Collator, PromptDataset, synthetic_examples
 from latentwire.eval import generation as gen
 from latentwire.llm import LLM_NAMES, load_frozen_llm
@@ -27,7 +27,7 @@ def with_template(llm):
 @pytest.fixture(scope="module", params=list(FORMATS))
 def llms(request):
     prompt, instruct = FORMATS[request.param]
-    llms = {n: load_frozen_llm(n, "tiny", torch.float32, CPU) for n in LLM_NAMES}
+    llms = tiny_llms()
     for name, llm in llms.items():
         if name in instruct:
             with_template(llm)

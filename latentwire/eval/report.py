@@ -70,7 +70,7 @@ def build_report(ckpt: Path, step, cfg, dataset: str, held_out: str, examples: l
     margins = {name: {control: control_margin(records, control, name) for control in ("zeroed", "shuffled")}
                for name in llms}
     return {
-        "checkpoint": str(ckpt), "step": step, "profile": cfg.run.profile,
+        "checkpoint": str(ckpt), "step": step, "profile": cfg.invocation.profile,
         "dataset": dataset, "split": "validation", "held_out": held_out, "examples": len(examples),
         "answers_past_cut": answers_past_cut(examples, cfg.data.max_prompt_bytes).count(True),
         "max_prompt_bytes": cfg.data.max_prompt_bytes, "world_size": world,

@@ -105,7 +105,7 @@ def stop_workers(iterator) -> None:
         shutdown()
 
 
-def run_examples(n: int, *, seed: int, state, steps: int) -> list[int]:
+def examples_drawn(n: int, *, seed: int, state, steps: int) -> list[int]:
     """The dataset indices a run of `steps` optimizer steps draws, in increasing order: those of the
     whole run from its first step, and those from `state`'s position (a TrainState: a resumed run's,
     whose layout or --new-data may draw others). Work done once per example before training covers

@@ -117,10 +117,10 @@ def ddp_buffer_options() -> dict:
     return {"broadcast_buffers": False}
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place; a no-op in a world of one."""
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`op` (the sum, or the max) over ranks, in place; a no-op in a world of one."""
     if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=op)
     return t
 
 
@@ -142,8 +142,3 @@ def broadcast_from_main(obj):
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
-
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t

@@ -53,11 +53,11 @@ def layout_for_world(micro: int, accum: int, laid_out_for: int, world: int, lr: 
                                         f"the {rule} rule")
 
 
-def laid_out(cfg, world: int):
+def config_for_world(cfg, world: int):
     """`cfg` (a LoopConfig) with the profile's batch laid out on `world` ranks, and the line that
     says so (None where the micro-batch or accumulation was given as a flag: taken as given). An
     lr given as a flag is the user's."""
-    given, training = set(cfg.run.given), cfg.training
+    given, training = set(cfg.invocation.given), cfg.training
     if {"micro_batch_size", "grad_accum_steps"} & given:
         return cfg, None
     layout = layout_for_world(training.micro_batch_size, training.grad_accum_steps, training.num_gpus, world,

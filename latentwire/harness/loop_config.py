@@ -78,7 +78,7 @@ class Output:
 
 
 @dataclass(frozen=True)
-class RunFlags:
+class Invocation:
     """Flags that describe this invocation rather than the hardware."""
     profile: str
     resume: bool = False
@@ -111,7 +111,7 @@ class LoopConfig:
     schedule: Schedule
     output: Output
     profiler: ProfilerConfig
-    run: RunFlags
+    invocation: Invocation
 
     @classmethod
     def rules(cls, v: dict, where: str) -> None:
@@ -123,14 +123,15 @@ class LoopConfig:
     @functools.cache
     def schema(cls) -> Schema:
         hints = typing.get_type_hints(cls)
-        sections = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "run"}
+        sections = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "invocation"}
         return Schema.of(sections, cls.rules)
 
     @classmethod
-    def of(cls, values: dict, run: RunFlags):
+    def of(cls, values: dict, invocation: Invocation):
         """From checked flat values (every field of the schema)."""
         hints = typing.get_type_hints(cls)
-        return cls(**{attr: hints[attr](**kwargs) for attr, kwargs in cls.schema().sections(values).items()}, run=run)
+        return cls(**{attr: hints[attr](**kwargs) for attr, kwargs in cls.schema().sections(values).items()},
+                   invocation=invocation)
 
     def flat(self) -> dict:
         """The flat fields (profile keys), in the schema's order."""
@@ -138,7 +139,7 @@ class LoopConfig:
 
     def to_dict(self) -> dict:
         """What meta.json records: the profile's key and the flat fields."""
-        return {"profile": self.run.profile, **self.flat()}
+        return {"profile": self.invocation.profile, **self.flat()}
 
     @classmethod
     def restored(cls) -> tuple[str, ...]:
@@ -197,8 +198,8 @@ def load_config(config_type: type[LoopConfig], argv: list[str] | None, profiles:
         raise UserError(f"--stop-at-step must be > 0, got {args.stop_at_step}")
     if args.new_data and not args.resume:
         raise UserError("--new-data continues a run on other data: it needs --resume")
-    run = RunFlags(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
+    invocation = Invocation(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
                    stop_at_step=args.stop_at_step, new_data=args.new_data,
                    given=tuple(name for name in schema.fields if getattr(args, name) is not None),
                    init_from=args.init_from, requeued=args.requeued, hw_profiles=str(path))
-    return config_type.of(values, run)
+    return config_type.of(values, invocation)

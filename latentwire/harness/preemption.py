@@ -12,8 +12,9 @@ import os
 import signal
 
 import torch
+import torch.distributed as dist
 
-from .distributed import all_reduce_max
+from .distributed import all_reduce
 from .errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from .outcomes import record_outcome
 
@@ -68,7 +69,7 @@ class StopFlag:
         """Collective: the exit code any rank's signal calls for, None if no rank heard one. For the
         phases between steps (loading, evaluation); within a step the flags ride the step's own
         all-reduce instead."""
-        return stop_code(*all_reduce_max(self.flags(device)).tolist())
+        return stop_code(*all_reduce(self.flags(device), dist.ReduceOp.MAX).tolist())
 
 
 def signal_deliveries() -> int:

@@ -108,7 +108,7 @@ class Recipe:
     # --- with defaults -------------------------------------------------------------------------
 
     @classmethod
-    def sized_to_memory(cls, cfg: LoopConfig, world_size: int, step: TrainingStep) -> tuple[LoopConfig, str | None]:
+    def config_for_memory(cls, cfg: LoopConfig, world_size: int, step: TrainingStep) -> tuple[LoopConfig, str | None]:
         """The configuration with its micro-batch sized to the card by the model's own memory plan
         of `step`, the global batch kept, and why; unchanged where the model has no planner."""
         return cfg, None

@@ -9,46 +9,21 @@ is `harness.checkpoint`'s.
   it. Refused in one line, before anything heavy loads, from the newest meta.json, and again on the
   checkpoint that loads.
 - A data position means something only in the same training set: each checkpoint records its
-  data's identity (`data_identity`), and a resume on other data is refused unless --new-data starts
+  data's identity (`harness.data_identity`), and a resume on other data is refused unless --new-data starts
   a fresh epoch of it with the resumed weights and optimizer.
 - `--init-from` starts a new run from a checkpoint's weights, refused where they were trained for
-  another shape (the model's `WEIGHT_FIELDS`).
+  another shape (the settings declared `weights=True`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import META, WEIGHTS, Checkpointer, CorruptCheckpoint, TrainState, list_checkpoints, load_checkpoint
+from .data_identity import describe_data, same_data
 from .distributed import gather_objects
 from .errors import UserError
-
-# --- the training data's identity ------------------------------------------------------------------
-
-def fingerprint(examples: list) -> str:
-    """A short hash of JSON-able examples as loaded (content and order)."""
-    digest = hashlib.sha256()
-    for ex in examples:
-        digest.update(json.dumps(ex, sort_keys=True).encode("utf-8") + b"\n")
-    return digest.hexdigest()[:16]
-
-
-def data_identity(dataset: str, examples: list, **facts) -> dict:
-    """What a checkpoint records of its training set: its name, size and fingerprint (and any other
-    `facts` the model's data has)."""
-    return {"dataset": dataset, "examples": len(examples), "fingerprint": fingerprint(examples), **facts}
-
-
-def same_data(a: dict, b: dict) -> bool:
-    """Two identities are the same examples in the same order, wherever the file now lies."""
-    return (a["examples"], a["fingerprint"]) == (b["examples"], b["fingerprint"])
-
-
-def describe_data(identity: dict) -> str:
-    return f"{identity['dataset']} ({identity['examples']} examples, fingerprint {identity['fingerprint']})"
-
 
 # --- which checkpoint ---------------------------------------------------------------------------------
 
@@ -137,20 +112,20 @@ def check_same_data(path: Path, saved: dict, fresh: dict, new_data: bool) -> Non
                         "train on this data from a fresh epoch with the resumed weights and optimizer")
 
 
-def check_resume_settings(out_dir: Path, config: dict, restored: tuple[str, ...], run) -> None:
+def check_resume_settings(out_dir: Path, config: dict, restored: tuple[str, ...], flags) -> None:
     """What the newest checkpoint's meta.json says of a resume, before anything heavy loads: no
     checkpoint, a changed restored setting, --stop-at-step not after it. `resume` checks the
-    checkpoint that loads again (a newer one that does not load is skipped there). `run`: the
-    run's flags (RunFlags)."""
+    checkpoint that loads again (a newer one that does not load is skipped there). `flags`: the
+    invocation's (Invocation)."""
     if not list_checkpoints(out_dir):
         raise no_checkpoint(out_dir)
     found = newest_meta(out_dir)
     if found is None:  # none reads: resume says why, once it has tried each
         return
     path, meta = found
-    check_restored_settings(config, meta.get("config", {}), restored, run.setting,
+    check_restored_settings(config, meta.get("config", {}), restored, flags.setting,
                             new_run=f"start a new run from its weights: --init-from {out_dir} with another --out-dir")
-    check_stop_at_step(run.stop_at_step, meta["step"])
+    check_stop_at_step(flags.stop_at_step, meta["step"])
 
 
 def check_resume_data(out_dir: Path, fresh: dict, new_data: bool) -> None:
@@ -174,16 +149,16 @@ def check_init_from(path: Path, config: dict, weight_fields: tuple[str, ...]) ->
                         "the same shape")
 
 
-def requeued(run, out_dir: Path):
+def flags_for_requeue(flags, out_dir: Path):
     """A requeued job's flags (`--requeued`): it resumes where its run has a checkpoint, even if
     the command said --overwrite (its first start did that), and starts the run where it has none
     (preempted before the first save: while loading, or at a multi-node rendezvous); and the line
     that says which."""
-    if not run.requeued or run.resume:
-        return run, None
+    if not flags.requeued or flags.resume:
+        return flags, None
     if list_checkpoints(out_dir):
-        return replace(run, resume=True, overwrite=False), "requeued: resuming the run from its newest checkpoint"
-    return run, "requeued before the run's first checkpoint: starting it"
+        return replace(flags, resume=True, overwrite=False), "requeued: resuming the run from its newest checkpoint"
+    return flags, "requeued before the run's first checkpoint: starting it"
 
 
 # --- the continued run -------------------------------------------------------------------------------

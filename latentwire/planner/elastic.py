@@ -25,7 +25,7 @@ MAX_MICRO_STEP_FACTOR = 2
 def elastic_batch(cfg, world_size: int, fits: int) -> tuple[int, int, float, str]:
     """(micro_batch_size, grad_accum_steps, lr, message) for a rank that fits micro-batches up to `fits`."""
     if fits < 1:
-        raise UserError(f"elastic batch: the memory plan of profile {cfg.run.profile!r} fits no micro-batch "
+        raise UserError(f"elastic batch: the memory plan of profile {cfg.invocation.profile!r} fits no micro-batch "
                         "on this card, not even 1")
     global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * world_size
     per_rank = global_batch // world_size

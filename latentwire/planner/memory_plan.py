@@ -63,7 +63,7 @@ class Plan:
     def to_json(self) -> dict:
         cfg = self.cfg
         return {
-            "profile": cfg.run.profile, "world_size": self.world_size, "device": cfg.card.device,
+            "profile": cfg.invocation.profile, "world_size": self.world_size, "device": cfg.card.device,
             "precision": cfg.numerics.precision, "activation_checkpointing": cfg.frozen.activation_checkpointing,
             "frozen_fp8": cfg.frozen.fp8,
             "frozen_sharding": self.sharding, "fsdp_gathered_bytes": self.gathered_bytes,

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the folder that holds harness/
 from harness.checkpoint import Checkpointer, TrainState  # noqa: E402
 from harness.data import ShardSampler, global_batches, make_loader, to_device  # noqa: E402
-from harness.distributed import all_reduce_sum, group_options, leave_together, torchrun_rank  # noqa: E402
+from harness.distributed import all_reduce, group_options, leave_together, torchrun_rank  # noqa: E402
 from harness.errors import main_guard  # noqa: E402
 from harness.loop_config import load_config  # noqa: E402
 from harness.metrics import MetricsLogger, StepMeter  # noqa: E402
@@ -60,7 +60,7 @@ def train(cfg, di) -> None:
     state = TrainState(0, 0, 0, layout=(world, micro, accum), data=recipe.data_identity)
     checkpointer = Checkpointer(out, rank=rank, keep=2, meta={"config": cfg.to_dict(), "data": recipe.data_identity},
                                 model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    if cfg.run.resume:
+    if cfg.invocation.resume:
         state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), max_steps=steps)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, global_batch)
     out.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ def train(cfg, di) -> None:
         micro_batches = [to_device(b, di.device) for b in micro_batches]
         # The global batch's counts and the stop flag in one all-reduce; every term over its count.
         counts = torch.stack([task.counts(b) for b in micro_batches]).sum(0)
-        reduced = all_reduce_sum(torch.cat([counts, stop.flags(di.device)]))
+        reduced = all_reduce(torch.cat([counts, stop.flags(di.device)]))
         n_targets = reduced[:-2].float()
         state.step, state.epoch, state.examples_done = state.step + 1, epoch, done
         step_terms = torch.zeros_like(n_targets)
@@ -93,14 +93,14 @@ def train(cfg, di) -> None:
         optimizer.zero_grad(set_to_none=True)
         meter.add(micro_batches, samples=global_batch, tokens=tokens, data_wait=0.0)
         if state.step % cfg.output.log_every == 0 or state.step == steps:
-            logger.log({"step": state.step, **task.record(all_reduce_sum(step_terms)), "lr": lr,
+            logger.log({"step": state.step, **task.record(all_reduce(step_terms)), "lr": lr,
                         "grad_norm": grad_norm.item(), **meter.read()})
             meter.next_window(after_pause=False)
         code = stop_code(scheduler_stops, person_stops)
         if code:  # 75 preempted, 130 interrupted: saved below
             stopped = SystemExit(code)
             break
-        if state.step == cfg.run.stop_at_step:
+        if state.step == cfg.invocation.stop_at_step:
             break
         if cfg.output.checkpoint_every and state.step % cfg.output.checkpoint_every == 0 and state.step < steps:
             checkpointer.save(state)
