@@ -78,12 +78,12 @@ if [[ -z "$profile" ]]; then
 fi
 device="$("$PYTHON" -c 'import sys
 from pathlib import Path
-from latentwire.settings import SCHEMA
+from latentwire.settings import Config
 from latentwire.harness.config import read_profiles
 from latentwire.harness.errors import UserError
 try:
     path = Path(sys.argv[2])
-    print(SCHEMA.resolve_profile(read_profiles(path), sys.argv[1], path)["device"])
+    print(Config.schema().resolve_profile(read_profiles(path), sys.argv[1], path)["device"])
 except UserError as e:
     sys.exit(f"error: {e}")' "$profile" "$profiles")" || exit 2
 

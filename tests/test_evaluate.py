@@ -283,7 +283,7 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
 @pytest.mark.parametrize("meta, weights, fragment", [
     (None, b"", "not a complete checkpoint: it has no meta.json"),
     ("{not json", b"", "meta.json is not valid JSON"),
-    ('{"config": {"device": "cpu"}}', b"", "config has no field"),
+    ('{"config": {"device": "cpu"}}', b"", "config: missing field 'description'"),
     ("default", b"\x00garbage", "cannot read"),
 ])
 def test_bad_checkpoint_is_a_one_line_error(tmp_path, meta, weights, fragment):

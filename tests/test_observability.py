@@ -89,9 +89,19 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
 def test_the_meter_reports_each_count_per_second_and_mfu_with_and_without_padding():
     """Every count a step hands in becomes `<name>_per_s` over the same window; `mfu` is the FLOPs the
     step ran, `mfu_useful` those without padding, over the same peak."""
-    meter = StepMeter(torch.device("cpu"), step_flops=lambda batches: 4e12 * len(batches), peak_tflops=100.0)
+    from latentwire.harness.recipe import StepFlops
+
+    class Counted(StepFlops):
+        def step_flops(self, micro_batches):
+            return 4e12 * len(micro_batches)
+
+        def useful_flops(self, micro_batches):
+            return torch.tensor(3e12 * len(micro_batches))
+
+    meter = StepMeter(torch.device("cpu"), Counted(), peak_tflops=100.0)
     for _ in range(2):
-        meter.add([{}, {}], data_wait=0.0, useful_flops=6e12, samples=64, tokens=9000, target_tokens=300)
+        useful = meter.useful_flops([{}, {}]).item()
+        meter.add([{}, {}], data_wait=0.0, useful_flops=useful, samples=64, tokens=9000, target_tokens=300)
     rates = meter.read()
     elapsed = 2 * rates["step_time_s"]
     assert rates["samples_per_s"] * elapsed == pytest.approx(128)
@@ -99,7 +109,12 @@ def test_the_meter_reports_each_count_per_second_and_mfu_with_and_without_paddin
     assert rates["target_tokens_per_s"] * elapsed == pytest.approx(600)
     assert rates["mfu"] == pytest.approx(16e12 / elapsed / 100e12)
     assert rates["mfu_useful"] / rates["mfu"] == pytest.approx(12 / 16)
-    assert StepMeter(torch.device("cpu"), lambda batches: 1.0, peak_tflops=None).read()["mfu_useful"] is None
+    assert rates["hfu"] == rates["mfu"]  # no recompute counted: the device ran what the model counts
+    unknown_peak = StepMeter(torch.device("cpu"), Counted(), peak_tflops=None).read()
+    assert unknown_peak["mfu"] is None and unknown_peak["mfu_useful"] is None
+    uncounted = StepMeter(torch.device("cpu"), None, peak_tflops=100.0)  # a recipe without a FLOP count
+    uncounted.add([{}], data_wait=0.0, useful_flops=uncounted.useful_flops([{}]).item(), samples=8)
+    assert {uncounted.read()[k] for k in ("mfu", "hfu", "mfu_useful", "tflops_per_gpu")} == {None}
 
 
 def test_memory_fields_on_cpu():

@@ -189,7 +189,7 @@ def measured_and_traced_peaks(cfg) -> tuple[int, int]:
     if cfg.frozen.activation_checkpointing:
         for llm in llms.values():
             apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
-    measured, _ = Probe(cfg, llms, CPU, steps=2, cap_bytes=2 ** 62)(cfg.training.micro_batch_size)
+    measured, _ = Probe(cfg, llms, TRAINING_STEP, CPU, steps=2, cap_bytes=2 ** 62)(cfg.training.micro_batch_size)
     return measured, traced_peak(cfg, cfg.training.micro_batch_size)
 
 
