@@ -225,8 +225,8 @@ class MetricsLogger:
         if path.exists():
             keep_log_before(path, first_step)
         self.jsonl = open(path, "a")
-        # TensorBoard's reader drops the events of steps from `purge_step` on in the older files, and
-        # reads each of them up to a torn last record; the writer itself never reads them.
+        # TensorBoard, reading the older files, drops their events of steps from `purge_step` on, and
+        # reads each up to a torn last record; the writer itself never reads them.
         self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step if first_step > 1 else None)
         if sys.stdout.isatty() and total_steps is not None:
             from tqdm import tqdm

@@ -78,7 +78,7 @@ class StopFlag:
 
 def mute_a_lost_console(fds: tuple[int, ...] = (1, 2)) -> None:
     """Stdout and stderr pointed at /dev/null where no one reads them any more: a terminal that hung
-    up (writes fail with EIO) or a pipe whose reader the hangup ended (`| tee log`: EPIPE). A line
+    up (writes fail with EIO) or a pipe whose other end the hangup closed (`| tee log`: EPIPE). A line
     printed there would end the run before it saved. Either shows in poll() as an error or a hangup."""
     poll = select.poll()
     for fd in fds:

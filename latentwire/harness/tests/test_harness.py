@@ -148,18 +148,18 @@ def test_a_resumed_log_keeps_every_whole_record_before_its_step(tmp_path, capsys
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl", *(p.name for p in aside)]
 
 
-# stdout is a terminal that hangs up, stderr a pipe whose reader ends with it (`| tee log`); the
+# stdout is a terminal that hangs up, stderr a pipe whose other end closes with it (`| tee log`); the
 # process, hung up, prints to both and says what it heard in a file.
 A_HANGUP = """
 import os, signal, sys, torch
 from harness.preemption import StopFlag
 stop = StopFlag(announce=False)
 terminal, line = os.openpty()
-reader, writer = os.pipe()
+read_end, write_end = os.pipe()
 os.dup2(line, 1)
-os.dup2(writer, 2)
+os.dup2(write_end, 2)
 os.close(terminal)
-os.close(reader)
+os.close(read_end)
 os.kill(os.getpid(), signal.SIGHUP)
 print("to the terminal", flush=True)
 print("to the pipe", file=sys.stderr, flush=True)
@@ -170,7 +170,7 @@ with open(sys.argv[1], "w") as f:
 
 def test_a_hangup_is_a_stop_signal_and_what_it_took_away_ends_no_print(tmp_path):
     """SIGHUP sets the flag as SIGTERM does (exit 75 once the step is saved), and stdout and stderr
-    whose reader has gone go to /dev/null: a print there (EIO, EPIPE) would end the run unsaved."""
+    that no one reads any more go to /dev/null: a print there (EIO, EPIPE) would end the run unsaved."""
     heard = tmp_path / "heard"
     proc = subprocess.run([sys.executable, "-c", A_HANGUP, str(heard)], cwd=HOME, env=env(), timeout=60)
     assert proc.returncode == 0 and heard.read_text() == "SIGHUP [1, 0]"
