@@ -15,8 +15,9 @@
 # 5 out of memory, 75 preempted), printing a bad input's `error:` line once: torchrun runs inside
 # latentwire.harness.launch, which reads each rank's outcome (plain torchrun exits 1 whatever happened).
 #
-# Preemption: SIGTERM or SIGUSR1 to this script reaches the training processes as SIGTERM; they
-# finish the step, save it and exit with code 75. Under SLURM that comes 120 s before the time
+# Preemption: SIGTERM or SIGUSR1 to this script reaches the training processes as SIGTERM, and
+# SIGHUP (an ssh connection dropped, a terminal closed) as SIGHUP; they finish the step, save it and
+# exit with code 75. Under SLURM that comes 120 s before the time
 # limit (or on scancel --signal=USR1 / preemption); the script then requeues the job, and the
 # requeued job adds --requeued by itself: it resumes where the run saved, and starts the run where
 # it never did (preempted while loading). On every node the signal goes from latentwire.harness.launch
@@ -143,7 +144,7 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     step_pid=$!
     preempted=0
     # srun passes SIGTERM on to each node's latentwire.harness.launch, which passes it to its ranks.
-    trap 'preempted=1; kill -TERM "$step_pid" 2>/dev/null || true' USR1 TERM
+    trap 'preempted=1; kill -TERM "$step_pid" 2>/dev/null || true' USR1 TERM HUP
     status=0
     wait_for "$step_pid" || status=$?
     if [[ "$preempted" == 1 ]]; then
@@ -184,6 +185,9 @@ fi
 "$PYTHON" -m latentwire.harness.launch "${rendezvous[@]}" --nproc_per_node="$nproc" "$ROOT/train.py" "$@" &
 launcher_pid=$!
 trap 'kill -TERM "$launcher_pid" 2>/dev/null || true' USR1 TERM  # latentwire.harness.launch passes it to the ranks
+# A hangup may reach this script alone (it leads the session of `ssh -t host ./launch.sh`) or the
+# launcher too (a login shell hangs up its jobs): the ranks hear it once however often it comes.
+trap 'kill -HUP "$launcher_pid" 2>/dev/null || true' HUP
 # Ctrl-C reaches the launcher as it reaches this shell (one process group): the shell waits for the
 # ranks to save and exit 130 (at once on a second Ctrl-C), then exits with that code.
 trap ':' INT

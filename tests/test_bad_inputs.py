@@ -3,9 +3,11 @@ stderr, no traceback, and nothing on disk changed: an existing run directory is 
 afterwards. (tests/test_resume.py's table checks the wording of the common train.py cases.)
 
 One small real run is trained once for the module. Each case gets a fresh copy of it, snapshots
-every path and file of the copy, runs one bad command that points at the copy (as --out-dir, with
---resume or --overwrite, as evaluate's --ckpt, or as plan's and find_batch's output directory where
-the case is about something else), and compares. A command with no environment or prefix of its own
+every path (directories included) and every file's bytes under the case's directories (the copy,
+its input files, and any other the case writes into), runs one bad command that points at the copy
+(as --out-dir, with --resume or --overwrite, as evaluate's --ckpt, or as plan's and find_batch's
+output directory where the case is about something else), and compares: a refused command leaves no
+file, not even a lock, and no directory behind. A command with no environment or prefix of its own
 forks from an interpreter that has already imported torch and the package (tests/preloaded.py); the
 rest start from nothing, as users run them. Commands that would replace a run are given --overwrite,
 so that a bad input that slips through shows up as a changed run, not as "already holds a run".
@@ -81,9 +83,10 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @dataclass
 class Ctx:
-    run: Path  # a fresh copy of the reference run; the snapshot covers it
+    run: Path  # a fresh copy of the reference run
     tmp: Path  # scratch for input files, outside the run
     models: dict[str, Path]
+    watched: list[Path]  # what the snapshot covers: the run and every directory a command is told to write in
     lock: Callable[[], object] = lambda: None  # after the snapshot, before the command
     # after the command, in order: the first makes the run readable again for the snapshot
     cleanup: list[Callable[[], object]] = field(default_factory=list)
@@ -142,9 +145,17 @@ class Ctx:
         save_file(state, str(path))
 
 
-def snapshot(root: Path) -> dict[str, bytes | None]:
-    """Every path under root (directories as None) and every file's bytes."""
-    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+def snapshot(roots: list[Path]) -> dict[str, bytes | None]:
+    """Every path under the roots (directories as None) and every file's bytes."""
+    return {str(p.relative_to(root.parent)): None if p.is_dir() else p.read_bytes()
+            for root in roots for p in sorted(root.rglob("*"))}
+
+
+def unwatched(args: list[str], watched: list[Path]) -> list[str]:
+    """The directories and files a command is told to write that no snapshot covers."""
+    writes = ("--out-dir", "--json", "--compile-cache")
+    named = [value for flag, value in zip(args[:-1], args[1:], strict=True) if flag in writes]
+    return [path for path in named if not any(Path(path).is_relative_to(root) for root in watched)]
 
 
 def changes(before: dict, after: dict) -> str:
@@ -232,6 +243,7 @@ def locked_parent(searchable: bool, holds: str = "out_dir") -> Callable[[Ctx], d
         # the run where this user can read it (evaluate reads it), or not even look into it
         c.run = Path(shutil.move(c.run, (locked if holds == "ckpt" else top) / "run"))
         c.lock = lambda: locked.chmod(0o555 if searchable else 0o700 if root else 0o000)
+        c.watched.append(top)
         c.cleanup += [lambda: locked.chmod(0o755), lambda: shutil.rmtree(top, ignore_errors=True)]
         spec = {"args": ["--out-dir", str(locked / "deeper" / "run")] if holds == "out_dir" else [],
                 "says": "cannot be created" if holds == "out_dir" else "cannot be read"}
@@ -364,7 +376,9 @@ CASES = {
     "evaluate-out-dir-parent-not-searchable": ("evaluate", locked_parent(searchable=False)),
     "evaluate-ckpt-not-searchable": ("evaluate", locked_parent(searchable=False, holds="ckpt")),
     "train-overwrite-and-resume": ("train", lambda c: [OW, "--resume"]),
-    "train-resume-fresh-out-dir": ("train", lambda c: ["--resume", "--out-dir", str(c.run / "fresh")]),
+    "train-resume-fresh-out-dir": ("train", lambda c: ["--resume", "--out-dir", str(c.run / "fresh" / "run")]),
+    "train-resume-empty-out-dir": ("train", lambda c: (c.run / "empty").mkdir() or [
+        "--resume", "--out-dir", str(c.run / "empty")]),
     "find_batch-out-dir-is-a-file": ("find_batch", lambda c: ["--out-dir", str(c.run / "metrics.jsonl")]),
     "evaluate-out-dir-is-a-file": ("evaluate", lambda c: ["--out-dir", str(c.run / "metrics.jsonl")]),
 }
@@ -377,35 +391,37 @@ def offline_env(hf_cache: Path) -> dict:
 def run_case(entry: str, build, root: Path, reference_run: Path, model_dirs: dict, hf_cache: Path,
              servers: queue.Queue) -> str:
     """One case in its own directory `root`: what went wrong, or "" if nothing did. A plain command
-    (no environment or prefix of its own, not the launcher) runs on one of the preloaded `servers`."""
-    run, scratch = root / "run", root / "inputs"
+    (no environment or prefix of its own, not the launcher) runs on one of the preloaded `servers`;
+    what it prints goes beside `root`, out of the snapshot."""
+    run, scratch, printed = root / "run", root / "inputs", root.with_name(root.name + ".printed")
     shutil.copytree(reference_run, run)
     scratch.mkdir()
-    ctx = Ctx(run, scratch, model_dirs)
+    printed.mkdir()
+    ctx = Ctx(run, scratch, model_dirs, watched=[root])
     spec = build(ctx)
     spec = spec if isinstance(spec, dict) else {"args": spec}
     env = {**offline_env(hf_cache), **spec.get("env", {})}
     plain = not (spec.get("env") or spec.get("prefix") or entry.startswith("launch"))
-    before = snapshot(ctx.run)  # the build may have moved the run
+    args = [*base_args(entry, ctx.run), *spec["args"]]  # the build may have moved the run
+    before = snapshot(ctx.watched)
     try:
         ctx.lock()
-        args = [*base_args(entry, ctx.run), *spec["args"]]
         if plain:
             server = servers.get()
             try:
-                proc = server.run(python_target(entry), args, root)
+                proc = server.run(python_target(entry), args, printed)
             finally:
                 servers.put(server)
         else:
             proc = invoke(entry, args, scratch, env, spec.get("prefix", []))
         for undo in ctx.cleanup[:1]:
             undo()
-        changed = changes(before, snapshot(ctx.run))
+        changed = changes(before, snapshot(ctx.watched))
     finally:
         for undo in ctx.cleanup:  # again if the command failed: each is harmless twice
             undo()
 
-    problems = []
+    problems = [f"{path} is outside what the snapshot covers" for path in unwatched(args, ctx.watched)]
     if spec.get("says", "") not in proc.stderr:
         problems.append(f"the error does not say {spec['says']!r}")
     if changed:

@@ -3,10 +3,12 @@ SLURM (on this machine, and across a network namespace), bad input, the run's ow
 preemption."""
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -207,6 +209,90 @@ def test_ctrl_c_to_plain_torchrun_still_saves_the_step(tmp_path):
     logged = max(m["step"] for m in read_metrics(out))
     assert f"interrupted (Ctrl-C): saving step {logged}" in stdout and "KeyboardInterrupt" not in stderr, stderr
     assert [p.name for p in list_checkpoints(out)] == [f"step_{logged:08d}"] and left == []
+
+
+# Rank 1, at its first batch of the distillation teacher's pass, says so and waits until it hears a
+# stop signal; a batch after that one says so too.
+IN_THE_TEACHER_PASS = """
+import os
+if os.environ.get("RANK") == "1":
+    import sys, threading
+    import latentwire.distillation as distillation
+    from latentwire.harness.preemption import StopFlag
+    heard, handle, to_device, calls = threading.Event(), StopFlag._handle, distillation.to_device, [0]
+    def heard_it(self, signum, frame):
+        handle(self, signum, frame)
+        heard.set()
+    def waiting(*args, **kwargs):
+        calls[0] += 1
+        print("waiting in the teacher pass" if calls[0] == 1 else "a batch after the signal", file=sys.stderr,
+              flush=True)
+        heard.wait(timeout=300)
+        return to_device(*args, **kwargs)
+    StopFlag._handle, distillation.to_device = heard_it, waiting
+"""
+
+
+class Terminal:
+    """A pseudo-terminal for a command's stdout and stderr, read as it prints (a full one would stop
+    it); `hang_up()` closes it as a dropped ssh connection does: every write to it fails from then on."""
+
+    def __init__(self):
+        self.master, self.line = os.openpty()
+        self.closing = threading.Event()
+        self.reader = threading.Thread(target=self.read)
+        self.reader.start()
+
+    def read(self) -> None:
+        while not self.closing.is_set():
+            if select.select([self.master], [], [], 0.1)[0]:
+                try:
+                    os.read(self.master, 65536)
+                except OSError:  # EIO: no process holds the line any more
+                    return
+
+    def hang_up(self) -> None:
+        self.closing.set()
+        self.reader.join()
+        os.close(self.master)
+
+
+@pytest.mark.slow
+def test_a_hangup_saves_the_teacher_pass_and_a_step_and_the_run_resumes_exactly(tmp_path, straight):
+    """SIGHUP to launch.sh's process group on 2 ranks, as a terminal's shell hangs up its job. In the
+    distillation teacher's pass, no rank starts another batch, step 0 is saved, the closing line
+    names --resume, exit 75. The resumed run, on a terminal that hangs up (writes to it fail: what the
+    ranks print must not end them) and hung up twice (the login shell's and the kernel's, as a
+    dropped connection can send them), saves the step it is in and exits 75, and the run resumed
+    again ends bitwise the unbroken one."""
+    args, out, hook = [*TWENTY[2], "--checkpoint-every", "100"], tmp_path / "cut", tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(IN_THE_TEACHER_PASS)
+    job = interactive([str(REPO / "launch.sh"), *args, "--out-dir", str(out)], tmp_path, PYTHONPATH=str(hook))
+    assert any(line.startswith("waiting in the teacher pass") for line in job.stderr), job.communicate()
+    os.killpg(job.pid, signal.SIGHUP)
+    stdout, stderr, left = exit_and_leftovers(job, str(out))
+    assert job.returncode == 75 and "Traceback" not in stdout + stderr, stdout + stderr
+    assert "a signal stopped the distillation teacher's pass" in stdout and "a batch after" not in stderr, stderr
+    assert "preempted (SIGHUP): saving step 0; exiting with code 75, continue with --resume" in stdout
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000000"] and left == []
+
+    terminal = Terminal()
+    job = subprocess.Popen([str(REPO / "launch.sh"), *args, "--out-dir", str(out), "--resume"], cwd=tmp_path,
+                           env=child_env(PYTHON=sys.executable), stdin=subprocess.DEVNULL, stdout=terminal.line,
+                           stderr=terminal.line, start_new_session=True)
+    os.close(terminal.line)
+    try:
+        wait_for_step(out, 4, job)
+    finally:
+        terminal.hang_up()
+    for _ in range(2):
+        os.killpg(job.pid, signal.SIGHUP)
+    assert job.wait(timeout=120) == 75 and processes_mentioning(str(out)) == []
+    logged = max(m["step"] for m in read_metrics(out))
+    assert list_checkpoints(out)[-1].name == f"step_{logged:08d}"
+    ok(launch([*args, "--out-dir", str(out), "--resume"], tmp_path))
+    assert_same_run(straight(2), out, logged)
 
 
 def interrupted_in_a_long_step(out, tmp_path) -> subprocess.Popen:

@@ -400,7 +400,8 @@ def test_a_failed_run_stops_its_loader_workers_before_it_exits(tmp_path, error, 
 # --- bad input: exit code, one line, nothing on disk changed ----------------------------------
 
 def snapshot(root):
-    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every path under root (directories as None) and every file's bytes: a refusal adds nothing either."""
+    return {p: None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .errors import INTERRUPTED_EXIT_CODE
 from .outcomes import OUTCOME_DIR, recorded_outcomes
+from .preemption import mute_a_lost_console
 
 
 def run_outcome(directory: Path) -> dict | None:
@@ -41,25 +42,27 @@ def ranks() -> list[int]:
 
 def pass_stop_signals_to_ranks(args) -> None:
     """SIGTERM and SIGUSR1 (a scheduler's preemption, launch.sh, srun on each node) go straight to
-    the ranks as SIGTERM, and SIGINT (Ctrl-C: the terminal signals this launcher, not the ranks,
-    which torchrun starts in sessions of their own) as SIGINT, each time it comes: a second Ctrl-C
-    is a second one for the ranks too. torchrun goes on waiting for them to save and exit (75, or
-    130). Left to torchrun, it would pass the signal on too, but then kill ranks still saving after
-    its shutdown timeout, which torch < 2.13 fixes at 30 s. Before the ranks exist, torchrun stops
-    as usual."""
+    the ranks as SIGTERM, and SIGINT (Ctrl-C) and SIGHUP (a terminal's hangup; the terminal signals
+    this launcher, not the ranks, which torchrun starts in sessions of their own) as themselves, each
+    time they come: a second Ctrl-C is a second one for the ranks too. torchrun goes on waiting for
+    them to save and exit (75, or 130). Left to torchrun, it would pass the signal on too, but then
+    kill ranks still saving after its shutdown timeout, which torch < 2.13 fixes at 30 s. Before the
+    ranks exist, torchrun stops as usual."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def stop(signum, frame):
+        if signum == signal.SIGHUP:  # the run's own code and error line must still come out
+            mute_a_lost_console()
         pids = ranks()
         if not pids:
             raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
         for pid in pids:
             try:
-                os.kill(pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+                os.kill(pid, signum if signum in (signal.SIGINT, signal.SIGHUP) else signal.SIGTERM)
             except ProcessLookupError:  # a rank that has just exited
                 pass
 
-    passed_on = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    passed_on = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
     handled = [name.strip() for name in args.signals_to_handle.split(",")]
     args.signals_to_handle = ",".join(name for name in handled if name not in {s.name for s in passed_on})
     for sig in passed_on:

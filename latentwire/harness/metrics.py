@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .preemption import mute_a_lost_console
 
 GIB = 2 ** 30
 
@@ -223,10 +226,10 @@ class MetricsLogger:
         from torch.utils.tensorboard import SummaryWriter
         path = out_dir / "metrics.jsonl"
         if path.exists():
-            kept = [line for line in path.read_text().splitlines(keepends=True)
-                    if line.strip() and json.loads(line)["step"] < first_step]
-            path.write_text("".join(kept))
+            keep_log_before(path, first_step)
         self.jsonl = open(path, "a")
+        # TensorBoard, reading the older files, drops their events of steps from `purge_step` on, and
+        # reads each up to a torn last record; the writer itself never reads them.
         self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step if first_step > 1 else None)
         if sys.stdout.isatty() and total_steps is not None:
             from tqdm import tqdm
@@ -248,6 +251,7 @@ class MetricsLogger:
         self.tb.flush()  # on disk now, like the JSON line: a run that ends in an error may not close it
         line = format_line(record, self.total_steps, time.monotonic() - self.started,
                            first=record["step"] == self.first_step)
+        mute_a_lost_console()  # a terminal hung up before this rank heard its SIGHUP
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
             self.bar.write(line)
@@ -260,6 +264,59 @@ class MetricsLogger:
             self.tb.close()
             if self.bar is not None:
                 self.bar.close()
+
+
+def keep_log_before(path: Path, first_step: int) -> None:
+    """A resumed run's `metrics.jsonl`: the whole records of the steps before `first_step` (the
+    stopped run may have logged steps after its checkpoint, which the resumed run logs again), put
+    in place by a rename, so that a kill during the rewrite leaves the old file or the new one. No
+    line stops a resume: a torn last line (a kill while it was appended) is dropped, said in one
+    line; any other damage is said in one line, and the file is kept beside it as it was."""
+    raw = path.read_bytes()
+    records, torn, damaged = read_log(raw)
+    if damaged:
+        aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        aside.write_bytes(raw)
+        print(f"warning: {path} has {damaged + torn} damaged line(s), left out; the file as it was is kept "
+              f"as {aside}", file=sys.stderr, flush=True)
+    elif torn:
+        print(f"note: dropped the torn last line of {path} (its run was stopped while writing it)", file=sys.stderr,
+              flush=True)
+    kept = b"".join(line + b"\n" for step, line in records if step < first_step)
+    if kept != raw:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def read_log(raw: bytes) -> tuple[list[tuple[int, bytes]], bool, int]:
+    """What a `metrics.jsonl` holds: (step, line) of each whole record, whether its last line is
+    torn (no newline, and not a record), and how many other lines are not records."""
+    *lines, last = raw.split(b"\n")  # `last` is what follows the last newline: b"" if nothing
+    records, damaged = [], 0
+    for line in lines:
+        step = record_step(line)
+        if step is not None:
+            records.append((step, line))
+        elif line.strip():
+            damaged += 1
+    step = record_step(last)
+    if step is not None:  # whole but for its newline
+        records.append((step, last))
+    return records, step is None and bool(last.strip()), damaged
+
+
+def record_step(line: bytes) -> int | None:
+    """The step of a line that is a whole record, else None."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def format_line(r: dict, total_steps: int | None = None, elapsed: float | None = None, first: bool = False) -> str:

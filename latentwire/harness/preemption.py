@@ -1,14 +1,17 @@
 """Stopping a run without losing it: a scheduler's signal (SIGTERM from spot instances, `scancel`
-or torchrun shutting down; SIGUSR1, SLURM's `--signal`) and a person's Ctrl-C (SIGINT) only set a
-flag. The ranks agree on it at the next step boundary (it rides the step's own all-reduce), between
-evaluation chunks and once before the first step, so every rank saves the same step and exits
-together: 75 for a scheduler's signal (errors.PREEMPTED_EXIT_CODE: requeue and resume), 130 for
-Ctrl-C (errors.INTERRUPTED_EXIT_CODE, the shell's: not a preemption to requeue). A second Ctrl-C
-stops at once, without saving the step. DataLoader workers are kept out of the way of all of them
-(`shield_worker_from_stop_signals`): the trainer decides when to stop."""
+or torchrun shutting down; SIGUSR1, SLURM's `--signal`), a hangup (SIGHUP: an ssh connection
+dropped, a terminal closed) and a person's Ctrl-C (SIGINT) only set a flag. The ranks agree on it at
+the next step boundary (it rides the step's own all-reduce), between evaluation chunks and once
+before the first step, so every rank saves the same step and exits together: 75 for a scheduler's
+signal or a hangup (errors.PREEMPTED_EXIT_CODE: resume), 130 for Ctrl-C
+(errors.INTERRUPTED_EXIT_CODE, the shell's: not a preemption to requeue). A second Ctrl-C stops at
+once, without saving the step; a second hangup does not (one dropped connection can deliver two:
+the login shell's to its jobs and the kernel's when that shell exits). DataLoader workers are kept
+out of the way of all of them (`shield_worker_from_stop_signals`): the trainer decides when to stop."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 
 import torch
@@ -18,7 +21,7 @@ from .distributed import all_reduce
 from .errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from .outcomes import record_outcome
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class StopFlag:
@@ -35,6 +38,8 @@ class StopFlag:
         signal.signal(signal.SIGINT, self._interrupt)
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            mute_a_lost_console()
         self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def _interrupt(self, signum, frame) -> None:
@@ -70,6 +75,21 @@ class StopFlag:
         phases between steps (loading, evaluation); within a step the flags ride the step's own
         all-reduce instead."""
         return stop_code(*all_reduce(self.flags(device), dist.ReduceOp.MAX).tolist())
+
+
+def mute_a_lost_console(fds: tuple[int, ...] = (1, 2)) -> None:
+    """Stdout and stderr pointed at /dev/null where no one reads them any more: a terminal that hung
+    up (writes fail with EIO) or a pipe whose other end the hangup closed (`| tee log`: EPIPE). A line
+    printed there would end the run before it saved. Either shows in poll() as an error or a hangup."""
+    poll = select.poll()
+    for fd in fds:
+        poll.register(fd, select.POLLOUT)
+    lost = [fd for fd, events in poll.poll(0) if events & (select.POLLERR | select.POLLHUP)]
+    if lost:
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in lost:
+            os.dup2(null, fd)
+        os.close(null)
 
 
 def signal_deliveries() -> int:

@@ -1,10 +1,11 @@
 """The run's directory (`--out-dir`): one run at a time in it, checked before anything is written.
 
-- One run at a time: rank 0 holds an exclusive lock (`flock`) on `<out_dir>/.lock` for the run's
+- One run at a time: rank 0 holds an exclusive lock (`flock`) on the directory itself for the run's
   life. A second run started on the same directory (an `sbatch` sent twice, a second terminal) is
   refused in one line before anything heavy loads, and the first is untouched: two runs in one
   directory would each overwrite the other's checkpoints and metrics. The kernel drops the lock
-  when the holder exits, however it exits, so a killed run never leaves it stuck.
+  when the holder exits, however it exits, so a killed run never leaves it stuck, and the lock is
+  no file: a refused run leaves the directory as it found it (one it made for the lock, removed).
 - A directory that already holds a run (its metrics or a checkpoint) is refused unless the run is
   resumed (`--resume`) or replaced (`--overwrite`), and `--overwrite` deletes the old run's files
   only once every input has been checked, so a refused run never damages what is on disk.
@@ -27,54 +28,87 @@ from .errors import UserError
 
 # What a run writes under its directory, and `--overwrite` removes.
 RUN_FILES = ("metrics.jsonl", "tb", "checkpoints", "traces")
-LOCK = ".lock"
 
 
 @contextmanager
 def one_run_at_a_time(out_dir: Path, di: DistInfo) -> Iterator[None]:
     """Collective: the body runs while this run holds `out_dir`'s lock, or every rank raises a
-    UserError naming it if another run holds it. A directory made here for the lock is removed
-    again if the body refuses the run (UserError) before writing anything else into it."""
-    created, fd, refusal = False, None, None
+    UserError naming it if another run holds it. The directories made here for the lock are removed
+    again if the body refuses the run (UserError) before writing anything else into them."""
+    made, fd, refusal = [], None, None
     if di.is_main:
         try:
             check_can_create(out_dir, "out_dir")  # first: a directory this user may not look into
-            created = not out_dir.exists()
-            fd = _take_lock(out_dir)
+            fd, made = _take_lock(out_dir)
         except UserError as e:
             refusal = str(e)
         if fd is None and refusal is None:
-            refusal = (f"{out_dir} is in use by another run, which holds {out_dir / LOCK}; wait for it to end, or "
-                       "give this run another --out-dir")
+            refusal = (f"{out_dir} is in use by another run, which holds its lock; wait for it to end, or give this "
+                       "run another --out-dir")
     refusal = broadcast_from_main(refusal)
     if refusal is not None:
         raise UserError(refusal)
     try:
         yield
     except UserError:
-        if di.is_main and created:
+        if fd is not None:
+            for path in made:  # deepest first, while the lock is held: see _take_lock
+                _remove_if_empty(path)
             os.close(fd)
-            (out_dir / LOCK).unlink(missing_ok=True)
-            _remove_if_empty(out_dir)
         raise
 
 
-def _take_lock(out_dir: Path) -> int | None:
-    """The lock's file descriptor, held open for the process's life; None if another process holds
-    it. A filesystem without locks holds none and refuses none."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out_dir / LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise UserError(f"cannot create out_dir {out_dir}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+def _take_lock(out_dir: Path) -> tuple[int | None, list[Path]]:
+    """The directory's file descriptor, locked and held open for the process's life (None if another
+    process holds the lock), and the directories made for it, deepest first. A filesystem without
+    locks holds none and refuses none."""
+    while True:
+        made = _make_dirs(out_dir)
+        try:
+            fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:  # removed meanwhile by a refused run that had made it
+            continue
+        except OSError as e:
+            raise UserError(f"cannot create out_dir {out_dir}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None, made
+        except OSError:
+            return fd, made
+        # A refused run that made the directory removes it before it lets the lock go: a lock taken
+        # then is on a directory no longer there, and the one there now (if any) is locked instead.
+        if _same_file(fd, out_dir):
+            return fd, made
         os.close(fd)
-        return None
-    except OSError:
-        pass
-    return fd
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """`path` made with its missing parents; those this call made, deepest first."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    made = []
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+            made.append(directory)
+        except FileExistsError:  # made meanwhile by another run: not this one's to remove
+            pass
+        except OSError as e:
+            raise UserError(f"cannot create out_dir {missing[0]}: {e.strerror}") from None
+    return made[::-1]
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here = path.stat()
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (here.st_dev, here.st_ino)
 
 
 def _remove_if_empty(path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,10 +38,15 @@ def command(nproc: int) -> list[str]:
 
 
 def toy(out: Path, *flags: str, nproc: int = 1, code: int = 0) -> Path:
+    run_toy(out, *flags, nproc=nproc, code=code)
+    return out
+
+
+def run_toy(out: Path, *flags: str, nproc: int = 1, code: int = 0) -> subprocess.CompletedProcess:
     proc = subprocess.run([*command(nproc), "--profile", "toy", "--out-dir", str(out), *flags], env=env(),
                           cwd=HOME, capture_output=True, text=True, timeout=300)
     assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return out
+    return proc
 
 
 def weights(out: Path) -> dict:
@@ -54,8 +60,8 @@ def losses(out: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def unbroken(tmp_path_factory) -> Path:
-    """STEPS steps of the toy profile, one process, 8 x 1."""
-    return toy(tmp_path_factory.mktemp("unbroken") / "run")
+    """STEPS steps of the toy profile, one process, 8 x 1, saved at step 3 too."""
+    return toy(tmp_path_factory.mktemp("unbroken") / "run", "--checkpoint-every", "3")
 
 
 @pytest.mark.parametrize("nproc, micro, accum", [(1, 2, 4), (2, 2, 2)], ids=["2x4", "2x2x2ranks"])
@@ -79,6 +85,95 @@ def test_resume_is_bitwise(unbroken, tmp_path):
     toy(out, "--resume")
     assert all(torch.equal(weights(out)[name], tensor) for name, tensor in weights(unbroken).items())
     assert losses(out) == losses(unbroken)
+
+
+@pytest.mark.parametrize("torn", ["last", "middle"])
+def test_a_torn_log_line_never_stops_a_resume(unbroken, tmp_path, torn):
+    """The unbroken run as a run killed after it logged its last step and before it saved it leaves
+    it (its newest checkpoint step 3's), with a torn log line. Torn last (a kill while the record was
+    appended: here step 6's), it is said in a note and dropped; torn elsewhere (here step 5's), it is
+    damage: said in a warning, the file kept beside the log as it was. Either way the resumed run
+    trains to the end and logs every step once (those before its checkpoint kept, the rest logged
+    again), in metrics.jsonl and in TensorBoard, whose event file is torn too. (It was a
+    JSONDecodeError before the first step.)"""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = Path(shutil.copytree(unbroken, tmp_path / "run"))
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
+    lines = (out / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    cut = STEPS - 1 if torn == "last" else STEPS - 2
+    lines[cut] = lines[cut][:len(lines[cut]) // 2] + (b"" if torn == "last" else b"\n")
+    (out / "metrics.jsonl").write_bytes(b"".join(lines))
+    [events] = (out / "tb").iterdir()
+    events.write_bytes(events.read_bytes()[:-9])  # its last record's data cut short
+    proc = run_toy(out, "--resume")
+    said = [line for line in proc.stderr.splitlines() if "metrics.jsonl" in line]
+    aside = sorted(out.glob("metrics.jsonl.damaged-*"))
+    if torn == "last":
+        assert said == [f"note: dropped the torn last line of {out / 'metrics.jsonl'} (its run was stopped while "
+                        "writing it)"] and aside == []
+    else:
+        assert said == [f"warning: {out / 'metrics.jsonl'} has 1 damaged line(s), left out; the file as it was is "
+                        f"kept as {aside[0]}"] and aside[0].read_bytes() == b"".join(lines)
+    assert all(torch.equal(weights(out)[name], tensor) for name, tensor in weights(unbroken).items())
+    assert losses(out) == losses(unbroken)
+    board = EventAccumulator(str(out / "tb"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("loss")] == list(range(1, STEPS + 1))
+    assert [e.value for e in board.Scalars("loss")] == pytest.approx(losses(out), rel=2 ** -24)  # float32's rounding
+
+
+@pytest.mark.parametrize("log, kept, says", [
+    (b'{"step": 1}\n{"step": 2}\n{"step": 3, "lo', b'{"step": 1}\n{"step": 2}\n', "note: dropped the torn last"),
+    (b'{"step": 1}\n{"step": 2}\n\0\0\0\0', b'{"step": 1}\n{"step": 2}\n', "note: dropped the torn last"),
+    (b'{"step": 1}\n\xff\xfe\n42\n{"nostep": 1}\n{"step": 2}', b'{"step": 1}\n{"step": 2}\n',
+     "has 3 damaged line(s)"),
+    (b'{"step": 1}\n{"step": 2, "l\n{"step": 3}\n{"step": 4}\n', b'{"step": 1}\n{"step": 3}\n',
+     "has 1 damaged line(s)"),
+], ids=["torn", "zeros", "garbage", "torn_in_the_middle"])
+def test_a_resumed_log_keeps_every_whole_record_before_its_step(tmp_path, capsys, log, kept, says):
+    """Whatever else the file holds (a torn last line, a tail of zeros a crash left, bytes that
+    are not text, JSON that is no record), the whole records before the resumed step (4) stay, one
+    line says what was dropped, and a file with more than a torn last line is kept aside as it was."""
+    from harness.metrics import keep_log_before
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(log)
+    keep_log_before(path, first_step=4)
+    assert path.read_bytes() == kept
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and says in err[0], err
+    aside = sorted(tmp_path.glob("metrics.jsonl.damaged-*"))
+    assert [p.read_bytes() for p in aside] == ([] if says.startswith("note") else [log])
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl", *(p.name for p in aside)]
+
+
+# stdout is a terminal that hangs up, stderr a pipe whose other end closes with it (`| tee log`); the
+# process, hung up, prints to both and says what it heard in a file.
+A_HANGUP = """
+import os, signal, sys, torch
+from harness.preemption import StopFlag
+stop = StopFlag(announce=False)
+terminal, line = os.openpty()
+read_end, write_end = os.pipe()
+os.dup2(line, 1)
+os.dup2(write_end, 2)
+os.close(terminal)
+os.close(read_end)
+os.kill(os.getpid(), signal.SIGHUP)
+print("to the terminal", flush=True)
+print("to the pipe", file=sys.stderr, flush=True)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{stop.signal_name} {stop.flags(torch.device('cpu')).tolist()}")
+"""
+
+
+def test_a_hangup_is_a_stop_signal_and_what_it_took_away_ends_no_print(tmp_path):
+    """SIGHUP sets the flag as SIGTERM does (exit 75 once the step is saved), and stdout and stderr
+    that no one reads any more go to /dev/null: a print there (EIO, EPIPE) would end the run unsaved."""
+    heard = tmp_path / "heard"
+    proc = subprocess.run([sys.executable, "-c", A_HANGUP, str(heard)], cwd=HOME, env=env(), timeout=60)
+    assert proc.returncode == 0 and heard.read_text() == "SIGHUP [1, 0]"
 
 
 def test_one_host_sync_per_step(tmp_path):
@@ -253,24 +348,32 @@ with one_run_at_a_time(Path({out!r}), DistInfo(0, 0, 1, torch.device("cpu"), joi
 
 def test_a_run_directory_holds_one_run_and_a_killed_run_leaves_it_free(tmp_path):
     """A second run is refused while the first holds the directory; SIGKILLed, the first leaves
-    no lock behind (the kernel drops it), and a refused run leaves no directory it made."""
+    no lock behind (the kernel drops it). A refused run changes nothing on disk: no lock file in a
+    directory that was there, no directory it made (nor their parents)."""
     from harness.distributed import DistInfo
     from harness.errors import UserError
     from harness.run_dir import one_run_at_a_time
+
+    def listing() -> list[str]:
+        return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
 
     out, di = tmp_path / "run", DistInfo(0, 0, 1, torch.device("cpu"), joins_group=False)
     holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_DIRECTORY.format(home=str(HOME), out=str(out))],
                               env=env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "holding\n"
+        assert listing() == ["run"]
         with pytest.raises(UserError, match="is in use by another run"), one_run_at_a_time(out, di):
             pass
+        assert listing() == ["run"]
     finally:
         holder.kill()
         holder.wait()
     with one_run_at_a_time(out, di):
         pass
-    fresh = tmp_path / "refused"
-    with pytest.raises(UserError, match="bad input"), one_run_at_a_time(fresh, di):
-        raise UserError("bad input")
-    assert not fresh.exists()
+    (tmp_path / "empty").mkdir()
+    for refused in (tmp_path / "empty", tmp_path / "new" / "deeper"):
+        before = listing()
+        with pytest.raises(UserError, match="bad input"), one_run_at_a_time(refused, di):
+            raise UserError("bad input")
+        assert listing() == before, refused
