@@ -42,10 +42,13 @@ from latentwire.harness.distributed import (
     leave_together,
     torchrun_rank,
 )
-from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, main_guard, out_of_memory
+from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, out_of_memory
+from latentwire.harness.exits import main_guard
 from latentwire.harness.layout import config_for_world
 from latentwire.harness.loop_config import LoopConfig, OptimizerConfig, load_config
-from latentwire.harness.metrics import MetricsLogger, StepMeter
+from latentwire.harness.meters import StepMeter
+from latentwire.harness.metrics import MetricsLogger
+from latentwire.harness.out_dir import check_out_dir, one_run_at_a_time, prepare_out_dir
 from latentwire.harness.precision import (
     AMP_DTYPES,
     cuda_capability,
@@ -65,7 +68,6 @@ from latentwire.harness.resume import (
     resolve_checkpoint,
     resume,
 )
-from latentwire.harness.run_dir import check_out_dir, one_run_at_a_time, prepare_out_dir
 from latentwire.recipe import LatentWire as Recipe  # the model this loop trains
 
 PROFILES = Path(__file__).with_name("hw_profiles.json")

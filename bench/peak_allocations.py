@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import common  # noqa: F401  (puts the repository on sys.path)
-from latentwire.harness.metrics import GIB
+from latentwire.harness.meters import GIB
 from latentwire.harness.recordings import by_site, live_at_peak, read_snapshot
 
 

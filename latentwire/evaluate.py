@@ -45,7 +45,8 @@ from .fp8 import check_fp8
 from .harness.checkpoint import load_weights
 from .harness.config import Parser, check_can_create, positive
 from .harness.distributed import process_group
-from .harness.errors import UserError, main_guard
+from .harness.errors import UserError
+from .harness.exits import main_guard
 from .harness.precision import frozen_weight_dtype
 from .harness.resume import resolve_checkpoint
 from .llm import build_frozen_llms, held_per_rank

@@ -51,7 +51,8 @@ import torch.distributed as dist
 from .fp8 import check_fp8
 from .harness.config import Parser, check_can_create, positive
 from .harness.distributed import process_group
-from .harness.errors import UserError, main_guard
+from .harness.errors import UserError
+from .harness.exits import main_guard
 from .harness.precision import cuda_capability, frozen_weight_dtype, sdpa_backends
 from .harness.profiling import MemorySnapshots
 from .harness.recipe import TrainingStep

@@ -31,7 +31,8 @@ import math
 from .dataset import round_up
 from .distillation import target_width, targets_bytes
 from .harness.config import Parser, positive
-from .harness.errors import UserError, main_guard
+from .harness.errors import UserError
+from .harness.exits import main_guard
 from .known_llms import llm_parameter_count
 from .llm import LLM_NAMES
 from .llm_sources import llm_spec

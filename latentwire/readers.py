@@ -25,7 +25,7 @@ from .dataset import IGNORE_INDEX, answer_text, answer_token_ids, load_examples,
 from .eval.generation import decode_answer, greedy_generate, text_prompt_ids, text_prompts
 from .eval.squad_metrics import best_em_f1
 from .harness.config import Parser, positive
-from .harness.errors import main_guard
+from .harness.exits import main_guard
 from .llm import LLM_NAMES, FrozenLLM
 from .llm_sources import TINY_READERS, tiny_model, tiny_tokenizer
 from .prompting import PromptContract

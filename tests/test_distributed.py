@@ -64,7 +64,8 @@ import atexit, pathlib, sys
 import torch.distributed as dist
 sys.path.insert(0, {repo!r})
 from latentwire.harness.distributed import leave_together
-from latentwire.harness.errors import UserError, main_guard
+from latentwire.harness.errors import UserError
+from latentwire.harness.exits import main_guard
 atexit.register(lambda: pathlib.Path("finalized").touch())
 def main():
     if {group}:
@@ -116,7 +117,7 @@ sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 import train
-from latentwire.harness.errors import main_guard
+from latentwire.harness.exits import main_guard
 real = dist.destroy_process_group
 def destroy(*args, **kwargs):
     gc.collect()

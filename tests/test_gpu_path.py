@@ -240,7 +240,7 @@ def test_mfu_peak_follows_the_arithmetic_in_use():
 # --- memory per window ------------------------------------------------------------------------
 
 def test_peak_memory_is_per_window_and_the_run_peak_is_kept():
-    from latentwire.harness.metrics import MemoryMeter
+    from latentwire.harness.meters import MemoryMeter
 
     meter = MemoryMeter(CPU)
     spike = torch.ones(256 * MiB, dtype=torch.uint8)  # touched: resident
@@ -255,7 +255,7 @@ def test_peak_memory_is_per_window_and_the_run_peak_is_kept():
 
 
 def test_cuda_window_resets_the_allocator_peak(monkeypatch):
-    from latentwire.harness.metrics import GIB, MemoryMeter
+    from latentwire.harness.meters import GIB, MemoryMeter
 
     stats = {"allocated_bytes.all.current": GIB, "allocated_bytes.all.peak": 5 * GIB,
              "reserved_bytes.all.current": 2 * GIB, "reserved_bytes.all.peak": 6 * GIB, "num_alloc_retries": 1}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import FAST, REPO, assert_one_line_error, child_env, ok, run_train
-from latentwire.harness.metrics import GpuMonitor, MemoryMeter, StepMeter
+from latentwire.harness.meters import GpuMonitor, MemoryMeter, StepMeter
 from latentwire.harness.profiling import MemorySnapshots
 from latentwire.harness.recordings import format_trace_summary, summarize_trace
 
@@ -229,7 +229,7 @@ import sys, torch
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
 import latentwire.recipe as recipe
-from latentwire.harness.errors import main_guard
+from latentwire.harness.exits import main_guard
 real, calls = recipe.forward_loss_sums, [0]
 def oom(*args):
     calls[0] += 1
@@ -246,7 +246,7 @@ import os, sys, torch
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import train
 import {module} as target
-from latentwire.harness.errors import main_guard
+from latentwire.harness.exits import main_guard
 real = target.{name}
 def oom(*args, **kwargs):
     if os.environ.get("RANK", "1") == "1":

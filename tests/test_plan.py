@@ -11,7 +11,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 from conftest import assert_one_line_error, distilled_collator, instruct_reader, ok, run_module, tiny_llms
 from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset
 from latentwire.find_batch import Probe
-from latentwire.harness.errors import UserError, main_guard
+from latentwire.harness.errors import UserError
+from latentwire.harness.exits import main_guard
 from latentwire.harness.layout import scaled_lr
 from latentwire.harness.precision import frozen_weight_dtype
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count

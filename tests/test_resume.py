@@ -106,7 +106,7 @@ import os, signal, sys
 sys.path.insert(0, {repo!r}); sys.argv[0] = {train!r}
 import {module} as target
 import train
-from latentwire.harness.errors import main_guard
+from latentwire.harness.exits import main_guard
 real, calls = target.{name}, [0]
 def signalled(*args, **kwargs):
     calls[0] += 1
@@ -264,7 +264,7 @@ def run_with_fault(tmp_path, fault: str, args) -> subprocess.CompletedProcess:
     script = tmp_path / "faulty_train.py"
     script.write_text("\n".join([
         "import sys", f"sys.path.insert(0, {str(REPO)!r}); sys.argv[0] = {str(REPO / 'train.py')!r}",
-        "import train", "from latentwire.harness.errors import main_guard", fault,
+        "import train", "from latentwire.harness.exits import main_guard", fault,
         "main_guard(lambda: train.main(sys.argv[1:]))"]))
     return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=child_env(), capture_output=True,
                           text=True, timeout=300)

@@ -12,7 +12,7 @@ own with a narrow interface:
   (`precision`); the compile settings and cache (`compiling`);
 - data: the sharded sampler, loader and global batches (`data`), and how large they are on the
   world that runs them (`layout`);
-- the run's directory, one run at a time (`run_dir`); checkpoints written whole (`checkpoint`),
+- the run's directory, one run at a time (`out_dir`); checkpoints written whole (`checkpoint`),
   which one a run resumes and what it may not change (`resume`), and the training data's identity
   each records (`data_identity`);
 - preemption and Ctrl-C (`preemption`); errors and exit codes (`errors`), each rank's outcome for

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import errors
+from . import exits
+from .errors import UserError
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class DistInfo:
 def select_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
         if not torch.cuda.is_available():
-            raise errors.UserError("this profile needs a CUDA GPU and none is visible; use --profile cpu")
+            raise UserError("this profile needs a CUDA GPU and none is visible; use --profile cpu")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -74,14 +75,14 @@ def group_options(device: torch.device, timeout_s: int) -> dict:
 def leave_together() -> Iterator[None]:
     """The body of a command in its process group (if it joined one), the group torn down when
     the body ends well. A body that raises leaves the group standing: the process is on its way
-    out (errors.leave ends it with os._exit, which ends gloo's threads with it), and tearing the
+    out (exits.leave ends it with os._exit, which ends gloo's threads with it), and tearing the
     group down is what can hang it. Unregistered, the group dies with the last object holding
     it, DDP's reducer, when the failed frames or the collector free it: its destructor joins
     gloo's worker threads while holding the GIL, and a worker still finishing a collective waits
     for the GIL to free the collective's tensors. Both wait forever (`--resume` from a corrupt
     checkpoint on 2 ranks hung in some runs, until torchrun killed it 30 s later)."""
     if dist.is_initialized():
-        errors.started_a_process_group()  # the process will leave without finalizing (errors.leave)
+        exits.started_a_process_group()  # the process will leave without finalizing (exits.leave)
     yield
     # Leave together: a rank that destroys the group and exits while a peer is still busy
     # (rank 0 writing a report) can be aborted by gloo's connection threads at exit. Only on

@@ -339,7 +339,7 @@ from pathlib import Path
 sys.path.insert(0, {home!r})
 import torch
 from harness.distributed import DistInfo
-from harness.run_dir import one_run_at_a_time
+from harness.out_dir import one_run_at_a_time
 with one_run_at_a_time(Path({out!r}), DistInfo(0, 0, 1, torch.device("cpu"), joins_group=False)):
     print("holding", flush=True)
     time.sleep(600)
@@ -352,7 +352,7 @@ def test_a_run_directory_holds_one_run_and_a_killed_run_leaves_it_free(tmp_path)
     directory that was there, no directory it made (nor their parents)."""
     from harness.distributed import DistInfo
     from harness.errors import UserError
-    from harness.run_dir import one_run_at_a_time
+    from harness.out_dir import one_run_at_a_time
 
     def listing() -> list[str]:
         return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))

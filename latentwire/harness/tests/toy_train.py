@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the folder that 
 from harness.checkpoint import Checkpointer, TrainState  # noqa: E402
 from harness.data import ShardSampler, global_batches, make_loader, to_device  # noqa: E402
 from harness.distributed import all_reduce, group_options, leave_together, torchrun_rank  # noqa: E402
-from harness.errors import main_guard  # noqa: E402
+from harness.exits import main_guard  # noqa: E402
 from harness.loop_config import load_config  # noqa: E402
-from harness.metrics import MetricsLogger, StepMeter  # noqa: E402
+from harness.meters import StepMeter  # noqa: E402
+from harness.metrics import MetricsLogger  # noqa: E402
 from harness.preemption import StopFlag, stop_code  # noqa: E402
 from harness.resume import resume  # noqa: E402
 from harness.template import Regression  # noqa: E402
