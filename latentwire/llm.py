@@ -26,7 +26,7 @@ class FrozenConfig:
     qwen: str
     activation_checkpointing: bool  # recompute each decoder layer in backward
     sharding: str  # none (whole on every rank) or fsdp
-    fp8: bool  # the decoder layers' linears in float8 (latentwire.fp8)
+    fp8: str  # the decoder layers' linears in float8 by this recipe, or none (latentwire.fp8)
     FLAT_NAMES: ClassVar[dict] = {"sharding": "frozen_sharding", "fp8": "frozen_fp8"}
 
     def source(self, name: str) -> str:

@@ -35,9 +35,11 @@ FIELDS: dict[str, Field] = {
     "frozen_sharding": Field(str, "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded "
                                   "over the ranks by FSDP2, a decoder layer gathered only while it runs)",
                              choices=("none", "fsdp"), default="none"),
-    "frozen_fp8": Field(bool, "run the frozen LLMs' decoder-layer linears in float8 (torchao: forward and input "
-                              "gradients; bf16, compiled, a card with FP8 tensor cores or the CPU's emulation; "
-                              "MFU stays counted against the bf16 peak)", default=False),
+    "frozen_fp8": Field(str, "run the frozen LLMs' decoder-layer linears in float8, scaled by torchao's recipe: none, "
+                             "tensorwise (a scale per tensor, each weight 1 byte) or rowwise (a scale per row, each "
+                             "weight cast for each of its two GEMMs, 2 bytes); forward and input gradients, bf16, "
+                             "compiled, a card with FP8 tensor cores or the CPU's emulation; MFU stays counted "
+                             "against the bf16 peak", choices=("none", "tensorwise", "rowwise"), default="none"),
     "llama": Field(str, "Llama-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), 'tiny-random', "
                         "or 'random:HUB_ID_OR_CONFIG_JSON'"),
     "qwen": Field(str, "Qwen-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), 'tiny-random', "
@@ -132,7 +134,7 @@ def check_consistency(v: dict, where: str) -> None:
     if v["encoder_dim"] // v["encoder_heads"] % 2:
         raise UserError(f"{where}: the byte encoder's head width, encoder_dim / encoder_heads = "
                         f"{v['encoder_dim'] // v['encoder_heads']}, must be even (rotary positions rotate pairs)")
-    if v["frozen_fp8"]:
+    if v["frozen_fp8"] != "none":
         check_fp8_profile(v, where)
     if fused_attention_only(v["device"], v["precision"], v["supports_bf16"]):
         check_fused_head_widths(v["encoder_dim"], v["d_z"], v["encoder_heads"], where)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..harness.errors import UserError
+from ..fp8 import parameter_count
 from ..known_llms import KNOWN_LLMS, llm_parameter_count
 from ..llm import LLM_NAMES, fsdp_units, held_bytes
 from ..llm_sources import LLMSpec, llm_spec, read_source
@@ -188,7 +189,7 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
         llms = fake_llms(specs, cfg.numerics.precision)
         prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
                           device=None, fp8=cfg.frozen.fp8)
-        frozen_params = {name: sum(p.numel() for p in llm.model.parameters()) for name, llm in llms.items()}
+        frozen_params = {name: parameter_count(llm.model) for name, llm in llms.items()}
         frozen_bytes = sum(held_bytes(llm.model) for llm in llms.values())
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
         tracer = StepTracer(cfg, llms, answers, step)
