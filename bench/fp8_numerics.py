@@ -141,8 +141,8 @@ class Comparison:
             return (f"{min(errors.values()):.2%} to {max(errors.values()):.2%} of their incoherent norm (bound "
                     f"{low:.2%} to {high:.2%})")
 
-        wire = ", ".join(f"{name} cosine {self.wire_cosine[name]:.4f}, relative difference {self.wire_rel_diff[name]:.1%}"
-                         for name in self.wire_cosine)
+        wire = ", ".join(f"{name} cosine {cosine:.4f}, relative difference {self.wire_rel_diff[name]:.1%}"
+                         for name, cosine in self.wire_cosine.items())
         return (f"{self.recipe}: {len(self.forward_errors)} float8 linears, forward error "
                 f"{gemms(self.forward_errors, self.bounds.forward)}, input-gradient error "
                 f"{gemms(self.input_grad_errors, self.bounds.backward)}; loss bf16 {self.loss_bf16:.5f} fp8 "
@@ -253,7 +253,8 @@ def compare(cfg, device: torch.device, recipe: str) -> Comparison:
 
     return Comparison(recipe, Bounds.of(recipe), loss_bf16, loss_fp8, cosine(grad_fp8, grad_bf16),
                       rel_diff(grad_fp8, grad_bf16), {name: cosine(wire_fp8[name], g) for name, g in wire_bf16.items()},
-                      {name: rel_diff(wire_fp8[name], g) for name, g in wire_bf16.items()}, forward, backward, in_series)
+                      {name: rel_diff(wire_fp8[name], g) for name, g in wire_bf16.items()}, forward, backward,
+                      in_series)
 
 
 def main() -> None:

@@ -74,21 +74,23 @@ def test_each_frozen_weight_is_cast_once_per_gemm_and_computes_as_torchao_s_reci
                                                                                    monkeypatch):
     """The decoder layers' aligned linears convert, nothing else; each holds its weight in e4m3,
     cast once for each GEMM that reads it (tensorwise: one cast for both; rowwise: one per output
-    channel, one per input channel), and computes, forward and input gradient, bit for bit what
-    torchao's Float8Linear computes under the same recipe casting the bf16 weight itself at every
-    call. Its GEMMs take the recipe's scales: one per tensor, or one per row of each operand, the
-    weight's its own per channel (a tensorwise cast under the rowwise config fails this)."""
+    channel, one per input channel), in the bytes and the weights the plan counts, and computes,
+    forward and input gradient, bit for bit what torchao's Float8Linear computes under the same
+    recipe casting the bf16 weight itself at every call. Its GEMMs take the recipe's scales: one per
+    tensor, or one per row of each operand, the weight's its own per channel (a tensorwise cast
+    under the rowwise config fails this)."""
     from torchao.float8 import float8_ops
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_linear import Float8Linear
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
     from torchao.float8.float8_utils import tensor_to_scale
 
-    from latentwire.fp8 import convert_frozen_linears, fp8_linears, recipe_config
+    from latentwire.fp8 import convert_frozen_linears, fp8_linears, parameter_count, recipe_config
 
     config = recipe_config(recipe)
     llms = tiny_readers(fp8="none")
     bf16_bytes = {name: held_bytes(llm.model) for name, llm in llms.items()}
+    counts = {name: parameter_count(llm.model) for name, llm in llms.items()}
     first = decoder_layers(llms["qwen"])[0].self_attn.q_proj
     per_step = Float8Linear.from_float(copy.deepcopy(first), config)  # the weight cast at every call
     converted = {name: [(linear.in_features, linear.out_features) for _, _, linear in fp8_linears(llm)]
@@ -98,7 +100,9 @@ def test_each_frozen_weight_is_cast_once_per_gemm_and_computes_as_torchao_s_reci
     casts_per_linear = 1 if recipe == "tensorwise" else 2
     for name, llm in llms.items():
         assert len(converted[name]) == CONVERTED_PER_LAYER[name] * LAYERS[name]
+        # what the plan counts: the bytes held (held_bytes), and each weight once (parameter_count)
         assert held_bytes(llm.model) == bf16_bytes[name] + sum(held_change(recipe, *io) for io in converted[name])
+        assert parameter_count(llm.model) == counts[name]
         casts = [p for p in llm.model.parameters() if isinstance(p, Float8TrainingTensor)]
         assert len(casts) == casts_per_linear * len(converted[name])
         assert all(w._data.dtype == torch.float8_e4m3fn for w in casts)
@@ -223,9 +227,10 @@ def test_train_py_runs_compiled_with_fp8_readers(tmp_path, torchao_site):
     cache, through the same float8 linears), the opening line saying what converted and that MFU
     stays against the bf16 peak, and meta.json recording it."""
     out = tmp_path / "fp8"
-    proc = ok(run_train(["--profile", "cpu", *FAST, "--precision", "bf16", "--compile", "true", "--frozen-fp8", "rowwise",
-                         "--max-steps", "2", "--micro-batch-size", "4", "--eval-every", "2", "--eval-examples", "8",
-                         "--max-new-tokens", "4", "--compile-cache", str(tmp_path / "cache"), "--out-dir", str(out)],
+    proc = ok(run_train(["--profile", "cpu", *FAST, "--precision", "bf16", "--compile", "true",
+                         "--frozen-fp8", "rowwise", "--max-steps", "2", "--micro-batch-size", "4", "--eval-every", "2",
+                         "--eval-examples", "8", "--max-new-tokens", "4", "--compile-cache", str(tmp_path / "cache"),
+                         "--out-dir", str(out)],
                         PYTHONPATH=torchao_site))
     assert ("fp8: 8 of llama's 14, 21 of qwen's 21 decoder-layer linears in float8 (torchao, rowwise" in proc.stdout
             and "emulated by the CPU" in proc.stdout and "MFU stays counted against the bf16 peak" in proc.stdout)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..harness.errors import UserError
 from ..fp8 import parameter_count
+from ..harness.errors import UserError
 from ..known_llms import KNOWN_LLMS, llm_parameter_count
 from ..llm import LLM_NAMES, fsdp_units, held_bytes
 from ..llm_sources import LLMSpec, llm_spec, read_source
