@@ -23,7 +23,7 @@ from .distillation import describe_targets, teacher_targets
 from .eval.evaluation import evaluate_wire
 from .eval.settings import EvalSettings
 from .flops import FlopModel
-from .fp8 import check_fp8, describe_fp8
+from .fp8 import check_fp8, describe_fp8, parameter_count
 from .harness.compiling import stable_shapes
 from .harness.distributed import DistInfo
 from .harness.precision import frozen_weight_dtype
@@ -131,7 +131,7 @@ class LatentWire:
                                  self.di.world_size)
 
     def describe(self, model: nn.Module) -> str:
-        frozen = sum(count_parameters(llm.model, False) for llm in self.llms.values())
+        frozen = sum(parameter_count(llm.model) for llm in self.llms.values())
         return (f"trainable {count_parameters(model, True) / 1e6:.2f}M, frozen {frozen / 1e6:.1f}M "
                 f"({held_per_rank(self.llms)})")
 
