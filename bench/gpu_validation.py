@@ -3,30 +3,36 @@
 Validation (the default): the card's attention-kernel facts, the profile end to end (step time,
 tokens/s, MFU, memory, compile time, recompiles), an evaluation with text baselines, the eager
 lever, find_batch against the memory plan, then what time is left: no recompute, the plan's
-largest micro-batch. Levers (`--levers`): the profile's compiled run as the same machine's
+largest micro-batch. Levers (`--levers`), in the order of what they decide, so that the parts a
+deadline cuts are those that matter least: the profile's compiled run as the same machine's
 baseline; compiled without activation checkpointing at the largest micro-batch the plan for the
 check's rows fits (halved while it runs out of memory), with expandable segments; FP8 frozen
-linears, compiled, without and with checkpointing; a torch.profiler summary of the fastest's
-steady steps (top kernels, the GPU's idle share: <out>/profile.txt); and a run made to fail at its
-first step (a micro-batch that cannot fit, the profile's 8 pinned-memory loader workers), timed
-from its error line to its exit. Every run entry has `mfu`, `hfu` (the recompute counted) and
-`ratio_to_baseline` (its samples/s over the baseline's).
+linears by each of torchao's recipes (tensorwise, rowwise) at the fastest of those two, then each
+at the largest micro-batch its own plan fits (a GEMM's rows decide which recipe pays); a
+torch.profiler summary of the fastest's steady steps (top kernels, the GPU's idle share:
+<out>/profile.txt); and a run made to fail at its first step (a micro-batch that cannot fit, the
+profile's 8 pinned-memory loader workers), timed from the line the loop prints when it catches the
+failure to the exit, so that the loader's and profiler's shutdown is in it. Every run entry has
+`mfu`, `hfu` (the recompute counted) and `ratio_to_baseline` (its samples/s over the baseline's).
 
     python bench/gpu_validation.py --out $OUT --deadline 530      # on the GPU machine (one command, 570 s limit)
-    python bench/gpu_validation.py --levers --out $OUT --deadline 480   # the levers (one command, 540 s limit)
+    python bench/gpu_validation.py --levers --torchao /tmp/site --out $OUT --deadline 480   # the levers (540 s limit)
     python bench/gpu_validation.py --out /tmp/v --cpu-check        # here: the cpu profile, the same code path
     python bench/gpu_validation.py --levers --out /tmp/v --cpu-check
-    python bench/gpu_validation.py --prepare                       # here, before a GPU: the plans it compares with
+    python bench/gpu_validation.py --prepare --torchao DIR         # here, before a GPU: the plans it compares with
     python bench/gpu_validation.py --out $OUT --deadline 530 --compile-mode max-autotune-no-cudagraphs \
         --budget preflight=0 --budget main=400                     # a second command: max-autotune's cost and gain
 
-The next lent H100 runs the levers: `python bench/gpu_validation.py --levers --out $OUT --deadline
-480` with a 540 s timeout, about 8 minutes of parts after the machine's 1-2 minutes of start
-(expected: baseline 75 s, no recompute 70 s, each FP8 run 75 s, the profile 55 s, the failing run
-25 s); the plans it reads are shipped. The card has no network and no torchao: the FP8 parts need
-its wheel carried with the tree (`pip download --no-deps -r requirements-fp8.txt -d .whl` here,
-then on the card `pip install --no-deps --target /tmp/site .whl/*.whl` and
-`PYTHONPATH=/tmp/site`), else they are recorded as refused.
+The next lent card runs the levers: `python bench/gpu_validation.py --levers --torchao /tmp/site
+--out $OUT --deadline 480` with a 540 s timeout, about 8 minutes of parts after the machine's 1-2
+minutes of start (expected: baseline 75 s, no recompute 70 s, each FP8 run 75 s at the fastest
+configuration and less at the largest micro-batch, whose graphs the compile cache holds, the
+profile 55 s, the failing run 25 s: the last parts are cut first); the plans it reads are shipped.
+The card has no network and no torchao: the FP8 parts need its wheel carried with the tree (`pip
+download --no-deps -r requirements-fp8.txt -d .whl` here, then on the card `pip install --no-deps
+--target /tmp/site .whl/*.whl`), else they are recorded as refused. `--torchao` puts that folder on
+the FP8 parts' path alone (TORCHAO_FOR_FP8): transformers imports torchao wherever it finds it, so
+on everyone's path it would be imported, and could fail to load, in every part, the bf16 ones too.
 
 A lent GPU gives minutes, and a command stopped at its limit returns only the files it had already
 written, so nothing waits for the end: each part runs in its own process group, under
@@ -68,6 +74,10 @@ import torch
 
 from common import REPO, child_env
 
+# isort: split
+from latentwire.fp8 import RECIPES  # found through the repository path that common puts on sys.path
+from latentwire.harness.errors import CAUGHT_OUT_OF_MEMORY
+
 # Readers for the GPU profiles: their architectures from latentwire.known_llms, no download.
 REAL_LLMS = ["--llama", "random:meta-llama/Llama-3.1-8B", "--qwen", "random:Qwen/Qwen2.5-7B"]
 # SQuAD contexts are about 750 characters; the profile cuts prompts at max_prompt_bytes.
@@ -81,6 +91,18 @@ ANSWER_TOKENS_MEDIAN, ANSWER_TOKENS_SIGMA = 3.0, 0.82
 RESULTS = REPO / "bench" / "results"
 # Seconds a stopped part gets between SIGTERM and SIGKILL.
 GRACE_S = 5
+# Float8 training needs none of torchao's compiled extensions: skip loading them (and their failures).
+TORCHAO_FOR_FP8 = {"TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
+# The failing part's clock starts at the loop's line when it catches the failure (else at its end).
+CAUGHT = rf"^({re.escape(CAUGHT_OUT_OF_MEMORY.split('{')[0])}|error: |Traceback)"
+
+
+def fp8_env(torchao: str | None) -> dict:
+    """A float8 part's environment beyond the others': `torchao` (a folder pip installed it into,
+    or None: wherever the interpreter finds it) first on its path, the extensions not loaded."""
+    if torchao is None:
+        return dict(TORCHAO_FOR_FP8)
+    return {**TORCHAO_FOR_FP8, "PYTHONPATH": os.pathsep.join(filter(None, [torchao, os.environ.get("PYTHONPATH")]))}
 
 
 def squad_length_examples(path: Path, n: int, seed: int = 0) -> Path:
@@ -343,42 +365,52 @@ class Results:
 
 # --- the plan, traced on the CPU --------------------------------------------------------------------
 
-def plan_flags(profile: str, readers: list[str], recompute: bool, rows: list[str]) -> list[str]:
+def plan_flags(profile: str, readers: list[str], recompute: bool, rows: list[str], fp8: str = "none") -> list[str]:
     """The flags the plan is traced for and the runs share: `rows`, the longest rows of the
     check's data (check_rows), so the plan traces those and not the profile's longest."""
-    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", str(recompute).lower()]
+    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", str(recompute).lower(),
+            *(["--frozen-fp8", fp8] if fp8 != "none" else [])]
 
 
-def plan_path(profile: str, recompute: bool) -> Path:
-    return RESULTS / f"plan-{profile}{'' if recompute else '-no-recompute'}.json"
+def plan_path(profile: str, recompute: bool, fp8: str = "none") -> Path:
+    return RESULTS / f"plan-{profile}{'' if recompute else '-no-recompute'}{'' if fp8 == 'none' else '-' + fp8}.json"
 
 
-def shipped_plan(flags: list[str], profile: str, recompute: bool) -> dict | None:
-    """The plan `--prepare` traced for exactly these flags, if it is in bench/results/."""
-    path = plan_path(profile, recompute)
+def shipped_plan(flags: list[str], path: Path) -> dict | None:
+    """The plan `--prepare` traced for exactly these flags, if it is at `path` in bench/results/."""
     if not path.exists():
         return None
     shipped = json.loads(path.read_text())
     return shipped["plan"] if shipped["flags"] == flags else None
 
 
-def trace_plan(flags: list[str], path: Path, run, budget_s: float = 300) -> dict | str:
-    """`python -m latentwire.plan` for `flags` (through `run`, a Runner): the plan, or why there is none."""
-    child = run([sys.executable, "-m", "latentwire.plan", *flags, "--json", str(path)], budget_s)
+def trace_plan(flags: list[str], path: Path, run, budget_s: float = 300, env: dict | None = None) -> dict | str:
+    """`python -m latentwire.plan` for `flags` (through `run`, a Runner): the plan, or why there is
+    none. Flags the configuration refuses (an FP8 plan on a profile that cannot take it) are
+    refused here, without a process."""
+    from latentwire.harness.errors import UserError
+    from latentwire.settings import load_config
+
+    try:
+        load_config(flags)
+    except UserError as e:
+        return f"plan refused: error: {e}"
+    child = run([sys.executable, "-m", "latentwire.plan", *flags, "--json", str(path)], budget_s, env=env)
     if child.status != "done":
         return f"plan {child.status}: {error_line(child.output)}"
     return json.loads(path.read_text())
 
 
-def the_plan(run, profile: str, readers: list[str], recompute: bool, rows: list[str],
-             work: Path) -> tuple[dict | str, str]:
+def the_plan(run, profile: str, readers: list[str], recompute: bool, rows: list[str], work: Path,
+             fp8: str = "none", torchao: str | None = None) -> tuple[dict | str, str]:
     """The plan for these flags, and where it came from: bench/results/ where it is shipped, else
-    traced now."""
-    flags = plan_flags(profile, readers, recompute, rows)
-    plan = shipped_plan(flags, profile, recompute)
+    traced now (an FP8 plan with torchao where `torchao` says)."""
+    flags, path = plan_flags(profile, readers, recompute, rows, fp8), plan_path(profile, recompute, fp8)
+    plan = shipped_plan(flags, path)
     if plan is not None:
-        return plan, str(plan_path(profile, recompute).relative_to(REPO))
-    return trace_plan(flags, work / f"plan-{recompute}.json", run), "traced by this run"
+        return plan, str(path.relative_to(REPO))
+    return (trace_plan(flags, work / path.name, run, env=fp8_env(torchao) if fp8 != "none" else None),
+            "traced by this run")
 
 
 def check_rows(profile: str, work: Path, examples: int) -> tuple[Path, dict, list[str]]:
@@ -443,12 +475,12 @@ def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env
         entry |= {"profile": cfg.invocation.profile, "micro_batch_size": cfg.training.micro_batch_size,
                   "grad_accum_steps": cfg.training.grad_accum_steps, "compile": cfg.compile.enabled,
                   "compile_mode": cfg.compile.mode if cfg.compile.enabled else None,
-                  "activation_checkpointing": cfg.frozen.activation_checkpointing,
-                  "fp8": bool(cfg.to_dict().get("frozen_fp8", False))}
+                  "activation_checkpointing": cfg.frozen.activation_checkpointing, "fp8": cfg.frozen.fp8}
     entry |= {"recompiles": child.output.count("Recompiling function"),
               "graph_breaks": len(re.findall(r"Graph break", child.output))}
-    metrics = run_dir / "metrics.jsonl"
-    entry["records"] = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    entry["records"], torn = read_records(run_dir / "metrics.jsonl")
+    if torn:
+        entry["unreadable_metrics_lines"] = torn
     entry |= steady_state(entry["records"])
     timed = [r for r in entry["records"] if "step_time_s" in r]
     if timed:  # process start, imports, data and the LLMs' loading: up to the first step's start
@@ -456,8 +488,24 @@ def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env
     if child.status == "failed":
         entry["error"] = error_line(child.output)
     if child.seen_s is not None:
-        entry["exit_after_error_s"] = round(child.seconds - child.seen_s, 1)
+        entry["exit_after_caught_s"] = round(child.seconds - child.seen_s, 1)
     return entry
+
+
+def read_records(path: Path) -> tuple[list[dict], int]:
+    """A run's metrics.jsonl records, and how many of its lines could not be read: a part stopped
+    while it wrote leaves a torn last line, which must not end the command."""
+    records, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            torn += 1
+    return records, torn
 
 
 def evaluated(run, run_dir: str, work: Path, examples: int, budget_s: float) -> dict:
@@ -516,10 +564,10 @@ BUDGETS_S = {"preflight": 60, "main": 270, "evaluate": 60, "eager": 60, "find_ba
 # The levers mode's parts (--levers), in order. Each compiled run compiles its own graphs (about
 # 45 s cold on an H100, then 0.4-0.7 s a step), so each gets its start, its compile and 12 steps;
 # a run that runs out of memory is retried at half the micro-batch within what is left of its
-# budget. The profile reruns the fastest with a warm compile cache; the failing part loads the
-# LLMs and fails at its first step.
-LEVER_BUDGETS_S = {"baseline": 120, "no_recompute": 140, "fp8_no_recompute": 100, "fp8_recompute": 100,
-                   "profile": 80, "fails_at_first_step": 45}
+# budget. The FP8 runs at the largest micro-batch and the profile rerun graphs already compiled
+# (the shared compile cache); the failing part loads the LLMs and fails at its first step.
+LEVER_BUDGETS_S = {"baseline": 120, "no_recompute": 140, **{f"fp8_{recipe}": 100 for recipe in RECIPES},
+                   **{f"fp8_{recipe}_largest": 100 for recipe in RECIPES}, "profile": 80, "fails_at_first_step": 45}
 # What the allocator runs with in the no-recompute parts: expandable segments grow a segment in
 # place instead of stranding freed blocks of other sizes, the fragmentation that runs out of
 # memory first where the micro-batch is near the card's limit. The CUDA-named variable is read by
@@ -536,21 +584,27 @@ def settings(args) -> tuple[str, list[str], int, int, int]:
     return args.profile, REAL_LLMS, args.steps or (12 if args.levers else 20), 8, 64
 
 
-def prepare(profile: str) -> None:
+def prepare(profile: str, torchao: str | None) -> None:
     """Trace the plans the driver compares with, for the check's rows, on this CPU, into
-    bench/results/."""
+    bench/results/: bf16 with and without recompute, and each FP8 recipe with each where the
+    profile takes FP8 (torchao from `torchao`)."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Runner(Path(tmp) / "plan.log", Clock(float("inf"), 0), child_env(torch.get_num_threads()))
         _, summary, rows = check_rows(profile, Path(tmp), EXAMPLES)
-        for recompute in (True, False):
-            flags = plan_flags(profile, REAL_LLMS, recompute, rows)
-            plan = trace_plan(flags, Path(tmp) / "plan.json", run, budget_s=3600)
-            if isinstance(plan, str):
-                sys.exit(f"error: {plan}")
-            path = plan_path(profile, recompute)
-            path.write_text(json.dumps({"flags": flags, "torch": torch.__version__, "rows": summary, "plan": plan},
-                                       indent=2) + "\n")
-            print(f"wrote {path}: largest micro-batch {plan['max_micro_batch']}")
+        for fp8 in ("none", *RECIPES):
+            for recompute in (True, False):
+                flags = plan_flags(profile, REAL_LLMS, recompute, rows, fp8)
+                plan = trace_plan(flags, Path(tmp) / "plan.json", run, budget_s=3600,
+                                  env=fp8_env(torchao) if fp8 != "none" else None)
+                if isinstance(plan, str) and fp8 != "none" and plan.startswith("plan refused"):
+                    print(f"no {fp8} plan: {plan}")
+                    continue
+                if isinstance(plan, str):
+                    sys.exit(f"error: {plan}")
+                path = plan_path(profile, recompute, fp8)
+                path.write_text(json.dumps({"flags": flags, "torch": torch.__version__, "rows": summary,
+                                            "plan": plan}, indent=2) + "\n")
+                print(f"wrote {path}: largest micro-batch {plan['max_micro_batch']}")
 
 
 # The check's examples: a GPU run's 64-example batches for a few dozen steps, 128 for the CPU's.
@@ -603,8 +657,9 @@ class Check:
                 "--checkpoint-every", "0"]
         return base if self.args.cpu_check else [*base, "--compile-mode", self.args.compile_mode]
 
-    def plan(self, recompute: bool) -> tuple[dict | str, str]:
-        return the_plan(self.run, self.profile, self.readers, recompute, self.rows_flags, self.work)
+    def plan(self, recompute: bool, fp8: str = "none") -> tuple[dict | str, str]:
+        return the_plan(self.run, self.profile, self.readers, recompute, self.rows_flags, self.work, fp8,
+                        self.args.torchao)
 
     def add_run(self, entry: dict, plan: dict | str | None = None) -> dict:
         """A run's entry in the results, its records left out (they are train.py's metrics.jsonl),
@@ -699,12 +754,12 @@ def validate(check: Check) -> None:
 
 
 def levers(check: Check) -> None:
-    """The levers mode: the profile's compiled run as the same machine's baseline; compiled
-    without recompute at the largest micro-batch the plan for these rows fits; FP8 frozen
-    linears, compiled, without and with recompute; a torch.profiler summary of the fastest; a run
-    that fails at its first step. Every run entry has `hfu` and `ratio_to_baseline` (its samples/s
-    over the baseline's: the baseline's time per sample over its own), and each run's metrics are
-    appended to <out>/metrics.jsonl as soon as it ends."""
+    """The levers mode, its parts in the order of what they decide (the module's docstring): the
+    bf16 configurations, FP8 by each recipe at the fastest of them and at the largest micro-batch
+    its plan fits, where the fastest's time goes, and a run that fails at its first step. Every run
+    entry has `hfu` and `ratio_to_baseline` (its samples/s over the baseline's: the baseline's time
+    per sample over its own), and each run's metrics are appended to <out>/metrics.jsonl as soon as
+    it ends."""
     run, work, budgets, record, args = check.run, check.work, check.budgets, check.record, check.args
     check.card_state()
     base = check.rows()
@@ -715,9 +770,10 @@ def levers(check: Check) -> None:
     metrics_copy = check.out / "metrics.jsonl"
     metrics_copy.write_text("")
 
-    def lever(name: str, flags: list[str], recompute: bool, env: dict | None = None, **why) -> dict:
+    def lever(name: str, flags: list[str], recompute: bool, env: dict | None = None, plan=None, **why) -> dict:
         """One part: train_run under the part's budget, halving the micro-batch while it runs out
-        of memory (exit 5) and time is left, the metrics appended to the copy at once."""
+        of memory (exit 5) and time is left, the metrics appended to the copy at once; compared
+        with `plan` (default: the bf16 plan for `recompute`)."""
         budget_until = check.clock.elapsed() + budgets[name]
         tried = []
         while True:
@@ -730,11 +786,16 @@ def levers(check: Check) -> None:
             flags = with_micro_batch(flags, micro // 2, global_batch)
         entry |= {"out_of_memory_at": tried, **why}
         entry.setdefault("activation_checkpointing", recompute)  # what the part asked for, refused or not
-        entry.setdefault("fp8", "--frozen-fp8" in flags)
+        entry.setdefault("fp8", flag_value(flags, "--frozen-fp8", "none"))
         if entry["exit"] == 2:  # one line: this train.py or this device cannot run the lever
             entry["status"] = "refused"
         entry["ratio_to_baseline"] = ratio(entry, baseline) if name != "baseline" else 1.0
-        return check.add_run(entry, plans[recompute])
+        return check.add_run(entry, plans[recompute] if plan is None else plan)
+
+    def skipped(name: str, why: str) -> None:
+        record["runs"].append({"name": name, "status": "skipped", "why": why})
+        check.parts[name] = {"status": "skipped", "exit": None, "seconds": 0.0}
+        check.results.write()
 
     # (1) the baseline: the profile as shipped
     from latentwire.settings import load_config
@@ -744,19 +805,31 @@ def levers(check: Check) -> None:
     baseline = lever("baseline", steps, True)
     # (2) without recompute, at the largest micro-batch the plan for these rows fits that splits
     # the global batch (accumulation makes up the rest), with expandable segments
-    no_ac = [*steps, "--activation-checkpointing", "false"]
     if not isinstance(plans[False], str):
-        micro = largest_split(plans[False]["max_micro_batch"], global_batch)
-        no_ac = with_micro_batch(no_ac, micro, global_batch)
-        entry = lever("no_recompute", no_ac, False, EXPANDABLE, planned_max_micro_batch=plans[False]["max_micro_batch"])
-        no_ac = with_micro_batch(no_ac, entry.get("micro_batch_size") or micro, global_batch)
-    # (3) FP8 frozen linears, compiled, without and with recompute
-    lever("fp8_no_recompute", [*no_ac, "--frozen-fp8", "true"], False, EXPANDABLE)
-    lever("fp8_recompute", [*steps, "--frozen-fp8", "true"], True)
-    record["levers"] = {r["name"]: r["ratio_to_baseline"] for r in record["runs"]}
+        no_ac = with_micro_batch([*steps, "--activation-checkpointing", "false"],
+                                 largest_split(plans[False]["max_micro_batch"], global_batch), global_batch)
+        lever("no_recompute", no_ac, False, EXPANDABLE, planned_max_micro_batch=plans[False]["max_micro_batch"])
+    # (3) FP8 frozen linears by each recipe, at the fastest bf16 configuration (its flags, recompute
+    # and allocator settings), torchao on these parts' path alone
+    bf16 = [r for r in record["runs"] if r["status"] == "done" and r.get("samples_per_s")]
+    fastest = max(bf16, key=lambda r: r["samples_per_s"]) if bf16 else baseline
+    recompute, fp8_env_of = fastest["activation_checkpointing"], {**fastest["env"], **fp8_env(args.torchao)}
+    for recipe in RECIPES:
+        lever(f"fp8_{recipe}", [*fastest["flags"], "--frozen-fp8", recipe], recompute, fp8_env_of, of=fastest["name"])
+    # (4) each recipe at the largest micro-batch its own plan fits, one micro-batch a step: rowwise
+    # scaling pays only past some thousands of rows a GEMM
+    for recipe in RECIPES:
+        name = f"fp8_{recipe}_largest"
+        plan, source = check.plan(recompute, recipe)
+        if isinstance(plan, str):
+            skipped(name, plan)
+            continue
+        lever(name, with_micro_batch([*fastest["flags"], "--frozen-fp8", recipe], plan["max_micro_batch"], None),
+              recompute, fp8_env_of, plan, of=fastest["name"], plan_source=source)
+    record["levers"] = {r["name"]: r.get("ratio_to_baseline") for r in record["runs"]}
     check.results.write()
 
-    # (4) where the fastest's time goes: torch.profiler over three steady steps
+    # (5) where the fastest's time goes: torch.profiler over three steady steps
     done = [r for r in record["runs"] if r["status"] == "done" and r.get("samples_per_s")]
     if done:
         best = max(done, key=lambda r: r["samples_per_s"])
@@ -766,20 +839,23 @@ def levers(check: Check) -> None:
     check.parts["profile"] = {k: record["profile"].get(k) for k in ("status", "exit", "seconds")}
     check.results.write()
 
-    # (5) a run that fails at its first step, with the profile's loader (its workers, pinned
+    # (6) a run that fails at its first step, with the profile's loader (its workers, pinned
     # memory): a micro-batch four times what the plan without recompute fits runs out of memory
     if args.cpu_check or isinstance(plans[False], str):
-        entry = {"name": "fails_at_first_step", "status": "skipped",
-                 "why": "a CPU has no out-of-memory to provoke" if args.cpu_check else plans[False]}
-        record["runs"].append(entry)
-        check.parts[entry["name"]] = {"status": "skipped", "exit": None, "seconds": 0.0}
+        skipped("fails_at_first_step", "a CPU has no out-of-memory to provoke" if args.cpu_check else plans[False])
     else:
         entry = train_run(run, "fails_at_first_step",
                           with_micro_batch([*steps, "--activation-checkpointing", "false", "--compile", "false",
                                             "--max-steps", "2"], 4 * plans[False]["max_micro_batch"], None), work,
-                          budgets["fails_at_first_step"], watch=r"^(error: |Traceback)")
+                          budgets["fails_at_first_step"], watch=CAUGHT)
         check.add_run(entry)
     check.finish()
+
+
+def flag_value(flags: list[str], flag: str, default: str) -> str:
+    """The value the last `flag` in `flags` gives (argparse's rule), else `default`."""
+    at = [i for i, f in enumerate(flags[:-1]) if f == flag]
+    return flags[at[-1] + 1] if at else default
 
 
 def copy_metrics(path: Path, entry: dict) -> None:
@@ -804,7 +880,7 @@ def profiled(check: Check, best: dict, budget_s: float) -> dict:
     """`best`'s run again under train.py's profiler (the loop's own steps, past compiling and
     recompiling), summarised into <out>/profile.txt: the top kernels by device time (CPU operators
     on a CPU) and the device's idle share."""
-    from latentwire.harness.recordings import format_trace_summary, summarize_trace
+    from latentwire.harness.recordings import format_trace_summary
 
     wait = 1 if check.args.cpu_check else 3
     flags = [*best["flags"], "--max-steps", str(wait + 1 + PROFILED_STEPS + 1), "--profiler", "true",
@@ -817,9 +893,22 @@ def profiled(check: Check, best: dict, budget_s: float) -> dict:
     entry["of"] = best["name"]
     if not traces:
         return entry | {"summary": None, "why": "no trace written"}
-    summary = summarize_trace(traces[-1])
+    summary = trace_summary(traces[-1])
+    if isinstance(summary, str):
+        return entry | {"summary": None, "why": summary}
     (check.out / "profile.txt").write_text(f"{best['name']}: {' '.join(flags)}\n" + format_trace_summary(summary))
     return entry | {"summary": {k: v for k, v in summary.items() if k != "top"}, "top": summary["top"][:10]}
+
+
+def trace_summary(path: Path) -> dict | str:
+    """summarize_trace of a profiler trace, or why it could not be read: a part stopped while it
+    exported leaves a truncated file, which must not end the command."""
+    from latentwire.harness.recordings import summarize_trace
+
+    try:
+        return summarize_trace(path)
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+        return f"trace {path.name} unreadable: {type(e).__name__}: {str(e)[:200]}"
 
 
 def main() -> None:
@@ -838,6 +927,8 @@ def main() -> None:
     p.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
                    help="the runs' torch.compile mode: max-autotune's minutes of tuning get a command of their own")
     p.add_argument("--cpu-check", action="store_true", help="the cpu profile with its tiny readers, every part small")
+    p.add_argument("--torchao", metavar="DIR",
+                   help="a folder torchao is installed in (pip install --target): on the FP8 parts' path alone")
     p.add_argument("--prepare", action="store_true", help="trace the profile's plans into bench/results/ and exit")
     p.add_argument("--kernel-facts", action="store_true", help=argparse.SUPPRESS)  # the preflight's child
     args = p.parse_args()
@@ -846,7 +937,7 @@ def main() -> None:
         print(json.dumps(kernel_facts(device)))
         return
     if args.prepare:
-        return prepare(args.profile)
+        return prepare(args.profile, args.torchao)
     if not args.out:
         p.error("--out is required")
     budgets = dict(LEVER_BUDGETS_S if args.levers else BUDGETS_S)

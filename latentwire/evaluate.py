@@ -104,7 +104,7 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     examples = sources.held_out_examples(args.eval_examples, dataset)
     # Built, sharded and read as train.py does; no backward here, so no checkpointing, and eager.
     # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
-    if cfg.frozen.fp8:  # the readers the run trained with, which need FP8 tensor cores on a card
+    if cfg.frozen.fp8 != "none":  # the readers the run trained with, which need FP8 tensor cores on a card
         check_fp8(di.device, cfg.numerics.precision, eager_backward=False)  # no backward here
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))

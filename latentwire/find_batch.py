@@ -293,7 +293,7 @@ def find(cfg, args, di, step: TrainingStep) -> None:
     if cfg.frozen.sharding == "fsdp":
         raise UserError("find_batch measures with whole frozen LLMs on each rank; for --frozen-sharding fsdp, "
                         f"plan the micro-batch with python -m latentwire.plan --profile {cfg.invocation.profile}")
-    if cfg.frozen.fp8:
+    if cfg.frozen.fp8 != "none":
         check_fp8(di.device, cfg.numerics.precision, eager_backward=not cfg.compile.enabled)
     out = Path(cfg.output.out_dir)
     json_path, tb_dir = Path(args.json or out / "find_batch.json"), Path(args.tb_dir or out / "find_batch_tb")

@@ -31,9 +31,11 @@ class FrozenConfig:
     sharding: Literal["none", "fsdp"] = setting(
         "none", "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded over the ranks by "
                 "FSDP2, a decoder layer gathered only while it runs)", key="frozen_sharding")
-    fp8: bool = setting(False, "run the frozen LLMs' decoder-layer linears in float8 (torchao: forward and input "
-                               "gradients; bf16, compiled, a card with FP8 tensor cores or the CPU's emulation; MFU "
-                               "stays counted against the bf16 peak)", key="frozen_fp8")
+    fp8: Literal["none", "tensorwise", "rowwise"] = setting(
+        "none", "run the frozen LLMs' decoder-layer linears in float8, scaled by torchao's recipe: none, "
+                "tensorwise (a scale per tensor, each weight 1 byte) or rowwise (a scale per row, each weight cast "
+                "for each of its two GEMMs, 2 bytes); forward and input gradients, bf16, compiled, a card with FP8 "
+                "tensor cores or the CPU's emulation; MFU stays counted against the bf16 peak", key="frozen_fp8")
 
     def source(self, name: str) -> str:
         return getattr(self, name)

@@ -56,12 +56,12 @@ DECODER_LAYER_VARIANTS = 2 * 2
 
 
 def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dict | None, mesh, device,
-                        fp8: bool = False) -> None:
+                        fp8: str = "none") -> None:
     """Each LLM, built on the meta device, wrapped for activation checkpointing if `checkpointing`,
     its decoder layers compiled with `compile_options` (torch.compile's arguments; None: eager),
     sharded over `mesh` (None: whole), and allocated on `device` and read (None: left as built, the
-    planner's fakes), then its decoder layers' linears converted to float8 if `fp8`: last, since
-    each weight is cast once from the values read (latentwire.fp8)."""
+    planner's fakes), then its decoder layers' linears converted to float8 by the recipe `fp8`
+    unless none: last, since each weight is cast once from the values read (latentwire.fp8)."""
     for llm in llms.values():
         if checkpointing:
             apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
@@ -77,8 +77,8 @@ def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dic
         if device is not None:
             llm.model.to_empty(device=device)
             read_weights(llm)
-        if fp8:
-            convert_frozen_linears(llm)
+        if fp8 != "none":
+            convert_frozen_linears(llm, fp8)
 
 
 def wire_regions(wire_encoder: nn.Module) -> list[nn.Module]:

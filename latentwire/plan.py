@@ -82,7 +82,7 @@ def format_plan(plan: Plan) -> str:
     size, unit = _unit(plan)
     compile_note = "torch.compile usually keeps less" if cfg.compile.enabled else "no torch.compile"
     prompt = round_up(cfg.data.max_prompt_bytes, cfg.data.pad_multiple)
-    fp8 = ", their decoder layers' linears in float8" if cfg.frozen.fp8 else ""
+    fp8 = f", their decoder layers' linears in float8 ({cfg.frozen.fp8})" if cfg.frozen.fp8 != "none" else ""
     lines = [f"memory plan for profile {cfg.invocation.profile}: {cfg.card.description}",
              f"{plan.world_size} rank(s) x {cfg.card.device}, {cfg.numerics.precision} autocast, frozen LLMs in "
              f"{cfg.numerics.precision}{fp8}"
@@ -100,14 +100,16 @@ def format_plan(plan: Plan) -> str:
               f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at each other size",
               f"  {'steady state':<40}{'traced ' + unit:>10}{'analytic':>10}{'diff':>10}"]
     for label, traced, analytic in (
-            (f"parameters, frozen ({cfg.numerics.precision}{', fp8 linears' if cfg.frozen.fp8 else ''}"
+            (f"parameters, frozen ({cfg.numerics.precision}{', fp8 linears' if cfg.frozen.fp8 != 'none' else ''}"
              f"{frozen_share(plan)})", plan.params_frozen_bytes, a.frozen),
             ("parameters, trainable (fp32)", plan.params_trainable_bytes, a.trainable),
             ("gradients (trainable only)", plan.gradients, a.gradients),
             ("optimizer state (AdamW)", plan.optimizer, a.optimizer_state)):
         lines.append(_row(label, (traced, analytic), size) + _diff(traced, analytic))
-    if cfg.frozen.fp8:
-        lines.append("  (--frozen-fp8: the decoder layers' linears hold 1 byte per weight, the analytic column 2)")
+    if cfg.frozen.fp8 != "none":
+        held = "1 byte per weight" if cfg.frozen.fp8 == "tensorwise" else "2 bytes per weight, a cast for each GEMM"
+        lines.append(f"  (--frozen-fp8 {cfg.frozen.fp8}: the decoder layers' linears hold {held}, the analytic "
+                     "column 2)")
     lines += ["", f"  {'at the peak (' + unit + '), micro-batch':<40}"
               + "".join(f"{t.micro_batch:>10}" for t in plan.traces)]
     for key in ("parameters", "buffers", "gradients", "optimizer", "activations", "temporaries", "other",

@@ -23,7 +23,7 @@ from .distillation import describe_targets, teacher_targets
 from .eval.evaluation import evaluate_wire
 from .eval.settings import EvalSettings
 from .flops import FlopModel
-from .fp8 import check_fp8, describe_fp8
+from .fp8 import check_fp8, describe_fp8, parameter_count
 from .harness.compiling import stable_shapes
 from .harness.distributed import DistInfo
 from .harness.precision import frozen_weight_dtype
@@ -72,7 +72,7 @@ class LatentWire(Recipe):
         so no fp32 master copy), built on the meta device, wrapped and read (prepare_frozen_llms);
         the trainable encoder and adapters; the step's task."""
         cfg, device = self.cfg, self.di.device
-        if cfg.frozen.fp8:  # float8 readers only where the card has FP8 tensor cores
+        if cfg.frozen.fp8 != "none":  # float8 readers only where the card has FP8 tensor cores
             check_fp8(device, cfg.numerics.precision, eager_backward=compile_options is None)
         if cfg.frozen.sharding == "fsdp" and not self.sharded:
             self.di.say("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
@@ -85,8 +85,8 @@ class LatentWire(Recipe):
         prepare_frozen_llms(self.llms, checkpointing=cfg.frozen.activation_checkpointing,
                             compile_options=compile_options, mesh=mesh, device=device, fp8=cfg.frozen.fp8)
         self.di.say(f"loaded the frozen LLMs in {time.perf_counter() - started:.1f} s")  # minutes for two 8B models
-        if cfg.frozen.fp8:
-            self.di.say(describe_fp8(self.llms, device.type))
+        if cfg.frozen.fp8 != "none":
+            self.di.say(describe_fp8(self.llms, cfg.frozen.fp8, device.type))
         model = WireEncoder.for_llms(cfg.wire, self.llms).to(device)
         self.flops = FlopModel.of(model, {n: llm.model for n, llm in self.llms.items()}, cfg.wire,
                                   recompute=cfg.frozen.activation_checkpointing)
@@ -133,7 +133,7 @@ class LatentWire(Recipe):
                                  self.di.world_size)
 
     def describe(self, model: nn.Module) -> str:
-        frozen = sum(count_parameters(llm.model, False) for llm in self.llms.values())
+        frozen = sum(parameter_count(llm.model) for llm in self.llms.values())
         return (f"trainable {count_parameters(model, True) / 1e6:.2f}M, frozen {frozen / 1e6:.1f}M "
                 f"({held_per_rank(self.llms)})")
 

@@ -50,7 +50,7 @@ def check_consistency(v: dict, where: str) -> None:
     if v["encoder_dim"] // v["encoder_heads"] % 2:
         raise UserError(f"{where}: the byte encoder's head width, encoder_dim / encoder_heads = "
                         f"{v['encoder_dim'] // v['encoder_heads']}, must be even (rotary positions rotate pairs)")
-    if v["frozen_fp8"]:
+    if v["frozen_fp8"] != "none":
         check_fp8_profile(v, where)
     if fused_attention_only(v["device"], v["precision"], v["supports_bf16"]):
         check_fused_head_widths(v["encoder_dim"], v["d_z"], v["encoder_heads"], where)

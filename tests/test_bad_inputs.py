@@ -301,11 +301,11 @@ CASES = {
     "find_batch-steps-negative": ("find_batch", lambda c: ["--steps", "-1"]),
     "find_batch-frozen-sharding-fsdp": ("find_batch", lambda c: ["--frozen-sharding", "fsdp"]),
     "train-frozen-fp8-eager": ("train", lambda c: {"says": "third GEMM", "args": [
-        OW, "--frozen-fp8", "true", "--precision", "bf16", "--compile", "false"]}),
+        OW, "--frozen-fp8", "tensorwise", "--precision", "bf16", "--compile", "false"]}),
     "plan-frozen-fp8-with-fsdp": ("plan", lambda c: {"says": "frozen_fp8 with frozen_sharding fsdp", "args": [
-        "--frozen-fp8", "true", "--precision", "bf16", "--compile", "true", "--frozen-sharding", "fsdp"]}),
-    "evaluate-meta-frozen-fp8-in-fp32": ("evaluate", lambda c: c.meta(frozen_fp8=True) or {"says": "--precision bf16",
-                                                                                             "args": []}),
+        "--frozen-fp8", "rowwise", "--precision", "bf16", "--compile", "true", "--frozen-sharding", "fsdp"]}),
+    "evaluate-meta-frozen-fp8-in-fp32": ("evaluate", lambda c: c.meta(frozen_fp8="rowwise")
+                                         or {"says": "--precision bf16", "args": []}),
     "evaluate-eval-examples-zero": ("evaluate", lambda c: ["--eval-examples", "0"]),
     "evaluate-device-unknown": ("evaluate", lambda c: ["--device", "tpu"]),
     "launch2-micro-batch-size-zero": ("launch2", lambda c: [OW, "--micro-batch-size", "0"]),

@@ -2,8 +2,10 @@
 
 The ratios are timings on a shared machine, so only their form is checked, never their value.
 """
+import gzip
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -46,32 +48,43 @@ def gpu_validation(out: Path, *flags: str, timeout: int = 600) -> tuple[subproce
 
 @pytest.mark.slow
 def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
-    """The levers mode on the cpu check, one run for every assertion: an entry per lever with the
-    fields the card's results need (FP8 refused in one line where train.py or the device cannot
-    run it), every run's metrics copied into the results folder, the kernel summary of the fastest
-    (the CPU's operators here), and everything written whole within the deadline."""
-    from gpu_validation import GRACE_S
+    """The levers mode on the cpu check, one run for every assertion: an entry per lever, in the
+    order of what it decides, with the fields the card's results need (FP8 refused in one line
+    where train.py or the device cannot run it, or skipped where its plan is refused), FP8 by each
+    recipe at the fastest bf16 configuration with torchao on those parts' path alone, every run's
+    metrics copied into the results folder, the kernel summary of the fastest (the CPU's operators
+    here), and everything written whole within the deadline."""
+    from gpu_validation import GRACE_S, TORCHAO_FOR_FP8
 
-    deadline = 400
-    proc, results, seconds = gpu_validation(tmp_path, "--levers", "--deadline", str(deadline))
+    deadline, site = 400, str(tmp_path / "torchao")  # where the card's torchao would be; the cpu check refuses FP8
+    proc, results, seconds = gpu_validation(tmp_path, "--levers", "--deadline", str(deadline), "--torchao", site)
     ok(proc)
     assert seconds < deadline + GRACE_S + 5 and results["seconds"] < deadline
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == ["cpu-levers.json", "metrics.jsonl", "profile.txt",
                                                      "validation.log"]
     runs = {r["name"]: r for r in results["runs"]}
-    assert list(runs) == ["baseline", "no_recompute", "fp8_no_recompute", "fp8_recompute", "fails_at_first_step"]
+    assert list(runs) == ["baseline", "no_recompute", "fp8_tensorwise", "fp8_rowwise", "fp8_tensorwise_largest",
+                          "fp8_rowwise_largest", "fails_at_first_step"]
     fields = {"status", "micro_batch_size", "grad_accum_steps", "step_time_s", "tokens_per_s", "mfu", "hfu",
               "peak_mem_gb", "activation_checkpointing", "fp8", "ratio_to_baseline", "device", "torch"}
-    for name, recompute, fp8 in (("baseline", True, False), ("no_recompute", False, False),
-                                 ("fp8_no_recompute", False, True), ("fp8_recompute", True, True)):
+    fastest = max((runs["baseline"], runs["no_recompute"]), key=lambda r: r["samples_per_s"])
+    for name, recompute, fp8 in (("baseline", True, "none"), ("no_recompute", False, "none"),
+                                 ("fp8_tensorwise", fastest["activation_checkpointing"], "tensorwise"),
+                                 ("fp8_rowwise", fastest["activation_checkpointing"], "rowwise")):
         run = runs[name]
         assert (run["activation_checkpointing"], run["fp8"]) == (recompute, fp8), name
-        if fp8 and run["status"] == "refused":
+        assert (run["env"].get("PYTHONPATH", "").split(os.pathsep)[0] == site) == (fp8 != "none"), run["env"]
+        if fp8 != "none":
+            assert run["env"] == {**fastest["env"], **TORCHAO_FOR_FP8, "PYTHONPATH": run["env"]["PYTHONPATH"]}
+            assert run["flags"][:len(fastest["flags"])] == fastest["flags"] and run["of"] == fastest["name"]
+        if fp8 != "none" and run["status"] == "refused":
             assert run["exit"] == 2 and run["error"].startswith("error: "), run
             continue
         assert run["status"] == "done" and fields <= run.keys(), (name, fields - run.keys())
         assert run["ratio_to_baseline"] > 0 and run["hfu"] is None  # no peak FLOP/s on a CPU: no MFU, no HFU
+    for recipe in ("tensorwise", "rowwise"):  # the cpu profile's fp32 refuses FP8 plans before a process
+        assert runs[f"fp8_{recipe}_largest"]["why"].startswith("plan refused: error: "), runs
     assert runs["baseline"]["ratio_to_baseline"] == 1.0
     assert runs["no_recompute"]["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert runs["fails_at_first_step"]["status"] == "skipped"
@@ -145,18 +158,75 @@ def test_a_stopped_part_takes_its_whole_process_group_with_it(tmp_path):
     assert process_state(grandchild) in (None, "Z")
 
 
-def test_a_watched_line_is_timed_to_the_part_s_exit(tmp_path):
-    """The failing part's measure (the seconds from its error line to its exit) on a child that
-    prints one and exits with its code."""
-    from gpu_validation import Clock, Runner
+# The loop's way out of an out-of-memory step, in small: train.py's `with` of its loader (whose
+# workers may take long to stop) around the harness's out_of_memory, then main_guard's error line.
+WAY_OUT = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from latentwire.harness.errors import main_guard, out_of_memory
 
-    run = Runner(tmp_path / "log", Clock(deadline_s=60, margin_s=1), child_env())
-    child = run([sys.executable, "-c", "import sys; print('warming up'); print('error: out of memory', flush=True); "
-                 "sys.exit(5)"], budget_s=30, watch=r"^error: ")
-    assert (child.status, child.exit) == ("failed", 5) and child.seen_s is not None
+class NoSnapshots:
+    def dump(self):
+        return None
+
+class Loader:
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        print("loader stopped", flush=True)
+
+def main():
+    with Loader(), out_of_memory("see the plan", 4, NoSnapshots()):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+main_guard(main)
+"""
+
+
+def test_the_failing_part_is_timed_from_the_loop_catching_the_failure(tmp_path):
+    """The failing part's measure (the seconds from the failure to its exit) starts at the line the
+    loop prints when it catches out-of-memory, before its loader stops, so a slow shutdown is in
+    it: the `error:` line comes only after."""
+    from gpu_validation import CAUGHT, Clock, Runner
+
+    run = Runner(tmp_path / "log", Clock(deadline_s=120, margin_s=1), child_env())
+    child = run([sys.executable, "-c", WAY_OUT.format(repo=str(REPO))], budget_s=100, watch=CAUGHT)
+    assert (child.status, child.exit) == ("failed", 5) and child.seen_s is not None, child.output
+    started_at = re.search(CAUGHT, child.output, re.M).group(0)  # the log's first match is the clock's
+    assert started_at.startswith("caught out of memory"), child.output
+    assert (child.output.index("caught out of memory at micro-batch 4") < child.output.index("loader stopped")
+            < child.output.index("error: out of memory"))
     assert 0 <= child.seen_s <= child.seconds
-    quiet = run([sys.executable, "-c", "print('fine')"], budget_s=30, watch=r"^error: ")
+    quiet = run([sys.executable, "-c", "print('fine')"], budget_s=30, watch=CAUGHT)
     assert (quiet.status, quiet.seen_s) == ("done", None)
+
+
+def test_a_part_stopped_mid_write_leaves_files_the_driver_still_reads(tmp_path):
+    """A part stopped while it wrote its metrics or exported its trace leaves a torn file: its
+    records up to the tear are kept, the trace is reported unreadable, and the command goes on."""
+    from gpu_validation import read_records, trace_summary
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_records(metrics) == ([{"step": 1, "loss": 2.0}], 1)
+    assert read_records(tmp_path / "absent.jsonl") == ([], 0)
+    trace = tmp_path / "rank0.pt.trace.json"
+    trace.write_text('{"traceEvents": [{"ph": "X", "na')
+    assert trace_summary(trace).startswith("trace rank0.pt.trace.json unreadable: JSONDecodeError")
+    packed = tmp_path / "rank0.pt.trace.json.gz"
+    packed.write_bytes(gzip.compress(b'{"traceEvents": []}')[:12])
+    assert "unreadable: EOFError" in trace_summary(packed)
+
+
+def test_torchao_is_on_the_fp8_parts_path_alone():
+    """The FP8 parts' environment: the folder --torchao names first on their path (before any the
+    driver inherited), torchao's compiled extensions skipped; without the folder, only the skip."""
+    from gpu_validation import TORCHAO_FOR_FP8, fp8_env
+
+    assert TORCHAO_FOR_FP8 == {"TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
+    assert fp8_env(None) == TORCHAO_FOR_FP8
+    assert fp8_env("/opt/site") == {**TORCHAO_FOR_FP8, "PYTHONPATH": os.pathsep.join(
+        filter(None, ["/opt/site", os.environ.get("PYTHONPATH")]))}
 
 
 def process_state(pid: int) -> str | None:

@@ -44,17 +44,24 @@ class OutOfMemory(HarnessExit):
     exit_code = 5
 
 
+# The line on stdout when the loop catches out-of-memory: what a driver times the run's way out
+# from (bench/gpu_validation.py), since the `error:` line comes only once the loader's workers and
+# the profiler have stopped.
+CAUGHT_OUT_OF_MEMORY = "caught out of memory at micro-batch {}; stopping"
+
+
 @contextmanager
 def out_of_memory(advice: str, micro_batch_size: int | None = None, snapshots=None):
     """Out-of-memory ends the run with one line and `advice` (where to see what fits): in the loop
-    (a `micro_batch_size` given) also where the memory snapshot is (`snapshots.dump()`); outside it
-    with torch's own words."""
+    (a `micro_batch_size` given) also where the memory snapshot is (`snapshots.dump()`), said on
+    stdout the moment it is caught (CAUGHT_OUT_OF_MEMORY); outside it with torch's own words."""
     try:
         yield
     except torch.OutOfMemoryError as e:
         if snapshots is None:
             torch_says = (str(e).strip().splitlines() or ["torch.OutOfMemoryError"])[0]
             raise OutOfMemory(f"out of memory outside the training steps ({torch_says}); {advice}") from None
+        print(CAUGHT_OUT_OF_MEMORY.format(micro_batch_size), flush=True)
         path = snapshots.dump()
         where = f"memory snapshot: {path}" if path else "no memory snapshot on this device"
         raise OutOfMemory(f"out of memory at micro-batch {micro_batch_size} ({where}); lower --micro-batch-size; "

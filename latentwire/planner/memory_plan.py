@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..fp8 import parameter_count
 from ..harness.errors import UserError
 from ..harness.recipe import TrainingStep
 from ..known_llms import KNOWN_LLMS, llm_parameter_count
@@ -190,7 +191,7 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
         llms = fake_llms(specs, cfg.numerics.precision)
         prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
                           device=None, fp8=cfg.frozen.fp8)
-        frozen_params = {name: sum(p.numel() for p in llm.model.parameters()) for name, llm in llms.items()}
+        frozen_params = {name: parameter_count(llm.model) for name, llm in llms.items()}
         frozen_bytes = sum(held_bytes(llm.model) for llm in llms.values())
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
         tracer = StepTracer(cfg, llms, answers, step)
