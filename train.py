@@ -45,6 +45,7 @@ from latentwire.harness.distributed import (
 from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, main_guard, out_of_memory
 from latentwire.harness.layout import laid_out
 from latentwire.harness.loop_config import LoopConfig, OptimizerConfig, load_config
+from latentwire.harness.memory_cap import card_memory, memory_fraction
 from latentwire.harness.metrics import MetricsLogger, StepMeter
 from latentwire.harness.precision import (
     AMP_DTYPES,
@@ -57,6 +58,7 @@ from latentwire.harness.precision import (
 from latentwire.harness.preemption import StopFlag, stop_code
 from latentwire.harness.profiling import MemorySnapshots, NoProfiler, profiler_options
 from latentwire.harness.recipe import Task
+from latentwire.harness.recompute import checkpoint_options
 from latentwire.harness.resume import (
     check_init_from,
     check_resume_data,
@@ -154,6 +156,13 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     device, rank, world, out_dir = di.device, di.rank, di.world_size, Path(cfg.output.out_dir)
     seed, steps = cfg.training.seed, cfg.training.max_steps
     micro, accum = cfg.training.micro_batch_size, cfg.training.grad_accum_steps
+    # --- A smaller card's memory on a bigger card: the profile's memory_gb, not the card's ------------
+    # An H200 running the h100 profile runs out of memory where an H100 would; the allocator's
+    # retries near the cap are in metrics.jsonl (alloc_retries). --cap-memory false lifts it.
+    fraction, why = memory_fraction(*card_memory(device), cfg.card.memory_gb, cfg.card.cap_memory, device.type)
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    di.say(why)
     recipe = Recipe(cfg, di, stop=lambda: stop.on_any_rank(device))  # the model's data, loaded and checked
     if cfg.run.resume:
         check_resume_data(out_dir, recipe.data_identity, cfg.run.new_data)
@@ -178,11 +187,16 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.numerics.precision))
     di.say(why and f"note: {why}", warning=True)
 
+    # --- Activation checkpointing: what backward recomputes of the recipe's checkpointed regions ---
+    # full: each region's forward again; selective: only the cheap ops and every second matmul, the
+    # outputs of the rest and of attention kept (per-operator context_fn); none: nothing, all kept.
+    checkpointing = checkpoint_options(cfg.recompute.policy)  # checkpoint_wrapper's arguments
+
     # --- The model: built and wrapped by its recipe, as torchtitan's parallelize -------------------
     # LatentWire's frozen readers: activation checkpointing, compile per decoder layer and FSDP2
     # (--frozen-sharding fsdp) in one order (latentwire.parallelize), then allocated and read.
     compile_options = {"mode": cfg.compile.mode, "dynamic": True} if cfg.compile.enabled else None
-    model, task = recipe.build_model(compile_options)
+    model, task = recipe.build_model(compile_options, checkpointing)
     init = init_checkpoint(cfg)
     if init is not None:  # --init-from: a new run that trains these weights further
         load_weights(init, model, "this run's model")

@@ -346,7 +346,7 @@ class Results:
 def plan_flags(profile: str, readers: list[str], recompute: bool, rows: list[str]) -> list[str]:
     """The flags the plan is traced for and the runs share: `rows`, the longest rows of the
     check's data (check_rows), so the plan traces those and not the profile's longest."""
-    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", str(recompute).lower()]
+    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", "full" if recompute else "none"]
 
 
 def plan_path(profile: str, recompute: bool) -> Path:
@@ -443,7 +443,7 @@ def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env
         entry |= {"profile": cfg.run.profile, "micro_batch_size": cfg.training.micro_batch_size,
                   "grad_accum_steps": cfg.training.grad_accum_steps, "compile": cfg.compile.enabled,
                   "compile_mode": cfg.compile.mode if cfg.compile.enabled else None,
-                  "activation_checkpointing": cfg.frozen.activation_checkpointing,
+                  "activation_checkpointing": cfg.recompute.policy,
                   "fp8": bool(cfg.to_dict().get("frozen_fp8", False))}
     entry |= {"recompiles": child.output.count("Recompiling function"),
               "graph_breaks": len(re.findall(r"Graph break", child.output))}
@@ -650,7 +650,7 @@ def validate(check: Check) -> None:
     largest = 0 if isinstance(plan, str) else min(plan["max_micro_batch"], 32 if args.cpu_check else 10 ** 6)
 
     def add_run(entry: dict) -> dict:
-        return check.add_run(entry, plan if entry.get("activation_checkpointing") else None)
+        return check.add_run(entry, plan if entry.get("activation_checkpointing") == "full" else None)
 
     # (1) the main run: the profile as users run it, one process, compiled
     main_run = add_run(train_run(run, "main", [*base, "--max-steps", str(check.steps), "--log-every", "1"], work,
@@ -685,7 +685,7 @@ def validate(check: Check) -> None:
     if not isinstance(no_ac_plan, str):
         m = min(no_ac_plan["max_micro_batch"], main_run["micro_batch_size"])
         entry = check.add_run(train_run(run, "no_recompute", [*lever, "--compile", "false",
-                                                              "--activation-checkpointing", "false",
+                                                              "--activation-checkpointing", "none",
                                                               "--micro-batch-size", str(m)], work,
                                         budgets["no_recompute"]), no_ac_plan)
         record["levers"]["no_recompute_over_eager"] = ratio(entry, eager)
@@ -729,7 +729,7 @@ def levers(check: Check) -> None:
             tried.append(micro)
             flags = with_micro_batch(flags, micro // 2, global_batch)
         entry |= {"out_of_memory_at": tried, **why}
-        entry.setdefault("activation_checkpointing", recompute)  # what the part asked for, refused or not
+        entry.setdefault("activation_checkpointing", "full" if recompute else "none")  # what the part asked for
         entry.setdefault("fp8", "--frozen-fp8" in flags)
         if entry["exit"] == 2:  # one line: this train.py or this device cannot run the lever
             entry["status"] = "refused"
@@ -744,7 +744,7 @@ def levers(check: Check) -> None:
     baseline = lever("baseline", steps, True)
     # (2) without recompute, at the largest micro-batch the plan for these rows fits that splits
     # the global batch (accumulation makes up the rest), with expandable segments
-    no_ac = [*steps, "--activation-checkpointing", "false"]
+    no_ac = [*steps, "--activation-checkpointing", "none"]
     if not isinstance(plans[False], str):
         micro = largest_split(plans[False]["max_micro_batch"], global_batch)
         no_ac = with_micro_batch(no_ac, micro, global_batch)
@@ -775,7 +775,7 @@ def levers(check: Check) -> None:
         check.parts[entry["name"]] = {"status": "skipped", "exit": None, "seconds": 0.0}
     else:
         entry = train_run(run, "fails_at_first_step",
-                          with_micro_batch([*steps, "--activation-checkpointing", "false", "--compile", "false",
+                          with_micro_batch([*steps, "--activation-checkpointing", "none", "--compile", "false",
                                             "--max-steps", "2"], 4 * plans[False]["max_micro_batch"], None), work,
                           budgets["fails_at_first_step"], watch=r"^(error: |Traceback)")
         check.add_run(entry)

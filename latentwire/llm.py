@@ -24,7 +24,6 @@ class FrozenConfig:
     """Where the two frozen LLMs come from (a source each, see llm_sources) and how a rank holds them."""
     llama: str
     qwen: str
-    activation_checkpointing: bool  # recompute each decoder layer in backward
     sharding: str  # none (whole on every rank) or fsdp
     fp8: bool  # the decoder layers' linears in float8 (latentwire.fp8)
     FLAT_NAMES: ClassVar[dict] = {"sharding": "frozen_sharding", "fp8": "frozen_fp8"}

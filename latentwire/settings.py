@@ -31,7 +31,6 @@ DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
 
 FIELDS: dict[str, Field] = {
     # --- the frozen readers ----------------------------------------------------------------
-    "activation_checkpointing": Field(bool, "recompute the frozen LLMs' decoder layers in backward"),
     "frozen_sharding": Field(str, "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded "
                                   "over the ranks by FSDP2, a decoder layer gathered only while it runs)",
                              choices=("none", "fsdp"), default="none"),

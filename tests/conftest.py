@@ -117,6 +117,30 @@ def saved_reader(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_readers():
+    """The two tiny readers in fp32 on the CPU, loaded once: a test that wraps them wraps a copy
+    (`wrapped_readers`)."""
+    from latentwire.llm import LLM_NAMES, load_frozen_llm
+
+    return {n: load_frozen_llm(n, "tiny", torch.float32, torch.device("cpu")) for n in LLM_NAMES}
+
+
+def wrapped_readers(readers: dict, policy: str) -> dict:
+    """A copy of `readers` whose decoder layers are checkpointed by `policy`, as train.py wraps them."""
+    import copy
+    from dataclasses import replace
+
+    from latentwire.harness.recompute import checkpoint_options
+    from latentwire.parallelize import checkpoint_decoder_layers
+
+    llms = {n: replace(llm, model=copy.deepcopy(llm.model)) for n, llm in readers.items()}
+    if policy != "none":
+        for llm in llms.values():
+            checkpoint_decoder_layers(llm, checkpoint_options(policy))
+    return llms
+
+
+@pytest.fixture(scope="session")
 def default_cpu_run(tmp_path_factory):
     """`torchrun --nproc_per_node=2 train.py --profile cpu`, unchanged but for out_dir: run once,
     read by the smoke and the evaluation tests."""

@@ -63,8 +63,8 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
     assert list(runs) == ["baseline", "no_recompute", "fp8_no_recompute", "fp8_recompute", "fails_at_first_step"]
     fields = {"status", "micro_batch_size", "grad_accum_steps", "step_time_s", "tokens_per_s", "mfu", "hfu",
               "peak_mem_gb", "activation_checkpointing", "fp8", "ratio_to_baseline", "device", "torch"}
-    for name, recompute, fp8 in (("baseline", True, False), ("no_recompute", False, False),
-                                 ("fp8_no_recompute", False, True), ("fp8_recompute", True, True)):
+    for name, recompute, fp8 in (("baseline", "full", False), ("no_recompute", "none", False),
+                                 ("fp8_no_recompute", "none", True), ("fp8_recompute", "full", True)):
         run = runs[name]
         assert (run["activation_checkpointing"], run["fp8"]) == (recompute, fp8), name
         if fp8 and run["status"] == "refused":

@@ -394,6 +394,7 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     one kernel allowed, the gradients equal those of the step without recompute."""
     from torch.nn.attention import SDPBackend
 
+    from latentwire.harness.recompute import checkpoint_options
     from latentwire.llm import build_frozen_llms
     from latentwire.model import WireEncoder
     from latentwire.parallelize import prepare_frozen_llms
@@ -404,10 +405,11 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     cfg = load_config(["--profile", "cpu", "--precision", "fp32", "--dropout", "0", "--kd-weight", "0",
                        "--max-prompt-bytes", "64"])
     grads = []
-    for recompute in (False, True):
+    for recompute in ("none", "full"):
         with torch.device("meta"):
             llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.float32)
-        prepare_frozen_llms(llms, checkpointing=recompute, compile_options=None, mesh=None, device=CPU)
+        prepare_frozen_llms(llms, checkpointing=checkpoint_options(recompute), compile_options=None, mesh=None,
+                            device=CPU)
         torch.manual_seed(0)
         model = WireEncoder.for_llms(cfg.wire, llms)
         answers = {n: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)

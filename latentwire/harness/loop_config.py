@@ -22,12 +22,14 @@ from .config import Field, Parser, Schema, flat_of, profile_listing, read_profil
 from .errors import UserError
 from .precision import Card, Numerics
 from .profiling import ProfilerConfig
+from .recompute import POLICIES, Recompute
 
 LOOP_FIELDS: dict[str, Field] = {
     # --- the card -------------------------------------------------------------------------
     "description": Field(str, "what this profile is for"),
     "device": Field(str, "cuda or cpu", choices=("cuda", "cpu")),
     "memory_gb": Field(float, "memory of one device in GB (GiB for CUDA cards)", positive=True),
+    "cap_memory": Field(bool, "hold a run on a card with more memory than memory_gb to memory_gb", default=True),
     "supports_bf16": Field(bool, "whether the card has bf16 tensor cores"),
     "peak_tflops_bf16": Field(float, "dense bf16 peak TFLOP/s of one device", nullable=True, positive=True),
     "peak_tflops_fp16": Field(float, "dense fp16 peak TFLOP/s of one device", nullable=True, positive=True),
@@ -39,6 +41,10 @@ LOOP_FIELDS: dict[str, Field] = {
     "tf32": Field(bool, "TF32 tensor cores for fp32 matmuls on Ampere and newer (--precision fp32 --tf32 false: "
                         "the IEEE fp32 reference)", default=False),
     "compile": Field(bool, "torch.compile the forward pass"),
+    "activation_checkpointing": Field(str, "what backward recomputes of the model's checkpointed regions: none "
+                                           "(every activation kept), selective (attention's and every second "
+                                           "matmul's outputs kept, the rest recomputed), full (each region's "
+                                           "forward run again)", choices=POLICIES, default="none"),
     "compile_mode": Field(str, "torch.compile mode", choices=("default", "max-autotune-no-cudagraphs"),
                           refused=dict.fromkeys(("reduce-overhead", "max-autotune"),
                                                 "captures CUDA graphs, which no GPU run has yet tried with this "
@@ -114,7 +120,7 @@ def model_schema(fields: dict[str, Field], rules: Callable[[dict, str], None]) -
     return Schema(LOOP_FIELDS | fields, both)
 
 
-# --- the loop's sections; Card, Numerics, CompileConfig and ProfilerConfig are their modules' ---------
+# --- the loop's sections; Card, Numerics, CompileConfig, Recompute and ProfilerConfig are their modules' -
 
 @dataclass(frozen=True)
 class Training:
@@ -195,6 +201,7 @@ class LoopConfig:
     card: Card
     numerics: Numerics
     compile: CompileConfig
+    recompute: Recompute
     training: Training
     loader: Loader
     optimizer: OptimizerConfig

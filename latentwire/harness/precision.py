@@ -17,6 +17,7 @@ class Card:
     description: str
     device: str  # cuda or cpu
     memory_gb: float
+    cap_memory: bool  # hold a run on a card with more memory to memory_gb (harness.memory_cap)
     supports_bf16: bool  # bf16 tensor cores: sm80 and newer
     peak_tflops_bf16: float | None
     peak_tflops_fp16: float | None

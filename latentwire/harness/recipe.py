@@ -52,10 +52,11 @@ class Recipe(Protocol):
     data_identity: dict  # what a checkpoint records of them (harness.resume.data_identity)
     data_facts: dict  # for the run's first metrics record
 
-    def build_model(self, compile_options: dict | None) -> tuple[nn.Module, Task]:
+    def build_model(self, compile_options: dict | None, checkpointing: dict | None) -> tuple[nn.Module, Task]:
         """The trainable model on the rank's device, and the task the step asks. The model's
-        frozen parts, if any, are built, wrapped (checkpointing, compile with `compile_options`,
-        sharding) and read here, in one order."""
+        frozen parts, if any, are built, wrapped (its checkpointed regions in `checkpoint_wrapper`
+        with `checkpointing`, compile with `compile_options`, sharding) and read here, in one
+        order."""
 
     def compile_regions(self, model: nn.Module) -> list[nn.Module]:
         """The trainable model's regions that train.py compiles, each on its own."""

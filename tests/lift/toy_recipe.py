@@ -39,7 +39,7 @@ class Toy:
         self.data_identity = {"dataset": "toy", "examples": len(self.dataset), "fingerprint": f"{cfg.training.seed}"}
         self.data_facts = {"train_examples": len(self.dataset)}
 
-    def build_model(self, compile_options):
+    def build_model(self, compile_options, checkpointing):
         model = nn.Sequential(nn.Linear(FEATURES, self.cfg.toy.hidden), nn.Tanh(), nn.Linear(self.cfg.toy.hidden, 1))
         return model.to(self.di.device), RegressionTask()
 
