@@ -86,6 +86,13 @@ def main(argv: list[str] | None = None) -> None:
         if di.device.type == "cuda":
             torch.cuda.set_device(di.device)
         dist.init_process_group(**group_options(di.device, cfg.training.dist_timeout_s))
+    # --- A smaller card's memory on a bigger card: the profile's memory_gb, not the card's ------------
+    # An H200 running the h100 profile runs out of memory where an H100 would; the allocator's
+    # retries near the cap are in metrics.jsonl (alloc_retries). --cap-memory false lifts it.
+    fraction, why = memory_fraction(*card_memory(di.device), cfg.card.memory_gb, cfg.card.cap_memory, di.device.type)
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, di.device)
+    di.say(why)
     # Out of memory outside the loop (loading, the last save) is one line and exit 5 too.
     with leave_together(), out_of_memory(Recipe.memory_advice(cfg.run.profile)):
         # --- Preemption and Ctrl-C: a signal only sets a flag; ranks agree on it at a step's end,
@@ -156,13 +163,6 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     device, rank, world, out_dir = di.device, di.rank, di.world_size, Path(cfg.output.out_dir)
     seed, steps = cfg.training.seed, cfg.training.max_steps
     micro, accum = cfg.training.micro_batch_size, cfg.training.grad_accum_steps
-    # --- A smaller card's memory on a bigger card: the profile's memory_gb, not the card's ------------
-    # An H200 running the h100 profile runs out of memory where an H100 would; the allocator's
-    # retries near the cap are in metrics.jsonl (alloc_retries). --cap-memory false lifts it.
-    fraction, why = memory_fraction(*card_memory(device), cfg.card.memory_gb, cfg.card.cap_memory, device.type)
-    if fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
-    di.say(why)
     recipe = Recipe(cfg, di, stop=lambda: stop.on_any_rank(device))  # the model's data, loaded and checked
     if cfg.run.resume:
         check_resume_data(out_dir, recipe.data_identity, cfg.run.new_data)
@@ -188,13 +188,10 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Run 
     di.say(why and f"note: {why}", warning=True)
 
     # --- Activation checkpointing: what backward recomputes of the recipe's checkpointed regions ---
-    # full: each region's forward again; selective: only the cheap ops and every second matmul, the
-    # outputs of the rest and of attention kept (per-operator context_fn); none: nothing, all kept.
+    # full: their forward; selective: the cheap ops and every second matmul (a per-operator context_fn,
+    # harness.recompute), the outputs of attention and the other matmuls kept; none: nothing.
     checkpointing = checkpoint_options(cfg.recompute.policy)  # checkpoint_wrapper's arguments
-
-    # --- The model: built and wrapped by its recipe, as torchtitan's parallelize -------------------
-    # LatentWire's frozen readers: activation checkpointing, compile per decoder layer and FSDP2
-    # (--frozen-sharding fsdp) in one order (latentwire.parallelize), then allocated and read.
+    # --- The model: built and wrapped by its recipe in one order, as torchtitan's parallelize ------
     compile_options = {"mode": cfg.compile.mode, "dynamic": True} if cfg.compile.enabled else None
     model, task = recipe.build_model(compile_options, checkpointing)
     init = init_checkpoint(cfg)

@@ -9,8 +9,8 @@ the cuBLAS workspaces included (they come from the allocator), and near that lin
 cached blocks and retries before it gives up: slower steps, which metrics.jsonl's
 `alloc_retries` counts. What the driver holds outside the allocator (the CUDA context, its loaded
 kernels) is not under the cap: the memory in use outside the allocator when the cap is set is
-taken off it, as a card of the profile's size would hold the same context; the kernels loaded
-later (about 0.5-1 GiB in all on an H100) still come on top.
+taken off it, as a card of the profile's size holds the same context; the kernels the driver
+loads later come on top, as they do on that card.
 """
 from __future__ import annotations
 

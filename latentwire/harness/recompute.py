@@ -11,9 +11,10 @@ module the recipe wraps in torch's non-reentrant `checkpoint_wrapper`), by the p
   whose output was kept is not run again, so the recompute costs half the matmuls' FLOPs or less
   (`recomputed_matmuls`) and none of attention's.
 
-Why every second matmul, not all. Keeping all of them recomputes no matmul at all, but keeps more
-than the activations it spares: on the h100 profile's rows the plan fits 55 rows per micro-batch
-that way on 80 GB, 64 rows being the profile's; every second fits 87 (docs/memory.md has the plans).
+Why every second matmul, not all: keeping all of them recomputes no matmul, but keeps each
+layer's seven matmul outputs, the MLP's two widest among them, which the plans put past what fits
+the h100 profile's micro-batch on its card, where every second fits it (docs/memory.md,
+"Activation checkpointing policies").
 
 Compiled, the policy is applied when AOTAutograd traces a region, and AOTAutograd's cache keys a
 graph with such a policy by its context function's `cache_hash` attribute, skipping the cache
