@@ -36,15 +36,11 @@ LOOP_FIELDS: dict[str, Field] = {
     "peak_tflops_tf32": Field(float, "dense TF32 tensor-core peak TFLOP/s (Ampere and newer)", nullable=True,
                               positive=True, default=None),
     "peak_tflops_fp32": Field(float, "dense IEEE fp32 peak TFLOP/s (no tensor cores)", nullable=True, positive=True),
-    # --- numerics and compile -------------------------------------------------------------
+    # --- numerics, compile and recompute ---------------------------------------------------
     "precision": Field(str, "autocast dtype", choices=("bf16", "fp16", "fp32")),
     "tf32": Field(bool, "TF32 tensor cores for fp32 matmuls on Ampere and newer (--precision fp32 --tf32 false: "
                         "the IEEE fp32 reference)", default=False),
     "compile": Field(bool, "torch.compile the forward pass"),
-    "activation_checkpointing": Field(str, "what backward recomputes of the model's checkpointed regions: none "
-                                           "(every activation kept), selective (attention's and every second "
-                                           "matmul's outputs kept, the rest recomputed), full (each region's "
-                                           "forward run again)", choices=POLICIES, default="none"),
     "compile_mode": Field(str, "torch.compile mode", choices=("default", "max-autotune-no-cudagraphs"),
                           refused=dict.fromkeys(("reduce-overhead", "max-autotune"),
                                                 "captures CUDA graphs, which no GPU run has yet tried with this "
@@ -52,6 +48,10 @@ LOOP_FIELDS: dict[str, Field] = {
     "compile_cache": Field(str, "where inductor keeps the compiled regions for the next run, a requeued or resumed "
                                 "job on another machine included ('': $TORCHINDUCTOR_CACHE_DIR if set, else "
                                 "~/.cache/<app>/inductor; torch's own default is under /tmp)", default=""),
+    "activation_checkpointing": Field(str, "what backward recomputes of the model's checkpointed regions: none "
+                                           "(every activation kept), selective (attention's and every second "
+                                           "matmul's outputs kept, the rest recomputed), full (each region's "
+                                           "forward run again)", choices=POLICIES, default="none"),
     # --- batch, optimizer and schedule ----------------------------------------------------
     "num_gpus": Field(int, "ranks the profile is laid out for (train.py runs with as many as torchrun starts, "
                            "keeping the profile's global batch where it splits)", positive=True, default=1),

@@ -7,9 +7,9 @@ module the recipe wraps in torch's non-reentrant `checkpoint_wrapper`), by the p
 - selective: torchtitan's per-operator policy (torch.utils.checkpoint's
   `create_selective_checkpoint_contexts`): a region keeps the outputs of its attention kernels and of
   every second matmul, counted in the order they run, and recomputes the rest: the other matmuls
-  and the cheap operations (norms, rotary, activations, casts), each from what was kept. A matmul
-  whose output was kept is not run again, so the recompute costs half the matmuls' FLOPs or less
-  (`recomputed_matmuls`) and none of attention's.
+  and the cheap operations (norms, rotary, activations, casts), each from what was kept. A kept
+  output is not computed again, so the recompute runs every other matmul (`recomputed_matmuls`)
+  and no attention.
 
 Why every second matmul, not all: keeping all of them recomputes no matmul, but keeps each
 layer's seven matmul outputs, the MLP's two widest among them, which the plans put past what fits
