@@ -46,6 +46,7 @@ from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, out_of_me
 from latentwire.harness.exits import main_guard
 from latentwire.harness.layout import config_for_world
 from latentwire.harness.loop_config import LoopConfig, OptimizerConfig, load_config
+from latentwire.harness.memory_cap import card_memory, memory_fraction
 from latentwire.harness.meters import StepMeter
 from latentwire.harness.metrics import MetricsLogger
 from latentwire.harness.out_dir import check_out_dir, one_run_at_a_time, prepare_out_dir
@@ -60,6 +61,7 @@ from latentwire.harness.precision import (
 from latentwire.harness.preemption import StopFlag, stop_code
 from latentwire.harness.profiling import MemorySnapshots, NoProfiler, profiler_options
 from latentwire.harness.recipe import Task, TrainingStep
+from latentwire.harness.recompute import checkpoint_options
 from latentwire.harness.resume import (
     check_init_from,
     check_resume_data,
@@ -84,6 +86,13 @@ def main(argv: list[str] | None = None) -> None:
         if di.device.type == "cuda":
             torch.cuda.set_device(di.device)
         dist.init_process_group(**group_options(di.device, cfg.training.dist_timeout_s))
+    # --- A smaller card's memory on a bigger card: the profile's memory_gb, not the card's ------------
+    # An H200 running the h100 profile runs out of memory where an H100 would; the allocator's
+    # retries near the cap are in metrics.jsonl (alloc_retries). --cap-memory false lifts it.
+    fraction, why = memory_fraction(*card_memory(di.device), cfg.card.memory_gb, cfg.card.cap_memory, di.device.type)
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, di.device)
+    di.say(why)
     # Out of memory outside the loop (loading, the last save) is one line and exit 5 too.
     with leave_together(), out_of_memory(Recipe.memory_advice(cfg.invocation.profile)):
         # --- Preemption and Ctrl-C: a signal only sets a flag; ranks agree on it at a step's end,
@@ -176,11 +185,13 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.numerics.precision))
     di.say(why and f"note: {why}", warning=True)
 
-    # --- The model: built and wrapped by its recipe, as torchtitan's parallelize -------------------
-    # Its frozen parts, if any, are wrapped (checkpointing, compile, sharding) in one order on the
-    # meta device, then allocated and read: the recipe's build_model.
+    # --- Activation checkpointing: what backward recomputes of the recipe's checkpointed regions ---
+    # full: their forward; selective: the cheap ops and every second matmul (a per-operator context_fn,
+    # harness.recompute), the outputs of attention and the other matmuls kept; none: nothing.
+    checkpointing = checkpoint_options(cfg.recompute.policy)  # checkpoint_wrapper's arguments
+    # --- The model: built and wrapped by its recipe in one order, as torchtitan's parallelize ------
     compile_options = {"mode": cfg.compile.mode, "dynamic": True} if cfg.compile.enabled else None
-    model, task = recipe.build_model(compile_options)
+    model, task = recipe.build_model(compile_options, checkpointing)
     init = init_checkpoint(cfg)
     if init is not None:  # --init-from: a new run that trains these weights further
         load_weights(init, model, "this run's model")

@@ -26,6 +26,7 @@ from latentwire.dataset import Collator, DataSources, PromptDataset  # noqa: E40
 from latentwire.harness.data import ShardSampler  # noqa: E402
 from latentwire.harness.data import make_loader as harness_loader  # noqa: E402
 from latentwire.harness.precision import frozen_weight_dtype  # noqa: E402
+from latentwire.harness.recompute import checkpoint_options  # noqa: E402
 from latentwire.llm import build_frozen_llms  # noqa: E402
 from latentwire.model import WireEncoder  # noqa: E402
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts  # noqa: E402
@@ -82,8 +83,8 @@ def build_model(cfg) -> tuple[dict, WireEncoder]:
     torch.manual_seed(cfg.training.seed)
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
-    prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
-                        device=CPU, fp8=cfg.frozen.fp8)
+    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None,
+                        mesh=None, device=CPU, fp8=cfg.frozen.fp8)
     model = WireEncoder.for_llms(cfg.wire, llms)
     return llms, model.train()
 

@@ -116,7 +116,7 @@ def whole_step(mode: str, backend: str):
 def regional_step(model, llms: dict, mode: str, backend: str):
     """What train.py compiles: each of the step's regions compiled on its own, the decoder layers
     by train.py's own prepare_frozen_llms."""
-    prepare_frozen_llms(llms, checkpointing=False, compile_options=compile_kwargs(mode, backend), mesh=None,
+    prepare_frozen_llms(llms, checkpointing=None, compile_options=compile_kwargs(mode, backend), mesh=None,
                               device=None)
     for region in wire_regions(model):
         region.compile(**compile_kwargs(mode, backend))
@@ -151,7 +151,7 @@ def run_variant(variant: str, args, s: Settings, backend: str) -> dict:
         batches = take(make_loader(cfg, llms), s.batches)
         print(f"[{variant}] built in {time.perf_counter() - t:.0f} s; prompt widths "
               f"{sorted({b['bytes'].shape[1] for b in batches})}, micro-batch {s.micro_batch_size}, "
-              f"mode={cfg.compile.mode}, activation checkpointing {cfg.frozen.activation_checkpointing}", flush=True)
+              f"mode={cfg.compile.mode}, activation checkpointing {cfg.recompute.policy}", flush=True)
     if variant == "whole":
         forward = whole_step(cfg.compile.mode, backend)
     else:

@@ -62,6 +62,7 @@ from latentwire.dataset import Collator, DataSources, PromptDataset
 from latentwire.fp8 import RECIPES, convert_frozen_linears, convertible_linears, fp8_linears, recipe_config
 from latentwire.harness.data import to_device
 from latentwire.harness.precision import cuda_capability, sdpa_backends
+from latentwire.harness.recompute import checkpoint_options
 from latentwire.llm import build_frozen_llms, decoder_layers
 from latentwire.model import WireEncoder
 from latentwire.objectives import WireTask
@@ -226,8 +227,8 @@ def compare(cfg, device: torch.device, recipe: str) -> Comparison:
     """The same batch through the same weights, bf16 then float8 by `recipe` (see the module's docstring)."""
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.bfloat16)
-    prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
-                        device=device)
+    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None,
+                        mesh=None, device=device)
     torch.manual_seed(cfg.training.seed)
     model = WireEncoder.for_llms(cfg.wire, llms).to(device).train()
     micro = cfg.training.micro_batch_size

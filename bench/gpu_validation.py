@@ -368,7 +368,7 @@ class Results:
 def plan_flags(profile: str, readers: list[str], recompute: bool, rows: list[str], fp8: str = "none") -> list[str]:
     """The flags the plan is traced for and the runs share: `rows`, the longest rows of the
     check's data (check_rows), so the plan traces those and not the profile's longest."""
-    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", str(recompute).lower(),
+    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", "full" if recompute else "none",
             *(["--frozen-fp8", fp8] if fp8 != "none" else [])]
 
 
@@ -475,7 +475,7 @@ def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env
         entry |= {"profile": cfg.invocation.profile, "micro_batch_size": cfg.training.micro_batch_size,
                   "grad_accum_steps": cfg.training.grad_accum_steps, "compile": cfg.compile.enabled,
                   "compile_mode": cfg.compile.mode if cfg.compile.enabled else None,
-                  "activation_checkpointing": cfg.frozen.activation_checkpointing, "fp8": cfg.frozen.fp8}
+                  "activation_checkpointing": cfg.recompute.policy, "fp8": cfg.frozen.fp8}
     entry |= {"recompiles": child.output.count("Recompiling function"),
               "graph_breaks": len(re.findall(r"Graph break", child.output))}
     entry["records"], torn = read_records(run_dir / "metrics.jsonl")
@@ -705,7 +705,7 @@ def validate(check: Check) -> None:
     largest = 0 if isinstance(plan, str) else min(plan["max_micro_batch"], 32 if args.cpu_check else 10 ** 6)
 
     def add_run(entry: dict) -> dict:
-        return check.add_run(entry, plan if entry.get("activation_checkpointing") else None)
+        return check.add_run(entry, plan if entry.get("activation_checkpointing") == "full" else None)
 
     # (1) the main run: the profile as users run it, one process, compiled
     main_run = add_run(train_run(run, "main", [*base, "--max-steps", str(check.steps), "--log-every", "1"], work,
@@ -740,7 +740,7 @@ def validate(check: Check) -> None:
     if not isinstance(no_ac_plan, str):
         m = min(no_ac_plan["max_micro_batch"], main_run["micro_batch_size"])
         entry = check.add_run(train_run(run, "no_recompute", [*lever, "--compile", "false",
-                                                              "--activation-checkpointing", "false",
+                                                              "--activation-checkpointing", "none",
                                                               "--micro-batch-size", str(m)], work,
                                         budgets["no_recompute"]), no_ac_plan)
         record["levers"]["no_recompute_over_eager"] = ratio(entry, eager)
@@ -785,7 +785,7 @@ def levers(check: Check) -> None:
             tried.append(micro)
             flags = with_micro_batch(flags, micro // 2, global_batch)
         entry |= {"out_of_memory_at": tried, **why}
-        entry.setdefault("activation_checkpointing", recompute)  # what the part asked for, refused or not
+        entry.setdefault("activation_checkpointing", "full" if recompute else "none")  # what the part asked for
         entry.setdefault("fp8", flag_value(flags, "--frozen-fp8", "none"))
         if entry["exit"] == 2:  # one line: this train.py or this device cannot run the lever
             entry["status"] = "refused"
@@ -806,14 +806,14 @@ def levers(check: Check) -> None:
     # (2) without recompute, at the largest micro-batch the plan for these rows fits that splits
     # the global batch (accumulation makes up the rest), with expandable segments
     if not isinstance(plans[False], str):
-        no_ac = with_micro_batch([*steps, "--activation-checkpointing", "false"],
+        no_ac = with_micro_batch([*steps, "--activation-checkpointing", "none"],
                                  largest_split(plans[False]["max_micro_batch"], global_batch), global_batch)
         lever("no_recompute", no_ac, False, EXPANDABLE, planned_max_micro_batch=plans[False]["max_micro_batch"])
     # (3) FP8 frozen linears by each recipe, at the fastest bf16 configuration (its flags, recompute
     # and allocator settings), torchao on these parts' path alone
     bf16 = [r for r in record["runs"] if r["status"] == "done" and r.get("samples_per_s")]
     fastest = max(bf16, key=lambda r: r["samples_per_s"]) if bf16 else baseline
-    recompute, fp8_env_of = fastest["activation_checkpointing"], {**fastest["env"], **fp8_env(args.torchao)}
+    recompute, fp8_env_of = fastest["activation_checkpointing"] != "none", {**fastest["env"], **fp8_env(args.torchao)}
     for recipe in RECIPES:
         lever(f"fp8_{recipe}", [*fastest["flags"], "--frozen-fp8", recipe], recompute, fp8_env_of, of=fastest["name"])
     # (4) each recipe at the largest micro-batch its own plan fits, one micro-batch a step: rowwise
@@ -845,7 +845,7 @@ def levers(check: Check) -> None:
         skipped("fails_at_first_step", "a CPU has no out-of-memory to provoke" if args.cpu_check else plans[False])
     else:
         entry = train_run(run, "fails_at_first_step",
-                          with_micro_batch([*steps, "--activation-checkpointing", "false", "--compile", "false",
+                          with_micro_batch([*steps, "--activation-checkpointing", "none", "--compile", "false",
                                             "--max-steps", "2"], 4 * plans[False]["max_micro_batch"], None), work,
                           budgets["fails_at_first_step"], watch=CAUGHT)
         check.add_run(entry)

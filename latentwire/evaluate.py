@@ -110,7 +110,7 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
     mesh = init_device_mesh(di.device.type, (di.world_size,)) if sharded else None
-    prepare_frozen_llms(llms, checkpointing=False, compile_options=None, mesh=mesh, device=di.device,
+    prepare_frozen_llms(llms, checkpointing=None, compile_options=None, mesh=mesh, device=di.device,
                         fp8=cfg.frozen.fp8)
     if sharded and di.is_main:
         print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr,

@@ -56,6 +56,7 @@ from .harness.exits import main_guard
 from .harness.precision import cuda_capability, frozen_weight_dtype, sdpa_backends
 from .harness.profiling import MemorySnapshots
 from .harness.recipe import TrainingStep
+from .harness.recompute import checkpoint_options
 from .llm import build_frozen_llms
 from .model import WireEncoder
 from .parallelize import prepare_frozen_llms
@@ -303,8 +304,8 @@ def find(cfg, args, di, step: TrainingStep) -> None:
     # Built and wrapped as train.py builds them: the run's prompt contract, its checkpointing.
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
-    prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
-                               device=di.device, fp8=cfg.frozen.fp8)
+    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None,
+                        mesh=None, device=di.device, fp8=cfg.frozen.fp8)
     probe = Probe(cfg, llms, step, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)
     say(f"find_batch {cfg.invocation.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "

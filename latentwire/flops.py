@@ -10,10 +10,11 @@
   score matrices).
 
 That is the model's FLOPs, which MFU counts. The hardware's (HFU) add what activation
-checkpointing recomputes in backward: every frozen decoder layer's forward up to the last tensor
-its backward needs (torch.utils.checkpoint stops there), which is all of it but the layer's last
-matmul (the MLP's down projection: a frozen weight's matmul saves nothing, and its output only
-joins the residual); the head is outside the wrapped layers.
+checkpointing recomputes in backward (`harness.recompute`). Full: every frozen decoder layer's
+forward up to the last tensor its backward needs (torch.utils.checkpoint stops there), which is all
+of it but the layer's last matmul (the MLP's down projection: a frozen weight's matmul saves
+nothing, and its output only joins the residual). Selective: the layer's matmuls whose outputs the
+policy did not keep, and no attention (kept). The head is outside the wrapped layers.
 
 Embedding lookups, norms and elementwise ops are not matmuls and are left out, as in the usual
 6ND accounting; `tests/test_flops.py` checks the total against FlopCounterMode within 5%.
@@ -21,7 +22,7 @@ Embedding lookups, norms and elementwise ops are not matmuls and are left out, a
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_c
 
 from .dataset import IGNORE_INDEX, input_lengths
 from .harness.recipe import StepFlops
+from .harness.recompute import recomputed_matmuls
 
 
 def linear_params(module: nn.Module) -> int:
@@ -49,17 +51,21 @@ class LLMShape:
     head_dim: int
     matmul_params: int   # decoder layers' Linear weights
     head_params: int     # LM head
-    recomputed_params: int = 0  # the Linear weights a checkpointed layer's recompute runs (all but its last)
+    # Per policy, the Linear weights a checkpointed layer's recompute runs: full, all but its last;
+    # selective, those whose outputs the policy does not keep.
+    recomputed_params: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: nn.Module) -> "LLMShape":
         c = model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        last = sum([m for m in layer.modules() if isinstance(m, nn.Linear)][-1].weight.numel()
-                   for layer in model.get_decoder().layers)
+        # Each layer's Linear weights in the order its forward runs them (the order they are registered).
+        sizes = [[m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear)]
+                 for layer in model.get_decoder().layers]
         matmul = linear_params(model.get_decoder())
+        recomputed = {"full": sum(sum(s[:-1]) for s in sizes), "selective": sum(map(recomputed_matmuls, sizes))}
         return cls(c.num_hidden_layers, c.num_attention_heads, head_dim, matmul,
-                   model.get_output_embeddings().weight.numel(), matmul - last)
+                   model.get_output_embeddings().weight.numel(), recomputed)
 
 
 @dataclass(frozen=True)
@@ -88,13 +94,13 @@ class FlopModel(StepFlops):
     num_latents: int
     pooler_rounds: int
     llms: tuple[tuple[str, LLMShape], ...]  # (name, shape) pairs, in the batches' order
-    recompute: bool = False  # activation checkpointing recomputes the frozen decoder layers
+    recompute: str = "none"  # what activation checkpointing recomputes of the frozen decoder layers
 
     @classmethod
     def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], wire,
-           recompute: bool = False) -> "FlopModel":
-        """`wire`: the WireConfig the encoder was built from; `recompute`: whether the frozen
-        decoder layers are checkpointed (counted by step_hardware_flops only)."""
+           recompute: str = "none") -> "FlopModel":
+        """`wire`: the WireConfig the encoder was built from; `recompute`: the activation
+        checkpointing policy of the frozen decoder layers (counted by step_hardware_flops only)."""
         kv = sum(linear_params(c.attn.k) + linear_params(c.attn.v) for c in wire_encoder.pooler.cross)
         return cls(encoder_token_params=linear_params(wire_encoder.encoder) + kv,
                    latent_params=linear_params(wire_encoder.pooler) - kv + linear_params(wire_encoder.adapters),
@@ -126,14 +132,14 @@ class FlopModel(StepFlops):
 
     def step_hardware_flops(self, micro_batches: list[dict]) -> int:
         """The FLOPs the device executes in the step (what HFU counts): with activation
-        checkpointing, each frozen decoder layer's forward once more, less its last matmul (the
-        recompute stops once the last saved tensor is back, and a frozen down projection saves
-        nothing)."""
+        checkpointing, what each frozen decoder layer's recompute runs (the module's docstring)."""
         flops = self.step_flops(micro_batches)
-        if self.recompute:
-            for batch in micro_batches:
-                for (_, shape), (seq, seq_squared, _) in zip(self.llms, self.padded_sizes(batch).llms, strict=True):
-                    flops += 2 * shape.recomputed_params * seq
+        if self.recompute == "none":
+            return flops
+        for batch in micro_batches:
+            for (_, shape), (seq, seq_squared, _) in zip(self.llms, self.padded_sizes(batch).llms, strict=True):
+                flops += 2 * shape.recomputed_params[self.recompute] * seq
+                if self.recompute == "full":
                     flops += shape.layers * attention_forward_flops_per_pair(shape.heads, shape.head_dim) * seq_squared
         return flops
 

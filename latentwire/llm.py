@@ -27,7 +27,6 @@ class FrozenConfig:
                                  "'tiny-random', or 'random:HUB_ID_OR_CONFIG_JSON'", weights=True)
     qwen: str = setting("tiny", "Qwen-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), "
                                 "'tiny-random', or 'random:HUB_ID_OR_CONFIG_JSON'", weights=True)
-    activation_checkpointing: bool = setting(False, "recompute the frozen LLMs' decoder layers in backward")
     sharding: Literal["none", "fsdp"] = setting(
         "none", "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded over the ranks by "
                 "FSDP2, a decoder layer gathered only while it runs)", key="frozen_sharding")

@@ -3,9 +3,11 @@ everything that builds the models: training, the memory plan, find_batch, evalua
 compile bench, so what is planned and measured is what trains.
 
 Activation checkpointing. Gradients flow through the frozen LLMs to the wire, so each decoder
-layer's activations would be kept for backward; instead each layer is recomputed in backward (one
-more forward). Non-reentrant checkpointing takes frozen weights, keyword arguments and compile. It
-wraps before compile, so the recompute is planned inside the layer's graph.
+layer's activations would be kept for backward; instead each layer is a checkpointed region, and
+backward recomputes it whole (full) or all but the outputs of its attention and every second matmul
+(selective), as train.py's policy says (`harness.recompute`). Non-reentrant checkpointing takes
+frozen weights, keyword arguments and compile. It wraps before compile, so the recompute is planned
+inside the layer's graph.
 
 Regional compilation (torchtitan compiles each TransformerBlock the same way): each frozen decoder
 layer, inside its checkpointing wrapper, each byte-encoder block and the latent pooler are compiled
@@ -38,6 +40,8 @@ is read from the checkpoint's memory map.
 """
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
@@ -55,17 +59,17 @@ from .llm import decoder_layers, fsdp_units, is_decoder_layer, read_weights, ski
 DECODER_LAYER_VARIANTS = 2 * 2
 
 
-def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dict | None, mesh, device,
+def prepare_frozen_llms(llms: dict, *, checkpointing: dict | None, compile_options: dict | None, mesh, device,
                         fp8: str = "none") -> None:
-    """Each LLM, built on the meta device, wrapped for activation checkpointing if `checkpointing`,
-    its decoder layers compiled with `compile_options` (torch.compile's arguments; None: eager),
+    """Each LLM, built on the meta device, its decoder layers wrapped for activation checkpointing
+    with `checkpointing` (checkpoint_wrapper's arguments, `harness.recompute.checkpoint_options`;
+    None: not wrapped), compiled with `compile_options` (torch.compile's arguments; None: eager),
     sharded over `mesh` (None: whole), and allocated on `device` and read (None: left as built, the
     planner's fakes), then its decoder layers' linears converted to float8 by the recipe `fp8`
     unless none: last, since each weight is cast once from the values read (latentwire.fp8)."""
     for llm in llms.values():
-        if checkpointing:
-            apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                           check_fn=is_decoder_layer(llm))
+        if checkpointing is not None:
+            checkpoint_decoder_layers(llm, checkpointing)
         if compile_options is not None:
             for layer in decoder_layers(llm):
                 layer.compile(**compile_options)
@@ -79,6 +83,13 @@ def prepare_frozen_llms(llms: dict, *, checkpointing: bool, compile_options: dic
             read_weights(llm)
         if fp8 != "none":
             convert_frozen_linears(llm, fp8)
+
+
+def checkpoint_decoder_layers(llm, checkpointing: dict) -> None:
+    """Each decoder layer of `llm` in torch's non-reentrant checkpoint_wrapper, with `checkpointing`
+    as its arguments (`harness.recompute.checkpoint_options`)."""
+    apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **checkpointing),
+                                   check_fn=is_decoder_layer(llm))
 
 
 def wire_regions(wire_encoder: nn.Module) -> list[nn.Module]:

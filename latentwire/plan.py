@@ -87,7 +87,7 @@ def format_plan(plan: Plan) -> str:
              f"{plan.world_size} rank(s) x {cfg.card.device}, {cfg.numerics.precision} autocast, frozen LLMs in "
              f"{cfg.numerics.precision}{fp8}"
              f"{' sharded by FSDP2 (the all-gathered units computed, not traced)' if plan.gathered_bytes else ''}, "
-             f"activation checkpointing {'on' if cfg.frozen.activation_checkpointing else 'off'}, "
+             f"activation checkpointing {cfg.recompute.policy}, "
              f"eager step ({compile_note})"]
     lines += [f"  {name}: {spec.source}, {plan.frozen_params[name]:,} parameters ({spec.origin})"
               for name, spec in plan.specs.items()]

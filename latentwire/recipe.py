@@ -67,10 +67,11 @@ class LatentWire(Recipe):
         self.di.say(f"data: {self.training.summary(data.max_prompt_bytes)}; "
                     f"held out: {sources.describe_held_out(held_out)}")
 
-    def build_model(self, compile_options: dict | None) -> tuple[nn.Module, WireTask]:
+    def build_model(self, compile_options: dict | None, checkpointing: dict | None) -> tuple[nn.Module, WireTask]:
         """The frozen readers, stored in the autocast dtype (no gradients and no optimizer state,
-        so no fp32 master copy), built on the meta device, wrapped and read (prepare_frozen_llms);
-        the trainable encoder and adapters; the step's task."""
+        so no fp32 master copy), built on the meta device, wrapped and read (prepare_frozen_llms:
+        their decoder layers are the checkpointed regions); the trainable encoder and adapters; the
+        step's task."""
         cfg, device = self.cfg, self.di.device
         if cfg.frozen.fp8 != "none":  # float8 readers only where the card has FP8 tensor cores
             check_fp8(device, cfg.numerics.precision, eager_backward=compile_options is None)
@@ -82,14 +83,14 @@ class LatentWire(Recipe):
             self.llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
         self.di.say(f"prompt: {describe_prompts(self.llms)}")  # what each reader reads around the wire
         started = time.perf_counter()
-        prepare_frozen_llms(self.llms, checkpointing=cfg.frozen.activation_checkpointing,
+        prepare_frozen_llms(self.llms, checkpointing=checkpointing,
                             compile_options=compile_options, mesh=mesh, device=device, fp8=cfg.frozen.fp8)
         self.di.say(f"loaded the frozen LLMs in {time.perf_counter() - started:.1f} s")  # minutes for two 8B models
         if cfg.frozen.fp8 != "none":
             self.di.say(describe_fp8(self.llms, cfg.frozen.fp8, device.type))
         model = WireEncoder.for_llms(cfg.wire, self.llms).to(device)
         self.flops = FlopModel.of(model, {n: llm.model for n, llm in self.llms.items()}, cfg.wire,
-                                  recompute=cfg.frozen.activation_checkpointing)
+                                  recompute=cfg.recompute.policy)
         forward = stable_shapes()(forward_loss_sums) if compile_options is not None else forward_loss_sums
         return model, WireTask(self.llms, cfg.objectives, cfg.wire.num_latents, forward)
 

@@ -131,6 +131,28 @@ def saved_reader(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_readers():
+    """tiny_llms(), loaded once for the session: for tests that change nothing of them (a test that
+    wraps them wraps a copy, `wrapped_readers`)."""
+    return tiny_llms()
+
+
+def wrapped_readers(readers: dict, policy: str) -> dict:
+    """A copy of `readers` whose decoder layers are checkpointed by `policy`, as train.py wraps them."""
+    import copy
+    from dataclasses import replace
+
+    from latentwire.harness.recompute import checkpoint_options
+    from latentwire.parallelize import checkpoint_decoder_layers
+
+    llms = {n: replace(llm, model=copy.deepcopy(llm.model)) for n, llm in readers.items()}
+    if policy != "none":
+        for llm in llms.values():
+            checkpoint_decoder_layers(llm, checkpoint_options(policy))
+    return llms
+
+
+@pytest.fixture(scope="session")
 def default_cpu_run(tmp_path_factory):
     """`torchrun --nproc_per_node=2 train.py --profile cpu`, unchanged but for out_dir: run once,
     read by the smoke and the evaluation tests."""

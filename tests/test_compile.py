@@ -15,6 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from conftest import ALL_TERMS
 from latentwire.dataset import IGNORE_INDEX, PAD_BYTE, label_positions
 from latentwire.harness.compiling import stable_shapes
+from latentwire.harness.recompute import checkpoint_options
 from latentwire.llm import build_frozen_llms
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
@@ -36,7 +37,7 @@ def build():
     cfg = load_config(["--profile", "cpu", "--dropout", "0"])
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.float32)
-    prepare_frozen_llms(llms, checkpointing=True, compile_options=None, mesh=None, device=CPU)
+    prepare_frozen_llms(llms, checkpointing=checkpoint_options("full"), compile_options=None, mesh=None, device=CPU)
     torch.manual_seed(0)
     model = WireEncoder.for_llms(cfg.wire, llms)
     return cfg, model, llms
@@ -88,7 +89,7 @@ def widths(n: int = 20) -> list[tuple[int, dict]]:
 def compile_as_train_py(model, llms):
     """train.py's compile blocks, with the test backend in place of inductor."""
     options = {"backend": BACKEND, "dynamic": True}
-    prepare_frozen_llms(llms, checkpointing=False, compile_options=options, mesh=None, device=None)
+    prepare_frozen_llms(llms, checkpointing=None, compile_options=options, mesh=None, device=None)
     for region in wire_regions(model):
         region.compile(**options)
     return stable_shapes()(forward_loss_sums)

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from conftest import assert_one_line_error, evaluate_cli, ok, read_metrics, run_module, run_train, tiny_llms
 from latentwire import evaluate as command
@@ -16,9 +15,11 @@ from latentwire.eval import report as reporting
 from latentwire.eval.settings import EvalSettings
 from latentwire.eval.squad_metrics import best_em_f1, exact_match, f1, normalize_answer
 from latentwire.harness.precision import AMP_DTYPES
-from latentwire.llm import LLM_NAMES, is_decoder_layer, load_frozen_llm
+from latentwire.harness.recompute import checkpoint_options
+from latentwire.llm import LLM_NAMES, load_frozen_llm
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts
+from latentwire.parallelize import checkpoint_decoder_layers
 from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
@@ -210,7 +211,7 @@ def test_activation_checkpointed_llms_evaluate_alike(cfg):
     plain = tiny_llms()
     wrapped = tiny_llms()
     for llm in wrapped.values():
-        apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
+        checkpoint_decoder_layers(llm, checkpoint_options("full"))
     examples = synthetic_examples(4, seed=10)
     settings = EvalSettings.of(cfg, text_baselines=False)
     expected = ev.evaluate_wire(wire_encoder(cfg, plain), plain, examples, settings, CPU, 0, 1)

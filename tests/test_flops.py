@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import distilled_collator, tiny_llms
+from conftest import distilled_collator, wrapped_readers
 from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset, input_lengths, synthetic_examples
 from latentwire.flops import FlopModel, register_cpu_attention_flops
 from latentwire.model import WireEncoder
@@ -14,12 +14,10 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def setup():
+def setup(tiny_readers):
     register_cpu_attention_flops()
     cfg = load_config(["--profile", "cpu"])
-    llms = tiny_llms()
-    model = WireEncoder.for_llms(cfg.wire, llms)
-    return cfg, llms, model
+    return cfg, tiny_readers, WireEncoder.for_llms(cfg.wire, tiny_readers)
 
 
 def counted(model, llms, batch, objectives) -> int:
@@ -72,30 +70,23 @@ def test_frozen_llms_cost_no_weight_gradients(setup):
     assert unfrozen - frozen == pytest.approx(2 * linear_params(layers) * positions, rel=0.01)
 
 
-def test_hardware_flops_count_the_recompute_of_checkpointed_layers(setup):
-    """HFU's count: checkpointed decoder layers run their forward again in backward, which
-    FlopCounterMode sees; the analytic count adds exactly that, and MFU's count does not."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
-    from latentwire.llm import is_decoder_layer
-
-    cfg, _, _ = setup
-    llms = tiny_llms()  # wrapped below
-    model = WireEncoder.for_llms(cfg.wire, llms)
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_hardware_flops_count_the_recompute_of_checkpointed_layers(setup, tiny_readers, policy):
+    """HFU's count: checkpointed decoder layers run their forward again in backward, whole (full) or
+    the matmuls whose outputs were not kept (selective), which FlopCounterMode sees; the analytic
+    count adds exactly that, and MFU's count does not."""
+    cfg, llms, model = setup
     items = [PromptDataset(synthetic_examples(8, 2))[i] for i in range(4)]
     batch = Collator.for_llms(llms, cfg.data.max_prompt_bytes, 16, 32)(items)
     plain = counted(model, llms, batch, Objectives())
-    for llm in llms.values():
-        apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       check_fn=is_decoder_layer(llm))
-    recomputed = counted(model, llms, batch, Objectives())
+    recomputed = counted(model, wrapped_readers(tiny_readers, policy), batch, Objectives())
     shapes = {name: llm.model for name, llm in llms.items()}
-    flops = FlopModel.of(model, shapes, cfg.wire, recompute=True)
+    flops = FlopModel.of(model, shapes, cfg.wire, recompute=policy)
     assert flops.step_hardware_flops([batch]) - flops.step_flops([batch]) == pytest.approx(recomputed - plain, rel=1e-3)
     assert FlopModel.of(model, shapes, cfg.wire).step_hardware_flops([batch]) == flops.step_flops([batch])
+    if policy == "selective":  # every second matmul and no attention: less than half of full's recompute
+        full = FlopModel.of(model, shapes, cfg.wire, recompute="full")
+        assert 2 * (recomputed - plain) < full.step_hardware_flops([batch]) - full.step_flops([batch])
 
 
 def alone(batch: dict, i: int) -> dict:

@@ -56,7 +56,7 @@ def tiny_readers(fp8: str, compile_options: dict | None = None) -> dict:
     cfg = load_config(["--profile", "cpu"])
     with torch.device("meta"):
         llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.bfloat16)
-    prepare_frozen_llms(llms, checkpointing=False, compile_options=compile_options, mesh=None, device=CPU,
+    prepare_frozen_llms(llms, checkpointing=None, compile_options=compile_options, mesh=None, device=CPU,
                               fp8=fp8)
     return llms
 

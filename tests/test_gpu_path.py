@@ -274,6 +274,30 @@ def test_cuda_window_resets_the_allocator_peak(monkeypatch):
     assert meter.read()["alloc_retries"] == 0
 
 
+# --- a smaller card's memory on a bigger card --------------------------------------------------
+
+H100_BYTES, H200_BYTES = 81559 * MiB, 143771 * MiB  # what nvidia-smi says an H100 SXM 80GB and an H200 hold
+
+
+def test_a_bigger_card_is_held_to_the_profiles_memory_less_what_is_outside_the_allocator():
+    from latentwire.harness.memory_cap import GIB, memory_fraction
+    from latentwire.settings import load_config
+
+    h100, h200 = (load_config(["--profile", p]).card for p in ("h100", "h200"))
+    context = GIB // 2  # the CUDA context, held before the cap is set
+    fraction, line = memory_fraction(H200_BYTES, context, h100.memory_gb, h100.cap_memory, "cuda")
+    assert fraction * H200_BYTES == pytest.approx(h100.memory_gb * GIB - context)
+    assert "memory_gb 79.6 of this card's 140.4 GiB" in line and "--cap-memory false" in line
+    fraction, line = memory_fraction(H200_BYTES, context, h100.memory_gb, False, "cuda")
+    assert fraction is None and "the whole card" in line
+    assert memory_fraction(H100_BYTES, context, h100.memory_gb, True, "cuda") == (None, None)  # its own card
+    assert memory_fraction(H200_BYTES, context, h200.memory_gb, True, "cuda") == (None, None)
+    fraction, line = memory_fraction(H100_BYTES, context, h200.memory_gb, True, "cuda")
+    assert fraction is None and line.startswith("note: this card has 79.6 GiB, less than")
+    assert memory_fraction(0, 0, 8.0, True, "cpu") == (None, None)
+    assert not load_config(["--profile", "h100", "--cap-memory", "false"]).card.cap_memory
+
+
 # --- host syncs per step ----------------------------------------------------------------------
 
 def host_reads(tmp_path, steps: int) -> int:
@@ -409,6 +433,7 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     one kernel allowed, the gradients equal those of the step without recompute."""
     from torch.nn.attention import SDPBackend
 
+    from latentwire.harness.recompute import checkpoint_options
     from latentwire.llm import build_frozen_llms
     from latentwire.model import WireEncoder
     from latentwire.parallelize import prepare_frozen_llms
@@ -419,10 +444,11 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     cfg = load_config(["--profile", "cpu", "--precision", "fp32", "--dropout", "0", "--kd-weight", "0",
                        "--max-prompt-bytes", "64"])
     grads = []
-    for recompute in (False, True):
+    for recompute in ("none", "full"):
         with torch.device("meta"):
             llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.float32)
-        prepare_frozen_llms(llms, checkpointing=recompute, compile_options=None, mesh=None, device=CPU)
+        prepare_frozen_llms(llms, checkpointing=checkpoint_options(recompute), compile_options=None, mesh=None,
+                            device=CPU)
         torch.manual_seed(0)
         model = WireEncoder.for_llms(cfg.wire, llms)
         answers = {n: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from conftest import assert_one_line_error, distilled_collator, instruct_reader, ok, run_module, tiny_llms
 from latentwire.dataset import IGNORE_INDEX, Collator, PromptDataset
@@ -15,8 +14,9 @@ from latentwire.harness.errors import UserError
 from latentwire.harness.exits import main_guard
 from latentwire.harness.layout import scaled_lr
 from latentwire.harness.precision import frozen_weight_dtype
+from latentwire.harness.recompute import POLICIES, checkpoint_options
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
-from latentwire.llm import build_frozen_llm, is_decoder_layer, load_frozen_llm
+from latentwire.llm import build_frozen_llm, build_frozen_llms
 from latentwire.llm_sources import llm_spec
 from latentwire.parallelize import prepare_frozen_llms
 from latentwire.plan import main as plan_main
@@ -46,8 +46,8 @@ def specs_and_answers(cfg):
 def profile_fakes(cfg, specs):
     """The profile's frozen LLMs as the plan builds and wraps them (call under a FakeTensorMode)."""
     llms = fake_llms(specs, cfg.numerics.precision)
-    prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
-                               device=None)
+    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None, mesh=None,
+                        device=None)
     return llms
 
 
@@ -71,7 +71,7 @@ def test_shipped_configurations_have_the_published_parameter_counts():
     for source, count in expected.items():
         spec = llm_spec("x", source)
         assert llm_parameter_count(spec.config) == count
-        cfg = load_config(["--profile", "h100", "--activation-checkpointing", "false"])
+        cfg = load_config(["--profile", "h100", "--activation-checkpointing", "none"])
         with FakeTensorMode():
             model = profile_fakes(cfg, {"x": spec})["x"].model
             assert sum(p.numel() for p in model.parameters()) == count
@@ -185,22 +185,38 @@ def test_stock_memtracker_fails_on_frozen_parameters_where_the_subclass_counts_o
 
 def measured_and_traced_peaks(cfg) -> tuple[int, int]:
     """The CPU allocator's own count of a real step (find_batch's probe), and the fake trace of it."""
-    dtype = frozen_weight_dtype(cfg.numerics.precision)
-    llms = {n: load_frozen_llm(n, cfg.frozen.source(n), dtype, CPU) for n in ("llama", "qwen")}
-    if cfg.frozen.activation_checkpointing:
-        for llm in llms.values():
-            apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
+    with torch.device("meta"):
+        llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
+    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None, mesh=None,
+                        device=CPU)
     measured, _ = Probe(cfg, llms, TRAINING_STEP, CPU, steps=2, cap_bytes=2 ** 62)(cfg.training.micro_batch_size)
     return measured, traced_peak(cfg, cfg.training.micro_batch_size)
 
 
-@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # CPU autocast, adapters' RMSNorm
-@pytest.mark.parametrize("flags", [[], ["--precision", "bf16", "--dropout", "0.1", "--activation-checkpointing", "true",
-                                        "--micro-batch-size", "6"]])
-def test_traced_peak_matches_the_measured_peak_of_the_same_cpu_step(flags):
-    """The fake trace against the CPU allocator's own count of the same real step, tiny readers."""
-    measured, traced = measured_and_traced_peaks(load_config(["--profile", "cpu", *flags]))
-    assert traced == pytest.approx(measured, rel=0.10)
+# The cpu profile with dropout on and a small micro-batch: the step each activation checkpointing policy runs.
+CHECKPOINTED_STEP = ["--profile", "cpu", "--dropout", "0.1", "--micro-batch-size", "6"]
+
+
+@pytest.fixture(scope="module")
+def checkpointed_peaks() -> dict[str, tuple[int, int]]:
+    """Each policy's (measured, traced) peak of the same step."""
+    return {policy: measured_and_traced_peaks(load_config([*CHECKPOINTED_STEP, "--activation-checkpointing", policy]))
+            for policy in POLICIES}
+
+
+def test_traced_peak_matches_the_measured_peak_of_the_same_cpu_step(checkpointed_peaks):
+    """The fake trace against the CPU allocator's own count of the same real step, tiny readers,
+    under each activation checkpointing policy: selective's kept outputs are traced as they are kept."""
+    for policy, (measured, traced) in checkpointed_peaks.items():
+        assert traced == pytest.approx(measured, rel=0.10), policy
+
+
+def test_the_plan_keeps_less_with_more_recompute(checkpointed_peaks):
+    """The planned peak, and the one measured: full recompute keeps less than selective, which
+    keeps less than no recompute."""
+    for of in (0, 1):
+        peaks = {policy: both[of] for policy, both in checkpointed_peaks.items()}
+        assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
 
 
 # SmolLM-135M's vocabulary and widths with one decoder layer: a reader whose head and loss
@@ -227,7 +243,7 @@ def test_traced_peak_matches_the_measured_peak_with_a_real_sized_vocabulary(real
     expanded over the batch, which oneDNN copied: 34% over the trace at micro-batch 4 (docs/memory.md,
     "How far to trust it")."""
     cfg = load_config(["--profile", "cpu", "--llama", real_vocab_reader, "--precision", precision,
-                       "--activation-checkpointing", "true", "--micro-batch-size", str(micro_batch),
+                       "--activation-checkpointing", "full", "--micro-batch-size", str(micro_batch),
                        "--max-prompt-bytes", "384"])
     measured, traced = measured_and_traced_peaks(cfg)
     assert measured == pytest.approx(traced, rel=1e-3)

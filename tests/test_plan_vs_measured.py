@@ -20,7 +20,7 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
                     max_position_embeddings=8192)
 MICRO_BATCH = 2
-BASE = ["--profile", "cpu", "--precision", "fp32", "--activation-checkpointing", "true", "--max-prompt-bytes", "384",
+BASE = ["--profile", "cpu", "--precision", "fp32", "--activation-checkpointing", "full", "--max-prompt-bytes", "384",
         "--micro-batch-size", str(MICRO_BATCH)]
 SETTINGS = {"--kd-weight": ("1", "0"), "--chat-template": ("auto", "false"), "--word-patches": ("true", "false")}
 COMBINATIONS = [[flag for pair in zip(SETTINGS, values, strict=True) for flag in pair]

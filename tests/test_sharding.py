@@ -6,7 +6,6 @@ import re
 
 import pytest
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 from conftest import (
     RUN,
@@ -23,7 +22,7 @@ from conftest import (
 # Two ranks, accumulation 2, fp32 without dropout, the decoder layers recomputed in backward as on
 # the GPU profiles; the last step evaluates, which under fsdp must make the same LLM calls on every
 # rank (a rank that called fewer would leave the others waiting).
-ARGS = [*RUN, "--max-steps", "4", "--micro-batch-size", "2", "--activation-checkpointing", "true",
+ARGS = [*RUN, "--max-steps", "4", "--micro-batch-size", "2", "--activation-checkpointing", "full",
         "--eval-every", "4", "--eval-examples", "6"]
 
 
@@ -115,7 +114,9 @@ def test_a_sharded_rank_allocates_and_reads_only_its_rows(fake_rank, saved_reade
     three; the Llama's odd vocabulary too), and reads no more than that."""
     from torch.distributed.fsdp import fully_shard
 
-    from latentwire.llm import build_frozen_llm, fsdp_units, is_decoder_layer, load_frozen_llm, read_weights
+    from latentwire.harness.recompute import checkpoint_options
+    from latentwire.llm import build_frozen_llm, fsdp_units, load_frozen_llm, read_weights
+    from latentwire.parallelize import checkpoint_decoder_layers
 
     if source == "checkpoint":
         name, source = "qwen", str(saved_reader)
@@ -126,7 +127,7 @@ def test_a_sharded_rank_allocates_and_reads_only_its_rows(fake_rank, saved_reade
     whole = reference.state_dict()
     with torch.device("meta"):
         llm = build_frozen_llm(name, source, torch.float32)
-    apply_activation_checkpointing(llm.model, check_fn=is_decoder_layer(llm))
+    checkpoint_decoder_layers(llm, checkpoint_options("full"))
     mesh, world, rank = fake_rank
     for unit in fsdp_units(llm):
         fully_shard(unit, mesh=mesh)

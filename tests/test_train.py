@@ -279,7 +279,7 @@ def test_compiled_loss_equals_eager_under_ddp_with_checkpointing(tmp_path):
     # AVX-512 CPU); at 1e-3 the two runs stay within 7e-7 on every CPU path tried.
     common = ["--profile", "cpu", *FAST, "--dropout", "0", "--precision", "fp32", "--max-steps", "3",
               "--micro-batch-size", "4", "--eval-every", "3", "--eval-examples", "16", "--adam-eps", "1e-3",
-              "--activation-checkpointing", "true", *TWO_LAYER_BATCH]
+              "--activation-checkpointing", "full", *TWO_LAYER_BATCH]
     eager = train(tmp_path, "eager", *common, "--compile", "false", nproc=2)
     compiled_dir = tmp_path / "compiled"
     cache = tmp_path / "compile_cache"

@@ -23,6 +23,7 @@ from .config import Parser, Schema, profile_listing, read_profiles, setting
 from .errors import UserError
 from .precision import Card, Numerics
 from .profiling import ProfilerConfig
+from .recompute import Recompute
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class LoopConfig:
     card: Card
     numerics: Numerics
     compile: CompileConfig
+    recompute: Recompute
     training: Training
     loader: Loader
     optimizer: OptimizerConfig

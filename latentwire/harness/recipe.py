@@ -93,10 +93,11 @@ class Recipe:
     def __init__(self, cfg: LoopConfig, di: DistInfo, stop: Callable[[], int]):
         self.cfg, self.di, self.stop = cfg, di, stop
 
-    def build_model(self, compile_options: dict | None) -> tuple[nn.Module, Task]:
+    def build_model(self, compile_options: dict | None, checkpointing: dict | None) -> tuple[nn.Module, Task]:
         """The trainable model on the rank's device, and the task the step asks. The model's
-        frozen parts, if any, are built, wrapped (checkpointing, compile with `compile_options`,
-        sharding) and read here, in one order."""
+        frozen parts, if any, are built, wrapped (its checkpointed regions in `checkpoint_wrapper`
+        with `checkpointing`, compile with `compile_options`, sharding) and read here, in one
+        order."""
         raise NotImplementedError
 
     def collator(self, visited: list[int]) -> Callable[[list], dict]:

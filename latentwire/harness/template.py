@@ -59,7 +59,7 @@ class Regression(Recipe):
         super().__init__(cfg, di, stop)
         self.dataset = toy_rows(cfg.regression.num_examples, cfg.training.seed)
 
-    def build_model(self, compile_options):
+    def build_model(self, compile_options, checkpointing):
         hidden = self.cfg.regression.hidden
         model = nn.Sequential(nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, 1))
         return model.to(self.di.device), SquaredError()

@@ -17,6 +17,7 @@ import torch
 from ..fp8 import parameter_count
 from ..harness.errors import UserError
 from ..harness.recipe import TrainingStep
+from ..harness.recompute import checkpoint_options
 from ..known_llms import KNOWN_LLMS, llm_parameter_count
 from ..llm import LLM_NAMES, fsdp_units, held_bytes
 from ..llm_sources import LLMSpec, llm_spec, read_source
@@ -65,7 +66,7 @@ class Plan:
         cfg = self.cfg
         return {
             "profile": cfg.invocation.profile, "world_size": self.world_size, "device": cfg.card.device,
-            "precision": cfg.numerics.precision, "activation_checkpointing": cfg.frozen.activation_checkpointing,
+            "precision": cfg.numerics.precision, "activation_checkpointing": cfg.recompute.policy,
             "frozen_fp8": cfg.frozen.fp8,
             "frozen_sharding": self.sharding, "fsdp_gathered_bytes": self.gathered_bytes,
             "llms": {name: {"source": spec.source, "config_from": spec.origin, "params": self.frozen_params[name]}
@@ -189,8 +190,8 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
     # (train.py plans before it seeds and builds its real models).
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         llms = fake_llms(specs, cfg.numerics.precision)
-        prepare_frozen_llms(llms, checkpointing=cfg.frozen.activation_checkpointing, compile_options=None, mesh=None,
-                          device=None, fp8=cfg.frozen.fp8)
+        prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None,
+                            mesh=None, device=None, fp8=cfg.frozen.fp8)
         frozen_params = {name: parameter_count(llm.model) for name, llm in llms.items()}
         frozen_bytes = sum(held_bytes(llm.model) for llm in llms.values())
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)

@@ -48,7 +48,7 @@ def train(cfg, di) -> None:
     global_batch = micro * accum * world
     torch.manual_seed(seed)
     recipe = Regression(cfg, di, stop=lambda: 0)
-    model, task = recipe.build_model(compile_options=None)
+    model, task = recipe.build_model(compile_options=None, checkpointing=None)
     ddp_model = DDP(model) if di.is_distributed else model
     sampler = ShardSampler(recipe.dataset, num_replicas=world, rank=rank, seed=seed)
     loader = make_loader(recipe.dataset, sampler, recipe.collator([]), micro_batch_size=micro, num_workers=0,
