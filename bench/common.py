@@ -25,12 +25,10 @@ from torch.utils.data import DataLoader  # noqa: E402
 from latentwire.dataset import Collator, DataSources, PromptDataset  # noqa: E402
 from latentwire.harness.data import ShardSampler  # noqa: E402
 from latentwire.harness.data import make_loader as harness_loader  # noqa: E402
-from latentwire.harness.precision import frozen_weight_dtype  # noqa: E402
 from latentwire.harness.recompute import checkpoint_options  # noqa: E402
-from latentwire.llm import build_frozen_llms  # noqa: E402
 from latentwire.model import WireEncoder  # noqa: E402
 from latentwire.objectives import Objectives, forward_loss_sums, target_counts  # noqa: E402
-from latentwire.parallelize import prepare_frozen_llms  # noqa: E402
+from latentwire.parallelize import frozen_llms  # noqa: E402
 from latentwire.settings import load_config  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -81,10 +79,8 @@ def build_model(cfg) -> tuple[dict, WireEncoder]:
     """The two frozen LLMs and the trainable WireEncoder, built and wrapped as train.py builds them
     (eager: a bench compiles what it compares itself)."""
     torch.manual_seed(cfg.training.seed)
-    with torch.device("meta"):
-        llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
-    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None,
-                        mesh=None, device=CPU, fp8=cfg.frozen.fp8)
+    llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, CPU,
+                       checkpointing=checkpoint_options(cfg.recompute.policy))
     model = WireEncoder.for_llms(cfg.wire, llms)
     return llms, model.train()
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +63,10 @@ from latentwire.fp8 import RECIPES, convert_frozen_linears, convertible_linears,
 from latentwire.harness.data import to_device
 from latentwire.harness.precision import cuda_capability, sdpa_backends
 from latentwire.harness.recompute import checkpoint_options
-from latentwire.llm import build_frozen_llms, decoder_layers
+from latentwire.llm import decoder_layers
 from latentwire.model import WireEncoder
 from latentwire.objectives import WireTask
-from latentwire.parallelize import prepare_frozen_llms
+from latentwire.parallelize import frozen_llms
 from latentwire.settings import load_config
 
 FORCED = ["--precision", "bf16", "--dropout", "0", "--kd-weight", "0"]
@@ -225,10 +225,8 @@ def gemm_errors(checked: dict) -> tuple[dict[str, float], dict[str, float], list
 
 def compare(cfg, device: torch.device, recipe: str) -> Comparison:
     """The same batch through the same weights, bf16 then float8 by `recipe` (see the module's docstring)."""
-    with torch.device("meta"):
-        llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.bfloat16)
-    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None,
-                        mesh=None, device=device)
+    llms = frozen_llms(replace(cfg.frozen, fp8="none"), cfg.prompt, "bf16", device,  # cast below, by `recipe`
+                       checkpointing=checkpoint_options(cfg.recompute.policy))
     torch.manual_seed(cfg.training.seed)
     model = WireEncoder.for_llms(cfg.wire, llms).to(device).train()
     micro = cfg.training.micro_batch_size

@@ -47,11 +47,10 @@ from .harness.config import Parser, check_can_create, positive
 from .harness.distributed import process_group
 from .harness.errors import UserError
 from .harness.exits import main_guard
-from .harness.precision import frozen_weight_dtype
 from .harness.resume import resolve_checkpoint
-from .llm import build_frozen_llms, held_per_rank
+from .llm import held_per_rank
 from .model import WireEncoder
-from .parallelize import prepare_frozen_llms
+from .parallelize import frozen_llms
 from .settings import read_meta
 
 # --- loading a checkpoint ---------------------------------------------------------------------
@@ -106,12 +105,9 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
     if cfg.frozen.fp8 != "none":  # the readers the run trained with, which need FP8 tensor cores on a card
         check_fp8(di.device, cfg.numerics.precision, eager_backward=False)  # no backward here
-    with torch.device("meta"):
-        llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
     sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
     mesh = init_device_mesh(di.device.type, (di.world_size,)) if sharded else None
-    prepare_frozen_llms(llms, checkpointing=None, compile_options=None, mesh=mesh, device=di.device,
-                        fp8=cfg.frozen.fp8)
+    llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, di.device, mesh=mesh)
     if sharded and di.is_main:
         print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr,
               flush=True)

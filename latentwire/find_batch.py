@@ -57,9 +57,8 @@ from .harness.precision import cuda_capability, frozen_weight_dtype, sdpa_backen
 from .harness.profiling import MemorySnapshots
 from .harness.recipe import TrainingStep
 from .harness.recompute import checkpoint_options
-from .llm import build_frozen_llms
 from .model import WireEncoder
-from .parallelize import prepare_frozen_llms
+from .parallelize import frozen_llms
 from .planner.budget import GIB, Fit, fit_line
 from .planner.memory_plan import write_json
 from .planner.memtrace import planning_batch
@@ -302,10 +301,8 @@ def find(cfg, args, di, step: TrainingStep) -> None:
     check_can_create(tb_dir, "TensorBoard directory")
     cap = round((args.cap_gb or cfg.planning.target_util * cfg.card.memory_gb) * GIB)
     # Built and wrapped as train.py builds them: the run's prompt contract, its checkpointing.
-    with torch.device("meta"):
-        llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
-    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None,
-                        mesh=None, device=di.device, fp8=cfg.frozen.fp8)
+    llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, di.device,
+                       checkpointing=checkpoint_options(cfg.recompute.policy))
     probe = Probe(cfg, llms, step, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)
     say(f"find_batch {cfg.invocation.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "

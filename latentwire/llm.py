@@ -229,12 +229,18 @@ def read_weights(llm: FrozenLLM) -> None:
         start_fsdp_root(llm)
 
 
+def place(llm: FrozenLLM, device: torch.device) -> None:
+    """Allocate an LLM built on the meta device (wrapped or sharded since) on `device` (what the rank
+    holds of it), and fill it from its checkpoint."""
+    llm.model.to_empty(device=device)
+    read_weights(llm)
+
+
 def load_frozen_llm(name: str, source: str, dtype: torch.dtype, device: torch.device) -> FrozenLLM:
     """An LLM built and loaded whole on `device`."""
     with torch.device("meta"):
         llm = build_frozen_llm(name, source, dtype)
-    llm.model.to_empty(device=device)
-    read_weights(llm)
+    place(llm, device)
     return llm
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
@@ -50,13 +51,36 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp import fully_shard
 
 from .fp8 import convert_frozen_linears
-from .llm import decoder_layers, fsdp_units, is_decoder_layer, read_weights, skip_unused_backward_gathers
+from .harness.precision import frozen_weight_dtype
+from .llm import (
+    FrozenConfig,
+    build_frozen_llms,
+    decoder_layers,
+    fsdp_units,
+    is_decoder_layer,
+    place,
+    skip_unused_backward_gathers,
+)
+from .prompting import PromptFormat
 
 # Variants of CheckpointWrapper.forward the step compiles: 2 LLMs (layer classes and widths differ)
 # x 2 (the one recompile an inductor size guard may cost) = 4, half dynamo's default recompile
 # limit of 8, past which a variant silently runs every layer of an LLM eagerly: room for one nobody
 # planned (TORCH_LOGS=recompiles names it).
 DECODER_LAYER_VARIANTS = 2 * 2
+
+
+def frozen_llms(frozen: FrozenConfig, prompt: PromptFormat, precision: str, device, *,
+                checkpointing: dict | None = None, compile_options: dict | None = None, mesh=None) -> dict:
+    """A run's two frozen readers as a rank holds them: built on the meta device in the dtype of
+    `precision`, then wrapped, sharded, placed and read, and cast to float8, in one order
+    (`prepare_frozen_llms`). Training, find_batch, evaluation and the benches all take them from
+    here, so what is planned and measured is what trains."""
+    with torch.device("meta"):
+        llms = build_frozen_llms(frozen, prompt, frozen_weight_dtype(precision))
+    prepare_frozen_llms(llms, checkpointing=checkpointing, compile_options=compile_options, mesh=mesh,
+                        device=device, fp8=frozen.fp8)
+    return llms
 
 
 def prepare_frozen_llms(llms: dict, *, checkpointing: dict | None, compile_options: dict | None, mesh, device,
@@ -79,8 +103,7 @@ def prepare_frozen_llms(llms: dict, *, checkpointing: dict | None, compile_optio
             fully_shard(llm.model, mesh=mesh)  # the root, which then holds nothing
             skip_unused_backward_gathers(llm)
         if device is not None:
-            llm.model.to_empty(device=device)
-            read_weights(llm)
+            place(llm, device)
         if fp8 != "none":
             convert_frozen_linears(llm, fp8)
 

@@ -26,12 +26,11 @@ from .flops import FlopModel
 from .fp8 import check_fp8, describe_fp8, parameter_count
 from .harness.compiling import stable_shapes
 from .harness.distributed import DistInfo
-from .harness.precision import frozen_weight_dtype
 from .harness.recipe import Recipe, TrainingStep
-from .llm import build_frozen_llms, describe_prompts, held_per_rank
+from .llm import describe_prompts, held_per_rank
 from .model import WireEncoder, count_parameters
 from .objectives import WireTask, forward_loss_sums
-from .parallelize import prepare_frozen_llms, wire_regions
+from .parallelize import frozen_llms, wire_regions
 from .planner.elastic import apply_elastic_batch
 from .settings import Config
 
@@ -79,13 +78,11 @@ class LatentWire(Recipe):
             self.di.say("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
                      warning=True)
         mesh = init_device_mesh(device.type, (self.di.world_size,)) if self.sharded else None
-        with torch.device("meta"):
-            self.llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
-        self.di.say(f"prompt: {describe_prompts(self.llms)}")  # what each reader reads around the wire
         started = time.perf_counter()
-        prepare_frozen_llms(self.llms, checkpointing=checkpointing,
-                            compile_options=compile_options, mesh=mesh, device=device, fp8=cfg.frozen.fp8)
+        self.llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, device, checkpointing=checkpointing,
+                                compile_options=compile_options, mesh=mesh)
         self.di.say(f"loaded the frozen LLMs in {time.perf_counter() - started:.1f} s")  # minutes for two 8B models
+        self.di.say(f"prompt: {describe_prompts(self.llms)}")  # what each reader reads around the wire
         if cfg.frozen.fp8 != "none":
             self.di.say(describe_fp8(self.llms, cfg.frozen.fp8, device.type))
         model = WireEncoder.for_llms(cfg.wire, self.llms).to(device)

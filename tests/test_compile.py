@@ -16,10 +16,9 @@ from conftest import ALL_TERMS
 from latentwire.dataset import IGNORE_INDEX, PAD_BYTE, label_positions
 from latentwire.harness.compiling import stable_shapes
 from latentwire.harness.recompute import checkpoint_options
-from latentwire.llm import build_frozen_llms
 from latentwire.model import WireEncoder
 from latentwire.objectives import Objectives, forward_loss_sums
-from latentwire.parallelize import DECODER_LAYER_VARIANTS, prepare_frozen_llms, wire_regions
+from latentwire.parallelize import DECODER_LAYER_VARIANTS, frozen_llms, prepare_frozen_llms, wire_regions
 from latentwire.settings import load_config
 
 CPU = torch.device("cpu")
@@ -35,9 +34,7 @@ def graphs() -> int:
 
 def build():
     cfg = load_config(["--profile", "cpu", "--dropout", "0"])
-    with torch.device("meta"):
-        llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.float32)
-    prepare_frozen_llms(llms, checkpointing=checkpoint_options("full"), compile_options=None, mesh=None, device=CPU)
+    llms = frozen_llms(cfg.frozen, cfg.prompt, "fp32", CPU, checkpointing=checkpoint_options("full"))
     torch.manual_seed(0)
     model = WireEncoder.for_llms(cfg.wire, llms)
     return cfg, model, llms

@@ -5,6 +5,7 @@ numerics against bf16 on the tiny readers, and train.py with it."""
 import copy
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ from conftest import FAST, REPO, ok, read_metrics, run_train
 from latentwire.fp8 import RECIPES
 from latentwire.harness.errors import UserError
 from latentwire.harness.precision import fp8_refusal
-from latentwire.llm import build_frozen_llms, decoder_layers, held_bytes
-from latentwire.parallelize import prepare_frozen_llms
+from latentwire.llm import decoder_layers, held_bytes
+from latentwire.parallelize import frozen_llms
 from latentwire.settings import load_config
 
 sys.path.insert(0, str(REPO / "bench"))  # the numerics bench's comparison, as the card runs it
@@ -52,13 +53,9 @@ def test_fp8_is_refused_where_it_cannot_run_or_help():
             load_config(["--profile", "h100", "--frozen-fp8", recipe, "--precision", "fp32"])
 
 
-def tiny_readers(fp8: str, compile_options: dict | None = None) -> dict:
+def bf16_readers(fp8: str, compile_options: dict | None = None) -> dict:
     cfg = load_config(["--profile", "cpu"])
-    with torch.device("meta"):
-        llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.bfloat16)
-    prepare_frozen_llms(llms, checkpointing=None, compile_options=compile_options, mesh=None, device=CPU,
-                              fp8=fp8)
-    return llms
+    return frozen_llms(replace(cfg.frozen, fp8=fp8), cfg.prompt, "bf16", CPU, compile_options=compile_options)
 
 
 def held_change(recipe: str, in_features: int, out_features: int) -> int:
@@ -88,7 +85,7 @@ def test_each_frozen_weight_is_cast_once_per_gemm_and_computes_as_torchao_s_reci
     from latentwire.fp8 import convert_frozen_linears, fp8_linears, parameter_count, recipe_config
 
     config = recipe_config(recipe)
-    llms = tiny_readers(fp8="none")
+    llms = bf16_readers(fp8="none")
     bf16_bytes = {name: held_bytes(llm.model) for name, llm in llms.items()}
     counts = {name: parameter_count(llm.model) for name, llm in llms.items()}
     first = decoder_layers(llms["qwen"])[0].self_attn.q_proj
@@ -170,7 +167,7 @@ def test_a_compiled_backward_runs_one_gemm_per_frozen_float8_linear(torchao_site
         return compiler
 
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-    llms = tiny_readers(fp8=recipe, compile_options={"backend": backend, "dynamic": True})
+    llms = bf16_readers(fp8=recipe, compile_options={"backend": backend, "dynamic": True})
     for name, llm in llms.items():
         captured["forward"].clear(), captured["backward"].clear()
         embeds = torch.randn(2, 8, llm.hidden_size, dtype=torch.bfloat16, requires_grad=True)

@@ -434,9 +434,8 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     from torch.nn.attention import SDPBackend
 
     from latentwire.harness.recompute import checkpoint_options
-    from latentwire.llm import build_frozen_llms
     from latentwire.model import WireEncoder
-    from latentwire.parallelize import prepare_frozen_llms
+    from latentwire.parallelize import frozen_llms
     from latentwire.planner.memtrace import planning_batch
     from latentwire.planner.step import run_step, script_step
     from latentwire.settings import load_config
@@ -445,10 +444,7 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
                        "--max-prompt-bytes", "64"])
     grads = []
     for recompute in ("none", "full"):
-        with torch.device("meta"):
-            llms = build_frozen_llms(cfg.frozen, cfg.prompt, torch.float32)
-        prepare_frozen_llms(llms, checkpointing=checkpoint_options(recompute), compile_options=None, mesh=None,
-                            device=CPU)
+        llms = frozen_llms(cfg.frozen, cfg.prompt, "fp32", CPU, checkpointing=checkpoint_options(recompute))
         torch.manual_seed(0)
         model = WireEncoder.for_llms(cfg.wire, llms)
         answers = {n: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)

@@ -13,12 +13,11 @@ from latentwire.find_batch import Probe
 from latentwire.harness.errors import UserError
 from latentwire.harness.exits import main_guard
 from latentwire.harness.layout import scaled_lr
-from latentwire.harness.precision import frozen_weight_dtype
 from latentwire.harness.recompute import POLICIES, checkpoint_options
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
-from latentwire.llm import build_frozen_llm, build_frozen_llms
+from latentwire.llm import build_frozen_llm
 from latentwire.llm_sources import llm_spec
-from latentwire.parallelize import prepare_frozen_llms
+from latentwire.parallelize import frozen_llms, prepare_frozen_llms
 from latentwire.plan import main as plan_main
 from latentwire.planner.analytic import optimizer_state_bytes, static_memory
 from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fitting
@@ -185,10 +184,8 @@ def test_stock_memtracker_fails_on_frozen_parameters_where_the_subclass_counts_o
 
 def measured_and_traced_peaks(cfg) -> tuple[int, int]:
     """The CPU allocator's own count of a real step (find_batch's probe), and the fake trace of it."""
-    with torch.device("meta"):
-        llms = build_frozen_llms(cfg.frozen, cfg.prompt, frozen_weight_dtype(cfg.numerics.precision))
-    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None, mesh=None,
-                        device=CPU)
+    llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, CPU,
+                       checkpointing=checkpoint_options(cfg.recompute.policy))
     measured, _ = Probe(cfg, llms, TRAINING_STEP, CPU, steps=2, cap_bytes=2 ** 62)(cfg.training.micro_batch_size)
     return measured, traced_peak(cfg, cfg.training.micro_batch_size)
 
