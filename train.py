@@ -45,13 +45,14 @@ from latentwire.harness.distributed import (
 from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, out_of_memory
 from latentwire.harness.exits import main_guard
 from latentwire.harness.layout import config_for_world
-from latentwire.harness.loop_config import LoopConfig, OptimizerConfig, load_config
+from latentwire.harness.loop_config import LoopConfig, OptimizerConfig, Schedule, load_config
 from latentwire.harness.memory_cap import card_memory, memory_fraction
 from latentwire.harness.meters import StepMeter
 from latentwire.harness.metrics import MetricsLogger
 from latentwire.harness.out_dir import check_out_dir, one_run_at_a_time, prepare_out_dir
 from latentwire.harness.precision import (
     AMP_DTYPES,
+    Numerics,
     cuda_capability,
     frozen_weight_dtype,
     matmul_arithmetic,
@@ -73,6 +74,7 @@ from latentwire.harness.resume import (
 from latentwire.recipe import LatentWire as Recipe  # the model this loop trains
 
 PROFILES = Path(__file__).with_name("hw_profiles.json")
+CONTINUE = "continue: the same command with --resume"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -168,22 +170,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-    # --- Numerics: autocast, grad scaler, TF32 ------------------------------------------------------
-    # bf16 autocast (micro_step) needs no loss scaling; fp16 (V100) needs a GradScaler, which passes
-    # calls through when disabled; fp32 is the reference. TF32 runs fp32 matmuls on sm80+ tensor cores.
-    amp_dtype = AMP_DTYPES[cfg.numerics.precision]
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.numerics.precision == "fp16")
-    capability = cuda_capability(device)
-    tf32 = use_tf32(cfg.numerics.tf32, capability)
-    if tf32:
-        torch.set_float32_matmul_precision("high")  # not fp32_precision = "tf32": max-autotune reads this one
-
-    # --- Fused attention kernels: train_step's sdpa_kernel(attention_backends) -----------------------
-    # On sm80+ in bf16/fp16 only flash and memory-efficient: a silent fallback to the O(L^2)-memory
-    # math kernel becomes an error (harness.precision.sdpa_backends says why, cuDNN included).
-    attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(cfg.numerics.precision))
-    di.say(why and f"note: {why}", warning=True)
+    amp_dtype, scaler, tf32, attention_backends = numerics(cfg.numerics, device, di)
 
     # --- Activation checkpointing: what backward recomputes of the recipe's checkpointed regions ---
     # full: their forward; selective: the cheap ops and every second matmul (a per-operator context_fn,
@@ -212,8 +199,8 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     # the gradients live in the all-reduce buckets (gradient_as_bucket_view): one copy less.
     ddp_model = model
     if di.is_distributed:
-        ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True, **ddp_buffer_options())
+        device_ids = [device.index] if device.type == "cuda" else None
+        ddp_model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **ddp_buffer_options())
 
     # --- Data: a disjoint shard per rank ---------------------------------------------------------------
     # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank: the
@@ -223,12 +210,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
 
     # --- Optimizer: AdamW over the trainable parameters only, fused (see adamw) ----------------------
     optimizer = adamw(model, cfg.optimizer, device.type)
-    # --- Schedule: OneCycle, stepped once per optimizer step; momentum not cycled ---------------------
-    s = cfg.schedule
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=cfg.optimizer.lr, total_steps=steps, pct_start=one_cycle_pct_start(s.pct_start, steps),
-        anneal_strategy=s.anneal_strategy, div_factor=s.div_factor, final_div_factor=s.final_div_factor,
-        cycle_momentum=False)
+    scheduler = one_cycle(optimizer, cfg.optimizer.lr, cfg.schedule, steps)
 
     # --- Checkpoints and resume: weights, optimizer, schedule, scaler, RNG and data position -----------
     # The newest checkpoint every rank loads (harness.resume); the same layout resumes bitwise the run
@@ -239,10 +221,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.output.keep_checkpoints, meta=meta, model=model,
                                 optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     if cfg.invocation.resume:
-        flags = cfg.invocation
-        state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), max_steps=steps,
-                       stop_at_step=flags.stop_at_step, new_data=flags.new_data, setting=flags.setting,
-                       say=di.say, warn=lambda line: di.say(line, warning=True))
+        state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), steps, cfg.invocation, di.say, di.warn)
         if state is None:
             return None
 
@@ -251,31 +230,66 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     # the examples the run's steps draw, which the sampler decides in advance.
     with sdpa_kernel(attention_backends), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         collate = recipe.collator(examples_drawn(len(recipe.dataset), seed=seed, state=state, steps=steps))
-    loader = make_loader(recipe.dataset, sampler, collate, micro_batch_size=micro, num_workers=cfg.loader.num_workers,
-                         prefetch_factor=cfg.loader.prefetch_factor, device_type=device.type, seed=seed + rank)
+    loader = make_loader(recipe.dataset, sampler, collate, micro, cfg.loader, device.type, seed=seed + rank)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, micro * accum * world)
     if di.is_main:  # every input has been checked: only now may --overwrite delete the old run
         prepare_out_dir(out_dir, cfg.invocation.overwrite)
+    snapshots, meter, logger, profiler = observers(cfg, di, recipe, state.step, tf32, started)
+    di.say(f"profile {cfg.invocation.profile}: {world} x {device.type}, {cfg.numerics.precision}, global batch "
+           f"{micro} x {accum} x {world} = {micro * accum * world}, {recipe.describe(model)}")
+    return Parts(recipe=recipe, model=model, ddp_model=ddp_model, task=task, amp_dtype=amp_dtype,
+                 attention_backends=attention_backends, scaler=scaler, optimizer=optimizer, scheduler=scheduler,
+                 checkpointer=checkpointer, state=state, batches=batches, snapshots=snapshots, meter=meter,
+                 logger=logger, profiler=profiler, on_disk=state.step if cfg.invocation.resume else None)
 
+
+def numerics(config: Numerics, device: torch.device, di: DistInfo) -> tuple:
+    """The step's autocast dtype, grad scaler, whether TF32 is on, and its attention kernels."""
+    # --- Numerics: autocast, grad scaler, TF32 ------------------------------------------------------
+    # bf16 autocast (micro_step) needs no loss scaling; fp16 (V100) needs a GradScaler, which passes
+    # calls through when disabled; fp32 is the reference. TF32 runs fp32 matmuls on sm80+ tensor cores.
+    amp_dtype = AMP_DTYPES[config.precision]
+    scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
+    capability = cuda_capability(device)
+    tf32 = use_tf32(config.tf32, capability)
+    if tf32:
+        torch.set_float32_matmul_precision("high")  # not fp32_precision = "tf32": max-autotune reads this one
+
+    # --- Fused attention kernels: train_step's sdpa_kernel(attention_backends) -----------------------
+    # On sm80+ in bf16/fp16 only flash and memory-efficient: a silent fallback to the O(L^2)-memory
+    # math kernel becomes an error (harness.precision.sdpa_backends says why, cuDNN included).
+    attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(config.precision))
+    di.warn(why and f"note: {why}")
+    return amp_dtype, scaler, tf32, attention_backends
+
+
+def one_cycle(optimizer: torch.optim.Optimizer, lr: float, s: Schedule, steps: int):
+    """The learning rate's schedule, from `lr` / div_factor up to `lr` and down."""
+    # --- Schedule: OneCycle, stepped once per optimizer step; momentum not cycled ---------------------
+    return torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=lr, total_steps=steps, pct_start=one_cycle_pct_start(s.pct_start, steps),
+        anneal_strategy=s.anneal_strategy, div_factor=s.div_factor, final_div_factor=s.final_div_factor,
+        cycle_momentum=False)
+
+
+def observers(cfg: LoopConfig, di: DistInfo, recipe: Recipe, step: int, tf32: bool, started: float) -> tuple:
+    """What watches the run from `step` on: memory snapshots, the step meter, the log, the profiler."""
+    device, out_dir = di.device, Path(cfg.output.out_dir)
     # --- Memory snapshot: allocation history on request, and always one on out-of-memory ------------
-    snapshots = MemorySnapshots(cfg.profiler.memory_snapshot, device, out_dir, rank)
+    snapshots = MemorySnapshots(cfg.profiler.memory_snapshot, device, out_dir, di.rank)
     snapshots.start()
     # --- Metrics: throughput, MFU against the peak of the arithmetic the matmuls run in, HFU, memory -
     # `mfu` of what the step runs, padding included; `mfu_useful` of the real positions alone.
-    meter = StepMeter(device, recipe.flops,
-                      peak_tflops=getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32)))
-    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=state.step + 1, total_steps=steps,
+    peak = getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32))
+    meter = StepMeter(device, recipe.flops, peak_tflops=peak)
+    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=step + 1, total_steps=cfg.training.max_steps,
                            first_record=recipe.data_facts, started=started)
-    di.say(f"profile {cfg.invocation.profile}: {world} x {device.type}, {cfg.numerics.precision}, global batch "
-           f"{micro} x {accum} x {world} = {micro * accum * world}, {recipe.describe(model)}")
     # --- Profiler: torch.profiler on the profile's wait / warmup / active schedule ---------------------
     # A few steps after the first (compile, allocator warm-up), not the run: one trace per rank.
-    profiler = (torch.profiler.profile(**profiler_options(cfg.profiler, out_dir, rank, device))
-                if cfg.profiler.enabled else NoProfiler())
-    return Parts(recipe=recipe, model=model, ddp_model=ddp_model, task=task, amp_dtype=amp_dtype,
-               attention_backends=attention_backends, scaler=scaler, optimizer=optimizer, scheduler=scheduler,
-               checkpointer=checkpointer, state=state, batches=batches, snapshots=snapshots, meter=meter,
-               logger=logger, profiler=profiler, on_disk=state.step if cfg.invocation.resume else None)
+    profiler = NoProfiler()
+    if cfg.profiler.enabled:
+        profiler = torch.profiler.profile(**profiler_options(cfg.profiler, out_dir, di.rank, device))
+    return snapshots, meter, logger, profiler
 
 
 def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
@@ -288,9 +302,9 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
     exit_after_save = stopped(code, stop, state.step, di.is_main) if code else None
     skipped, bad_in_a_row = 0, 0
     parts.model.train()
+    oom = out_of_memory(Recipe.memory_advice(cfg.invocation.profile), cfg.training.micro_batch_size, parts.snapshots)
     # closing(batches): every way out, a failure included, stops the loader's workers at once.
-    with parts.profiler, closing(parts.batches), out_of_memory(Recipe.memory_advice(cfg.invocation.profile),
-                                                            cfg.training.micro_batch_size, parts.snapshots):
+    with parts.profiler, closing(parts.batches), oom:
         while exit_after_save is None and state.step < steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(parts.batches)
@@ -314,9 +328,9 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
             # --- The step's one host sync ------------------------------------------------
             # Whether the gradient is finite, whether any rank was signalled, the token counts and this
             # rank's FLOPs without padding. The norm is global (after DDP's all-reduce): ranks agree.
+            targets, useful = parts.task.target_tokens(n_targets), parts.meter.useful_flops(micro_batches)
             finite, scheduler_stops, person_stops, tokens, target_tokens, useful_flops = torch.stack(
-                [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], parts.task.target_tokens(n_targets),
-                 parts.meter.useful_flops(micro_batches)]).tolist()
+                [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], targets, useful]).tolist()
             stop_requested = stop_code(scheduler_stops, person_stops)
 
             # --- Non-finite steps: skipped, counted, and the run stops if they persist ----
@@ -332,12 +346,10 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
             skipped += not finite
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             if bad_in_a_row >= cfg.training.max_nonfinite_steps:
-                exit_after_save = Diverged(f"{bad_in_a_row} non-finite steps in a row (to step {state.step}); saved "
-                                           f"the last good weights as checkpoint step {state.step}"
-                                           f"{nonfinite_hint(cfg.numerics.precision)}")
+                exit_after_save = diverged(bad_in_a_row, state.step, cfg.numerics.precision)
                 break
-            parts.meter.add(micro_batches, useful_flops=useful_flops, data_wait=data_wait, samples=global_batch,
-                          tokens=tokens, target_tokens=target_tokens)
+            parts.meter.add(micro_batches, data_wait, useful_flops, samples=global_batch, tokens=tokens,
+                            target_tokens=target_tokens)
 
             # --- Periodic evaluation: every rank answers its share of the held-out split --------
             # Taken after the window's rates, so it never counts as training time; a signal skips it.
@@ -361,9 +373,8 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
 
             if run_ends:
                 if stop_requested and eval_scheduled:
-                    di.say(f"note: a signal ({stop.signal_name or 'on another rank'}) dropped step {state.step}'s "
-                           f"evaluation; the run is done: {parts.recipe.next_step(Path(cfg.output.out_dir))}",
-                           warning=True)
+                    di.warn(f"note: a signal ({stop.signal_name or 'on another rank'}) dropped step {state.step}'s "
+                            f"evaluation; the run is done: {parts.recipe.next_step(Path(cfg.output.out_dir))}")
                 break
             # --- A signal: the step is done; save it and leave ---------------------------
             if stop_requested:
@@ -379,8 +390,7 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
     parts.logger.close()
     if exit_after_save is not None:
         raise exit_after_save
-    di.say(closing_line(path, out_dir, parts.recipe.next_step(out_dir) if state.step == steps else
-                        "continue: the same command with --resume"))
+    di.say(closing_line(path, out_dir, parts.recipe.next_step(out_dir) if state.step == steps else CONTINUE))
 
 
 def train_step(model, task, micro_batches: list[dict], *, n_targets: torch.Tensor, amp_dtype: torch.dtype | None,
@@ -463,12 +473,15 @@ def stopped(code: int, stop: StopFlag, step: int, is_main: bool) -> SystemExit:
     return SystemExit(code)
 
 
-def nonfinite_hint(precision: str) -> str:
-    """fp16 overflows where bf16 does not: a model trained in bf16 may hold activations past fp16's range."""
-    if precision != "fp16":
-        return ""
-    return ("; in fp16, models trained in bf16 can overflow: lower --lr, or try "
-            "--precision fp32 if memory allows")
+def diverged(in_a_row: int, step: int, precision: str) -> Diverged:
+    """The exit of a run whose last `in_a_row` steps were not finite, once it has saved the last good
+    weights as `step`. fp16 overflows where bf16 does not: a model trained in bf16 may hold
+    activations past fp16's range."""
+    hint = ""
+    if precision == "fp16":
+        hint = "; in fp16, models trained in bf16 can overflow: lower --lr, or try --precision fp32 if memory allows"
+    return Diverged(f"{in_a_row} non-finite steps in a row (to step {step}); saved the last good weights as "
+                    f"checkpoint step {step}{hint}")
 
 
 if __name__ == "__main__":

@@ -91,9 +91,9 @@ def make_loader(cfg, llms: dict) -> DataLoader:
     dataset = PromptDataset(DataSources.of(cfg.data, cfg.training.seed).train_examples(cfg.data.num_examples))
     collate = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
                                teacher=cfg.objectives.teacher, word_patch=cfg.wire.word_patch)
-    return harness_loader(dataset, ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.training.seed), collate,
-                          micro_batch_size=cfg.training.micro_batch_size, num_workers=cfg.loader.num_workers,
-                          prefetch_factor=cfg.loader.prefetch_factor, device_type="cpu", seed=cfg.training.seed)
+    sampler = ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.training.seed)
+    return harness_loader(dataset, sampler, collate, cfg.training.micro_batch_size, cfg.loader, "cpu",
+                          seed=cfg.training.seed)
 
 
 def take(loader: DataLoader, n: int) -> list[dict]:

@@ -75,8 +75,7 @@ class LatentWire(Recipe):
         if cfg.frozen.fp8 != "none":  # float8 readers only where the card has FP8 tensor cores
             check_fp8(device, cfg.numerics.precision, eager_backward=compile_options is None)
         if cfg.frozen.sharding == "fsdp" and not self.sharded:
-            self.di.say("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole",
-                     warning=True)
+            self.di.warn("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole")
         mesh = init_device_mesh(device.type, (self.di.world_size,)) if self.sharded else None
         started = time.perf_counter()
         self.llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, device, checkpointing=checkpointing,

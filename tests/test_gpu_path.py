@@ -184,7 +184,7 @@ def test_fused_adamw_everywhere_and_pinned_memory_only_on_cuda(device_type):
     is fused on both (one pass over every tensor; on the CPU it steps here), pinned host memory
     (asynchronous copies) is CUDA's only; frozen parameters get no state, and only matrices decay."""
     from latentwire.harness.data import make_loader
-    from latentwire.harness.loop_config import OptimizerConfig
+    from latentwire.harness.loop_config import Loader, OptimizerConfig
     from train import adamw
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
@@ -198,8 +198,7 @@ def test_fused_adamw_everywhere_and_pinned_memory_only_on_cuda(device_type):
     decay, no_decay = optimizer.param_groups
     assert [p.shape for p in decay["params"]] == [(4, 4)] and decay["weight_decay"] == 0.1
     assert len(no_decay["params"]) == 4 and no_decay["weight_decay"] == 0.0
-    loader = make_loader(list(range(8)), None, None, micro_batch_size=2, num_workers=0, prefetch_factor=2,
-                         device_type=device_type, seed=0)
+    loader = make_loader(list(range(8)), None, None, 2, Loader(num_workers=0), device_type, seed=0)
     assert loader.pin_memory is (device_type == "cuda")
 
 

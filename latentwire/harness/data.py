@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .errors import UserError
+from .loop_config import Loader
 from .preemption import shield_worker_from_stop_signals
 
 
@@ -43,17 +44,18 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return batch.to(device, non_blocking=True)
 
 
-def make_loader(dataset, sampler, collate, *, micro_batch_size: int, num_workers: int, prefetch_factor: int,
-                device_type: str, seed: int) -> DataLoader:
+def make_loader(dataset, sampler, collate, micro_batch_size: int, workers: Loader, device_type: str, *,
+                seed: int) -> DataLoader:
     """Workers tokenise and pad while the model computes; pinned host memory makes the
     host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a fork of
     every worker at each epoch. The loader's own generator keeps its worker seeds off the global
     RNG, so dropout draws do not depend on when an epoch starts. Workers leave the trainer's
     process group, so a preemption signal to the group cannot kill them before it has saved."""
+    num_workers = workers.num_workers
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
                       num_workers=num_workers, pin_memory=device_type == "cuda", persistent_workers=num_workers > 0,
                       worker_init_fn=shield_worker_from_stop_signals,
-                      prefetch_factor=prefetch_factor if num_workers > 0 else None,
+                      prefetch_factor=workers.prefetch_factor if num_workers > 0 else None,
                       generator=torch.Generator().manual_seed(seed))
 
 

@@ -40,6 +40,9 @@ class DistInfo:
         if self.is_main and line is not None:
             print(line, file=sys.stderr if warning else sys.stdout, flush=True)
 
+    def warn(self, line: str | None) -> None:
+        self.say(line, warning=True)
+
 
 def select_device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":

@@ -163,13 +163,15 @@ def flags_for_requeue(flags, out_dir: Path):
 
 # --- the continued run -------------------------------------------------------------------------------
 
-def resume(checkpointer: Checkpointer, fresh: TrainState, config: dict, restored: tuple[str, ...], *, max_steps: int,
-           stop_at_step: int | None = None, new_data: bool = False, setting=None, say=print,
-           warn=print) -> TrainState | None:
+def resume(checkpointer: Checkpointer, fresh: TrainState, config: dict, restored: tuple[str, ...], max_steps: int,
+           flags=None, say=print, warn=print) -> TrainState | None:
     """Collective: the newest checkpoint every rank loads, restored, and continued with this run's
     layout and data (`fresh`'s); None when the run has already finished. `config`: this run's
-    settings, of which `restored` may not differ from the checkpoint's (`setting` names one as it
-    was given); `say` and `warn` print."""
+    settings, of which `restored` may not differ from the checkpoint's; `flags`: the invocation's
+    (`--stop-at-step`, `--new-data`, and how a setting was given), none by default; `say` and `warn`
+    print."""
+    stop_at_step, new_data = (flags.stop_at_step, flags.new_data) if flags else (None, False)
+    setting = flags.setting if flags else None
     ckpt = load_newest_checkpoint(checkpointer.out_dir, checkpointer.rank, warn)
     path = ckpt["path"]
     check_restored_settings(config, ckpt["meta"]["config"], restored, setting)

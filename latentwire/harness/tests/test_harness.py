@@ -242,8 +242,8 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
     state = torch.load(newest / "train_state.pt", weights_only=True)
     torch.save({**state, "planted": Planted(marker)}, newest / "train_state.pt")
     warnings, said = [], []
-    resumed = resume(checkpointer, TrainState(0, 0, 0, layout=(1, 8, 1), data=data), {"lr": 0.1}, ("lr",),
-                     max_steps=4, say=said.append, warn=warnings.append)
+    resumed = resume(checkpointer, TrainState(0, 0, 0, layout=(1, 8, 1), data=data), {"lr": 0.1}, ("lr",), 4,
+                     say=said.append, warn=warnings.append)
     assert not marker.exists()
     assert resumed.step == 1 and "step_00000001" in said[0], said
     assert len(warnings) == 1 and "more than tensors and plain values" in warnings[0], warnings

@@ -51,8 +51,8 @@ def train(cfg, di) -> None:
     model, task = recipe.build_model(compile_options=None, checkpointing=None)
     ddp_model = DDP(model) if di.is_distributed else model
     sampler = ShardSampler(recipe.dataset, num_replicas=world, rank=rank, seed=seed)
-    loader = make_loader(recipe.dataset, sampler, recipe.collator([]), micro_batch_size=micro, num_workers=0,
-                         prefetch_factor=2, device_type=di.device.type, seed=seed + rank)
+    loader = make_loader(recipe.dataset, sampler, recipe.collator([]), micro, cfg.loader, di.device.type,
+                         seed=seed + rank)
     # SGD, not Adam: Adam divides by each gradient's own size, which turns the rounding of different
     # summation orders into different steps where a gradient is near zero.
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optimizer.lr)
@@ -62,7 +62,7 @@ def train(cfg, di) -> None:
     checkpointer = Checkpointer(out, rank=rank, keep=2, meta={"config": cfg.to_dict(), "data": recipe.data_identity},
                                 model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     if cfg.invocation.resume:
-        state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), max_steps=steps)
+        state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), steps)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, global_batch)
     out.mkdir(parents=True, exist_ok=True)
     meter = StepMeter(di.device, recipe.flops, peak_tflops=None)
