@@ -163,7 +163,8 @@ def test_a_stopped_part_takes_its_whole_process_group_with_it(tmp_path):
 WAY_OUT = """
 import sys, torch
 sys.path.insert(0, {repo!r})
-from latentwire.harness.errors import main_guard, out_of_memory
+from latentwire.harness.errors import out_of_memory
+from latentwire.harness.exits import main_guard
 
 class NoSnapshots:
     def dump(self):

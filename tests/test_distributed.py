@@ -7,7 +7,8 @@ import pytest
 import torch.distributed as dist
 
 from conftest import REPO, RUN, child_env, free_port, ok
-from latentwire.harness import errors
+from latentwire.harness import exits
+from latentwire.harness.errors import UserError
 from latentwire.harness.distributed import leave_together, process_group
 
 # Rank 0 is still busy (as when it writes a report) when rank 1's work is done; each rank records
@@ -99,12 +100,12 @@ def test_a_body_that_raises_leaves_its_group_standing(monkeypatch):
     """What keeps a failing rank from hanging on its way out (leave_together's docstring): the
     group is not destroyed after an error, so no reducer freed later can be the group's last
     holder and join gloo's threads with the GIL held. The group goes with the process."""
-    monkeypatch.setattr(errors, "_in_a_process_group", False)  # the body sets it; put back after
+    monkeypatch.setattr(exits, "_in_a_process_group", False)  # the body sets it; put back after
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        with pytest.raises(errors.UserError), leave_together():
-            raise errors.UserError("bad input")
-        assert dist.is_initialized() and errors._in_a_process_group
+        with pytest.raises(UserError), leave_together():
+            raise UserError("bad input")
+        assert dist.is_initialized() and exits._in_a_process_group
     finally:
         dist.destroy_process_group()
 
