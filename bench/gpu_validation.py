@@ -26,11 +26,12 @@ in the order of what they decide, so that the parts a deadline cuts are those th
 6. if time is left, `fp8_tensorwise_largest` and `fp8_rowwise_largest`: each recipe at the largest
    micro-batch its own plan fits, one micro-batch a step, with expandable segments (a GEMM's rows
    decide which recipe pays: torchao's table puts rowwise above 1x only past about 8,000).
-A part that runs out of memory is retried at half the micro-batch (accumulation keeps the batch)
-while its budget lasts. Every run entry has `mfu`, `hfu` (the recompute counted), `step_time_s`,
-`tokens_per_s`, `peak_mem_gb`, `micro_batch_size`, `activation_checkpointing`, `fp8`, the memory
-cap (`memory_gb`, `cap_memory`, `memory_capped`, `memory_fraction`, `memory_cap_line`,
-`alloc_retries`), `ratio_to_baseline` and what the compile cache did (below).
+A part that runs out of memory is retried at half the micro-batch while its budget lasts
+(accumulation keeping the global batch; at the largest micro-batch, one micro-batch a step).
+Every run entry has `mfu`, `hfu` (the recompute counted), `step_time_s`, `tokens_per_s`,
+`peak_mem_gb`, `micro_batch_size`, `activation_checkpointing`, `fp8`, the memory cap (`memory_gb`,
+`cap_memory`, `memory_capped`, `memory_fraction`, `memory_cap_line`, `alloc_retries`),
+`ratio_to_baseline` and what the compile cache did (below).
 
 Time. On the H100 a compiled part took about 20 s to start (two 8B-class models drawn on the
 card), 45-56 s for its first step (the compile) and 0.4-0.7 s a step after, then a few seconds to
