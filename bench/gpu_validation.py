@@ -3,42 +3,95 @@
 Validation (the default): the card's attention-kernel facts, the profile end to end (step time,
 tokens/s, MFU, memory, compile time, recompiles), an evaluation with text baselines, the eager
 lever, find_batch against the memory plan, then what time is left: no recompute, the plan's
-largest micro-batch. Levers (`--levers`), in the order of what they decide, so that the parts a
-deadline cuts are those that matter least: the profile's compiled run as the same machine's
-baseline; compiled without activation checkpointing at the largest micro-batch the plan for the
-check's rows fits (halved while it runs out of memory), with expandable segments; FP8 frozen
-linears by each of torchao's recipes (tensorwise, rowwise) at the fastest of those two, then each
-at the largest micro-batch its own plan fits (a GEMM's rows decide which recipe pays); a
-torch.profiler summary of the fastest's steady steps (top kernels, the GPU's idle share:
-<out>/profile.txt); and a run made to fail at its first step (a micro-batch that cannot fit, the
-profile's 8 pinned-memory loader workers), timed from the line the loop prints when it catches the
-failure to the exit, so that the loader's and profiler's shutdown is in it. Every run entry has
-`mfu`, `hfu` (the recompute counted) and `ratio_to_baseline` (its samples/s over the baseline's).
+largest micro-batch.
 
-    python bench/gpu_validation.py --out $OUT --deadline 530      # on the GPU machine (one command, 570 s limit)
-    python bench/gpu_validation.py --levers --torchao /tmp/site --out $OUT --deadline 480   # the levers (540 s limit)
+Levers (`--levers`): what the h200 and h100 profiles ship, measured on the one card lent (an H200),
+in the order of what they decide, so that the parts a deadline cuts are those that matter least:
+1. `h200`, the h200 profile as shipped (compiled, no recompute, 64 x 1): the baseline, against
+   which every entry's `ratio_to_baseline` is its samples/s over this part's;
+2. `h100`, the h100 profile as shipped (compiled, full recompute, 64 x 1), held to its memory_gb
+   by the memory cap (harness.memory_cap, on by default; the run's opening `memory:` line is in
+   the log and the entry): the number beside the H100's 37.4% MFU, and what the faster memory
+   changes;
+3. `h100_selective`, the h100 profile under selective recompute, the least recompute whose plan
+   fits its 64 x 1 under the cap (on the check's rows the shipped plans fit 39 without recompute,
+   83 selective, 325 full);
+4. `fp8_tensorwise`, `fp8_rowwise`: the frozen linears in FP8 by each of torchao's recipes, at the
+   fastest of 1-3 (its flags and environment), torchao on these parts' path alone;
+5. `profile`, a torch.profiler summary of the fastest run's steady steps (top kernels, the GPU's
+   idle share: <out>/profile.txt), and `fails_at_first_step`, the baseline made to fail at its first
+   step (four times the micro-batch its plan fits, eager, the profile's 8 pinned-memory loader
+   workers), timed from the line the loop prints when it catches the failure to the exit, so that
+   the loader's shutdown is in it;
+6. if time is left, `fp8_tensorwise_largest` and `fp8_rowwise_largest`: each recipe at the largest
+   micro-batch its own plan fits, one micro-batch a step, with expandable segments (a GEMM's rows
+   decide which recipe pays: torchao's table puts rowwise above 1x only past about 8,000).
+A part that runs out of memory is retried at half the micro-batch while its budget lasts
+(accumulation keeping the global batch; at the largest micro-batch, one micro-batch a step).
+Every run entry has `mfu`, `hfu` (the recompute counted), `step_time_s`, `tokens_per_s`,
+`peak_mem_gb`, `micro_batch_size`, `activation_checkpointing`, `fp8`, the memory cap (`memory_gb`,
+`cap_memory`, `memory_capped`, `memory_fraction`, `memory_cap_line`, `alloc_retries`),
+`ratio_to_baseline` and what the compile cache did (below).
+
+Time. On the H100 a compiled part took about 20 s to start (two 8B-class models drawn on the
+card), 45-56 s for its first step (the compile) and 0.4-0.7 s a step after, then a few seconds to
+exit. Every part reads and writes one inductor cache (TORCHINDUCTOR_CACHE_DIR in --work), keyed by
+graph, so a part reads back what an earlier part compiled of the same graphs: the byte encoder's
+and the pooler's regions are the same in every part, the decoder layers differ by recompute policy
+and by FP8 recipe, and the kernel summary and the largest micro-batches (dynamic shapes) are
+expected to compile nothing new. Each entry records its `first_step_s` and the AOTAutograd cache's
+`cache_hits` and `cache_misses` (one per compiled graph: `compile_cache` warm, partly warm or
+cold). Expected, in order, under `--deadline 480` (460 s of parts after the 20-s margin), taking a warm first step as
+about 15 s (dynamo's tracing is not cached: on the CPU the cache took a first step from 64.5 to
+7.0 s, docs/performance.md) and one with the decoder layers still to compile as about 40 s, after
+about 5 s of the driver's own (the check's data, the shipped plans read):
+
+    part                     budget  expected  ends by  its first step
+    h200                        120        80       85  cold
+    h100                        110        70      155  the encoder and pooler from the cache
+    h100_selective              110        70      225  the same
+    fp8_tensorwise              100        70      295  the same
+    fp8_rowwise                 100        70      365  the same
+    profile                      80        55      420  warm (and the trace's export)
+    fails_at_first_step          45        28      448  eager: loads, fails, exits
+    fp8_tensorwise_largest       80        50     (498) warm: cut unless earlier parts ran faster
+    fp8_rowwise_largest          80        50     (548) warm: cut
+
+The next lent card runs the levers, with torchao's wheel carried (the card has no network and no
+torchao; without it the FP8 parts are recorded as refused). Here, once:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl -r requirements-fp8.txt
+
+then one command on the card, carrying `.whl`, with a 540-s timeout (the machine's 1-2 minutes of
+start are outside it; 60 s are left for the wheel's install, the interpreter's start and the last
+part's stop):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+        .whl/*.whl || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_validation.py --levers \
+        --torchao /tmp/site --out $OUT --deadline 480
+
+Not `PYTHONPATH=/tmp/site`: `--torchao` puts that folder on the FP8 parts' path alone
+(TORCHAO_FOR_FP8): transformers imports torchao wherever it finds it, so on everyone's path it
+would be imported, and could fail to load, in every part, the bf16 ones too.
+
+    python bench/gpu_validation.py --out $OUT --deadline 530      # the validation (one command, 570 s limit)
     python bench/gpu_validation.py --out /tmp/v --cpu-check        # here: the cpu profile, the same code path
     python bench/gpu_validation.py --levers --out /tmp/v --cpu-check
-    python bench/gpu_validation.py --prepare --torchao DIR         # here, before a GPU: the plans it compares with
+    python bench/gpu_validation.py --prepare --torchao DIR         # here, before a GPU: the plans both compare with
     python bench/gpu_validation.py --out $OUT --deadline 530 --compile-mode max-autotune-no-cudagraphs \
         --budget preflight=0 --budget main=400                     # a second command: max-autotune's cost and gain
 
-The next lent card runs the levers: `python bench/gpu_validation.py --levers --torchao /tmp/site
---out $OUT --deadline 480` with a 540 s timeout, about 8 minutes of parts after the machine's 1-2
-minutes of start (expected: baseline 75 s, no recompute 70 s, each FP8 run 75 s at the fastest
-configuration and less at the largest micro-batch, whose graphs the compile cache holds, the
-profile 55 s, the failing run 25 s: the last parts are cut first); the plans it reads are shipped.
-The card has no network and no torchao: the FP8 parts need its wheel carried with the tree (`pip
-download --no-deps -r requirements-fp8.txt -d .whl` here, then on the card `pip install --no-deps
---target /tmp/site .whl/*.whl`), else they are recorded as refused. `--torchao` puts that folder on
-the FP8 parts' path alone (TORCHAO_FOR_FP8): transformers imports torchao wherever it finds it, so
-on everyone's path it would be imported, and could fail to load, in every part, the bf16 ones too.
+On the cpu check (`--cpu-check`) every part runs the cpu profile, eager, under the policy of the
+card's part it stands for; a CPU has no memory cap (memory_fraction gives None there: no `memory:`
+line, `memory_capped` false) and no out-of-memory to provoke.
 
 A lent GPU gives minutes, and a command stopped at its limit returns only the files it had already
 written, so nothing waits for the end: each part runs in its own process group, under
 min(its budget, the time left to --deadline less --margin), and is stopped (SIGTERM, then SIGKILL)
 when that runs out, its entry then saying "timed out" with whatever metrics it had flushed.
-`<out>/<profile>.json` (`<profile>-levers.json`) is rewritten atomically after every part, every
+`<out>/<profile>.json` (`h200-levers.json`) is rewritten atomically after every part, every
 child's output goes to `<out>/validation.log` as it comes, and in the levers mode every run's
 metrics.jsonl records are appended to `<out>/metrics.jsonl` as soon as it ends. Data, run
 directories, checkpoints, traces and compile caches live in `--work` (a temporary directory by
@@ -47,15 +100,17 @@ default), so at most four small files come back.
 Without network the LLMs are `random:` (the real architectures, seeded random weights: the same
 FLOPs and memory), read through their family's tiny tokenizer; the data is a local .json of
 synthetic examples shaped like SQuAD's: contexts of its length, answers of its answer lengths in
-tokens (squad_length_examples). The memory plan is traced on the CPU for the longest of these rows
-(minutes of single-threaded Python that a GPU lease should not pay for): `--prepare` writes it to
-bench/results/, and the driver reads it from there when its flags match, tracing it itself only
-when they do not.
+tokens (squad_length_examples). The memory plans are traced on the CPU for the longest of these
+rows (half a minute or more of single-threaded Python each, which a GPU lease should not pay for):
+`--prepare` writes those both commands compare with to bench/results/ (plan-<profile>-<policy>.json,
+plan-<profile>-<policy>-<recipe>.json for FP8, which need torchao), and the driver reads each from
+there when its flags match, tracing it itself only when they do not.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -95,6 +150,12 @@ GRACE_S = 5
 TORCHAO_FOR_FP8 = {"TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
 # The failing part's clock starts at the loop's line when it catches the failure (else at its end).
 CAUGHT = rf"^({re.escape(CAUGHT_OUT_OF_MEMORY.split('{')[0])}|error: |Traceback)"
+# A run's opening line on the memory cap (harness.memory_cap), and the fraction it holds the card to.
+MEMORY_LINE = re.compile(r"^memory: .*$", re.M)
+HELD = re.compile(r"set_per_process_memory_fraction ([0-9.]+)")
+# AOTAutograd's cache, logged at INFO for each compiled graph (TORCH_LOGS takes a module's name).
+AOT_CACHE_LOG = "torch._functorch._aot_autograd.autograd_cache"
+AOT_CACHE = re.compile(r"AOTAutograd cache (hit|miss) for key|(Bypassing) autograd cache")
 
 
 def fp8_env(torchao: str | None) -> dict:
@@ -365,15 +426,16 @@ class Results:
 
 # --- the plan, traced on the CPU --------------------------------------------------------------------
 
-def plan_flags(profile: str, readers: list[str], recompute: bool, rows: list[str], fp8: str = "none") -> list[str]:
-    """The flags the plan is traced for and the runs share: `rows`, the longest rows of the
-    check's data (check_rows), so the plan traces those and not the profile's longest."""
-    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", "full" if recompute else "none",
+def plan_flags(profile: str, readers: list[str], policy: str, rows: list[str], fp8: str = "none") -> list[str]:
+    """The flags the plan is traced for and the runs share, `policy` the activation checkpointing:
+    `rows`, the longest rows of the check's data (check_rows), so the plan traces those and not the
+    profile's longest."""
+    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", policy,
             *(["--frozen-fp8", fp8] if fp8 != "none" else [])]
 
 
-def plan_path(profile: str, recompute: bool, fp8: str = "none") -> Path:
-    return RESULTS / f"plan-{profile}{'' if recompute else '-no-recompute'}{'' if fp8 == 'none' else '-' + fp8}.json"
+def plan_path(profile: str, policy: str, fp8: str = "none") -> Path:
+    return RESULTS / f"plan-{profile}-{policy}{'' if fp8 == 'none' else '-' + fp8}.json"
 
 
 def shipped_plan(flags: list[str], path: Path) -> dict | None:
@@ -401,11 +463,11 @@ def trace_plan(flags: list[str], path: Path, run, budget_s: float = 300, env: di
     return json.loads(path.read_text())
 
 
-def the_plan(run, profile: str, readers: list[str], recompute: bool, rows: list[str], work: Path,
+def the_plan(run, profile: str, readers: list[str], policy: str, rows: list[str], work: Path,
              fp8: str = "none", torchao: str | None = None) -> tuple[dict | str, str]:
     """The plan for these flags, and where it came from: bench/results/ where it is shipped, else
     traced now (an FP8 plan with torchao where `torchao` says)."""
-    flags, path = plan_flags(profile, readers, recompute, rows, fp8), plan_path(profile, recompute, fp8)
+    flags, path = plan_flags(profile, readers, policy, rows, fp8), plan_path(profile, policy, fp8)
     plan = shipped_plan(flags, path)
     if plan is not None:
         return plan, str(path.relative_to(REPO))
@@ -449,23 +511,52 @@ def steady_state(records: list[dict]) -> dict:
             "tflops_per_gpu": median("tflops_per_gpu"),
             "data_wait_frac": median("data_wait_frac"), "peak_mem_gb": max(r["run_peak_mem_gb"] for r in timed),
             "peak_reserved_gb": max((r.get("peak_reserved_gb") or 0) for r in timed) or None,
+            "alloc_retries": alloc_retries(timed),
             "first_step_s": timed[0]["step_time_s"],
             "compile_s": max(timed[0]["step_time_s"] - step, 0.0) if len(timed) > 1 else None,
             "loss_first": timed[0]["loss"], "loss_last": timed[-1]["loss"]}
 
 
+def alloc_retries(records: list[dict]) -> int | None:
+    """How often the caching allocator freed its cache and retried over the logged steps (each
+    record counts its own window), None where it keeps no count (a CPU)."""
+    counts = [r["alloc_retries"] for r in records if r.get("alloc_retries") is not None]
+    return sum(counts) if counts else None
+
+
+def memory_cap(output: str) -> dict:
+    """What a run's opening `memory:` line (harness.memory_cap.memory_fraction) said: whether it held
+    itself to its profile's memory_gb, and the fraction of the card. No line (a CPU, whose cap is
+    None, or a card of the profile's size): not capped."""
+    line = MEMORY_LINE.search(output)
+    held = HELD.search(line.group(0)) if line else None
+    return {"memory_capped": held is not None, "memory_fraction": float(held.group(1)) if held else None,
+            "memory_cap_line": line.group(0) if line else None}
+
+
+def compile_cache_use(output: str) -> dict:
+    """What the compile cache gave a run, from AOTAutograd's log lines (one a compiled graph, its
+    forward and backward together): hits, misses, bypasses, and whether its cache was warm (every
+    graph read back), partly warm or cold; None where nothing compiled."""
+    said = [hit_or_miss or bypassed for hit_or_miss, bypassed in AOT_CACHE.findall(output)]
+    hits, misses, bypassed = (said.count(word) for word in ("hit", "miss", "Bypassing"))
+    state = (None if not said else "warm" if not (misses or bypassed) else "cold" if not hits else "partly warm")
+    return {"cache_hits": hits, "cache_misses": misses, "cache_bypassed": bypassed, "compile_cache": state}
+
+
 def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env: dict | None = None,
               watch: str | None = None) -> dict:
     """train.py in one process (no process group, no DDP), its steady state, recompiles and graph
-    breaks; a run stopped at its time keeps the records it had flushed (`records`). A run refused
-    in one line (exit 2: a flag this train.py lacks, a lever this device cannot run) says so."""
+    breaks, its memory cap and what the compile cache gave it; a run stopped at its time keeps the
+    records it had flushed (`records`). A run refused in one line (exit 2: a flag this train.py
+    lacks, a lever this device cannot run) says so."""
     from latentwire.harness.errors import UserError
     from latentwire.settings import load_config
 
     run_dir = work / "runs" / name
     started = time.time()
     child = run([sys.executable, "train.py", *flags, "--out-dir", str(run_dir), "--overwrite"], budget_s,
-                env={"TORCH_LOGS": "recompiles,graph_breaks", **(env or {})}, watch=watch)
+                env={"TORCH_LOGS": f"recompiles,graph_breaks,{AOT_CACHE_LOG}", **(env or {})}, watch=watch)
     entry = {"name": name, **child.entry(), "flags": flags, "run_dir": str(run_dir), "env": env or {}}
     try:
         cfg = load_config([*flags, "--out-dir", str(run_dir)])
@@ -475,9 +566,11 @@ def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env
         entry |= {"profile": cfg.invocation.profile, "micro_batch_size": cfg.training.micro_batch_size,
                   "grad_accum_steps": cfg.training.grad_accum_steps, "compile": cfg.compile.enabled,
                   "compile_mode": cfg.compile.mode if cfg.compile.enabled else None,
-                  "activation_checkpointing": cfg.recompute.policy, "fp8": cfg.frozen.fp8}
+                  "activation_checkpointing": cfg.recompute.policy, "fp8": cfg.frozen.fp8,
+                  "memory_gb": cfg.card.memory_gb, "cap_memory": cfg.card.cap_memory}
     entry |= {"recompiles": child.output.count("Recompiling function"),
-              "graph_breaks": len(re.findall(r"Graph break", child.output))}
+              "graph_breaks": len(re.findall(r"Graph break", child.output)),
+              **memory_cap(child.output), **compile_cache_use(child.output)}
     entry["records"], torn = read_records(run_dir / "metrics.jsonl")
     if torn:
         entry["unreadable_metrics_lines"] = torn
@@ -561,16 +654,17 @@ def ratio(run: dict, reference: dict, key: str = "samples_per_s") -> float | Non
 # is expected to take about half of each (a cold compile of the two LLMs' layers is most of main).
 BUDGETS_S = {"preflight": 60, "main": 270, "evaluate": 60, "eager": 60, "find_batch": 90, "no_recompute": 60,
              "plan_micro_batch": 60}
-# The levers mode's parts (--levers), in order. Each compiled run compiles its own graphs (about
-# 45 s cold on an H100, then 0.4-0.7 s a step), so each gets its start, its compile and 12 steps;
-# a run that runs out of memory is retried at half the micro-batch within what is left of its
-# budget. The FP8 runs at the largest micro-batch and the profile rerun graphs already compiled
-# (the shared compile cache); the failing part loads the LLMs and fails at its first step.
-LEVER_BUDGETS_S = {"baseline": 120, "no_recompute": 140, **{f"fp8_{recipe}": 100 for recipe in RECIPES},
-                   **{f"fp8_{recipe}_largest": 100 for recipe in RECIPES}, "profile": 80, "fails_at_first_step": 45}
-# What the allocator runs with in the no-recompute parts: expandable segments grow a segment in
-# place instead of stranding freed blocks of other sizes, the fragmentation that runs out of
-# memory first where the micro-batch is near the card's limit. The CUDA-named variable is read by
+# The levers mode's parts (--levers), in the order they run: the module's docstring has the time
+# each is expected to take with the compile cache's savings, and which the deadline cuts first.
+LEVER_BUDGETS_S = {"h200": 120, "h100": 110, "h100_selective": 110, **{f"fp8_{recipe}": 100 for recipe in RECIPES},
+                   "profile": 80, "fails_at_first_step": 45,
+                   **{f"fp8_{recipe}_largest": 80 for recipe in RECIPES}}
+# The levers' bf16 configurations, in the order of what they decide: (part, profile, policy), the
+# policy None for the profile's own (as shipped). The first is the baseline, its profile the card's.
+LEVER_CONFIGS = (("h200", "h200", None), ("h100", "h100", None), ("h100_selective", "h100", "selective"))
+# What the allocator runs with at the largest micro-batch a plan fits: expandable segments grow a
+# segment in place instead of stranding freed blocks of other sizes, the fragmentation that runs
+# out of memory first where the micro-batch is near the card's limit. The CUDA-named variable is read by
 # torch 2.11-2.13 (2.13 also reads the device-neutral PYTORCH_ALLOC_CONF).
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 # Profiler schedule for the kernel summary: past the compile and the recompiles, then three steps.
@@ -578,33 +672,60 @@ PROFILED_STEPS = 3
 
 
 def settings(args) -> tuple[str, list[str], int, int, int]:
-    """(profile, the readers' flags, main-run steps, lever steps, evaluation examples)."""
+    """(profile, the readers' flags, main-run steps, lever steps, evaluation examples); the levers'
+    profile is their baseline's, the card's."""
     if args.cpu_check:  # every part, small: the code path, not the numbers
         return "cpu", [], args.steps or 3, 2, 16
-    return args.profile, REAL_LLMS, args.steps or (12 if args.levers else 20), 8, 64
+    profile = LEVER_CONFIGS[0][1] if args.levers else args.profile or "h100"
+    return profile, REAL_LLMS, args.steps or (12 if args.levers else 20), 8, 64
+
+
+def lever_configs(cpu_check: bool) -> list[tuple[str, str, str]]:
+    """The levers' bf16 configurations (LEVER_CONFIGS) as (part, profile, policy), each policy
+    named; on the cpu check the cpu profile under the policy of the card's part it stands for."""
+    from latentwire.settings import load_config
+
+    return [(name, "cpu" if cpu_check else profile, policy or load_config(["--profile", profile]).recompute.policy)
+            for name, profile, policy in LEVER_CONFIGS]
+
+
+def plans_to_ship(profile: str, fp8: bool) -> list[tuple[str, str, str]]:
+    """The plans both commands compare with, as (profile, policy, FP8 recipe): the validation's for
+    `profile` (full recompute, none), the levers' bf16 configurations, and with `fp8` each recipe at
+    each of those (the fastest of which the FP8 parts run at)."""
+    levers = [(profile, policy) for _, profile, policy in lever_configs(False)]
+    wanted = [(profile, "full", "none"), (profile, "none", "none"), *((p, policy, "none") for p, policy in levers),
+              *((p, policy, recipe) for recipe in (RECIPES if fp8 else ()) for p, policy in levers)]
+    return list(dict.fromkeys(wanted))
 
 
 def prepare(profile: str, torchao: str | None) -> None:
-    """Trace the plans the driver compares with, for the check's rows, on this CPU, into
-    bench/results/: bf16 with and without recompute, and each FP8 recipe with each where the
-    profile takes FP8 (torchao from `torchao`)."""
+    """Trace the plans both commands compare with (plans_to_ship), for the check's rows, on this
+    CPU, into bench/results/; the FP8 ones where torchao is at hand (`torchao`, else this
+    interpreter's), else said not to be shipped (the levers' largest FP8 parts would trace theirs on
+    the card)."""
+    fp8 = torchao is not None or importlib.util.find_spec("torchao") is not None
+    if not fp8:
+        print("no FP8 plans: torchao is not installed here (--torchao DIR): they are not shipped")
+    rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         run = Runner(Path(tmp) / "plan.log", Clock(float("inf"), 0), child_env(torch.get_num_threads()))
-        _, summary, rows = check_rows(profile, Path(tmp), EXAMPLES)
-        for fp8 in ("none", *RECIPES):
-            for recompute in (True, False):
-                flags = plan_flags(profile, REAL_LLMS, recompute, rows, fp8)
-                plan = trace_plan(flags, Path(tmp) / "plan.json", run, budget_s=3600,
-                                  env=fp8_env(torchao) if fp8 != "none" else None)
-                if isinstance(plan, str) and fp8 != "none" and plan.startswith("plan refused"):
-                    print(f"no {fp8} plan: {plan}")
-                    continue
-                if isinstance(plan, str):
-                    sys.exit(f"error: {plan}")
-                path = plan_path(profile, recompute, fp8)
-                path.write_text(json.dumps({"flags": flags, "torch": torch.__version__, "rows": summary,
-                                            "plan": plan}, indent=2) + "\n")
-                print(f"wrote {path}: largest micro-batch {plan['max_micro_batch']}")
+        for plan_profile, policy, recipe in plans_to_ship(profile, fp8):
+            if plan_profile not in rows:
+                rows[plan_profile] = check_rows(plan_profile, Path(tmp), EXAMPLES)[1:]
+            summary, rows_flags = rows[plan_profile]
+            flags = plan_flags(plan_profile, REAL_LLMS, policy, rows_flags, recipe)
+            plan = trace_plan(flags, Path(tmp) / "plan.json", run, budget_s=3600,
+                              env=fp8_env(torchao) if recipe != "none" else None)
+            if isinstance(plan, str) and recipe != "none" and plan.startswith("plan refused"):
+                print(f"no {recipe} plan for {plan_profile} ({policy}): {plan}")
+                continue
+            if isinstance(plan, str):
+                sys.exit(f"error: {plan}")
+            path = plan_path(plan_profile, policy, recipe)
+            path.write_text(json.dumps({"flags": flags, "torch": torch.__version__, "rows": summary,
+                                        "plan": plan}, indent=2) + "\n")
+            print(f"wrote {path}: largest micro-batch {plan['max_micro_batch']}")
 
 
 # The check's examples: a GPU run's 64-example batches for a few dozen steps, 128 for the CPU's.
@@ -645,20 +766,22 @@ class Check:
             with open(self.log, "a") as f:
                 f.write(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
 
-    def rows(self) -> list[str]:
-        """The check's data and the flags every run and plan shares."""
-        data, self.record["rows"], rows = check_rows(self.profile, self.work,
-                                                     CPU_EXAMPLES if self.args.cpu_check else EXAMPLES)
-        self.rows_flags = rows
+    def rows(self) -> None:
+        """The check's data, and the flag every run and plan shares that makes a plan trace its
+        longest rows."""
+        self.data, self.record["rows"], self.rows_flags = check_rows(
+            self.profile, self.work, CPU_EXAMPLES if self.args.cpu_check else EXAMPLES)
         self.results.write()
-        # Activation checkpointing named: the GPU profiles have it on, and the cpu check turns it
-        # on so that the no-recompute lever has something to turn off.
-        base = [*plan_flags(self.profile, self.readers, True, rows), "--dataset", str(data), "--eval-every", "0",
-                "--checkpoint-every", "0"]
+
+    def flags(self, profile: str, policy: str) -> list[str]:
+        """A run's flags: the plan's for this profile and activation checkpointing, on the check's data."""
+        base = [*plan_flags(profile, self.readers, policy, self.rows_flags), "--dataset", str(self.data),
+                "--eval-every", "0", "--checkpoint-every", "0"]
         return base if self.args.cpu_check else [*base, "--compile-mode", self.args.compile_mode]
 
-    def plan(self, recompute: bool, fp8: str = "none") -> tuple[dict | str, str]:
-        return the_plan(self.run, self.profile, self.readers, recompute, self.rows_flags, self.work, fp8,
+    def plan(self, policy: str, fp8: str = "none", profile: str | None = None) -> tuple[dict | str, str]:
+        """The plan for `profile` (default: the check's) under this policy and FP8 recipe, and its source."""
+        return the_plan(self.run, profile or self.profile, self.readers, policy, self.rows_flags, self.work, fp8,
                         self.args.torchao)
 
     def add_run(self, entry: dict, plan: dict | str | None = None) -> dict:
@@ -697,8 +820,11 @@ def validate(check: Check) -> None:
     check.card_state()
     check.results.write()
 
-    base = check.rows()
-    plan, source = check.plan(True)
+    # Activation checkpointing named: the GPU profiles have it on, and the cpu check turns it on so
+    # that the no-recompute lever has something to turn off.
+    check.rows()
+    base = check.flags(check.profile, "full")
+    plan, source = check.plan("full")
     record["plan"] = plan if isinstance(plan, str) else {
         "source": source, "max_micro_batch": plan["max_micro_batch"], "fixed_gb": plan["fixed_bytes"] / 2 ** 30,
         "per_sample_gb": plan["activation_bytes_per_sample"] / 2 ** 30}
@@ -736,7 +862,7 @@ def validate(check: Check) -> None:
 
     # (5) while time is left: no recompute at the largest micro-batch its own plan fits, and the
     # plan's largest micro-batch as one step; both eager, against the eager lever
-    no_ac_plan, _ = check.plan(False)
+    no_ac_plan, _ = check.plan("none")
     if not isinstance(no_ac_plan, str):
         m = min(no_ac_plan["max_micro_batch"], main_run["micro_batch_size"])
         entry = check.add_run(train_run(run, "no_recompute", [*lever, "--compile", "false",
@@ -755,25 +881,33 @@ def validate(check: Check) -> None:
 
 def levers(check: Check) -> None:
     """The levers mode, its parts in the order of what they decide (the module's docstring): the
-    bf16 configurations, FP8 by each recipe at the fastest of them and at the largest micro-batch
-    its plan fits, where the fastest's time goes, and a run that fails at its first step. Every run
-    entry has `hfu` and `ratio_to_baseline` (its samples/s over the baseline's: the baseline's time
-    per sample over its own), and each run's metrics are appended to <out>/metrics.jsonl as soon as
-    it ends."""
+    bf16 configurations both profiles ship and the best recompute under the smaller one's cap, FP8
+    by each recipe at the fastest of them, where the fastest's time goes, a run that fails at its
+    first step, then each FP8 recipe at the largest micro-batch its plan fits. Every run entry has
+    `hfu`, the memory cap and `ratio_to_baseline` (its samples/s over the first part's, the h200
+    profile as shipped: the baseline's time per sample over its own), and each run's metrics are
+    appended to <out>/metrics.jsonl as soon as it ends."""
     run, work, budgets, record, args = check.run, check.work, check.budgets, check.record, check.args
     check.card_state()
-    base = check.rows()
-    plans = {recompute: check.plan(recompute)[0] for recompute in (True, False)}
-    record["plans"] = {str(k).lower(): (p if isinstance(p, str) else {"max_micro_batch": p["max_micro_batch"]})
-                       for k, p in plans.items()}
-    steps = [*base, "--max-steps", str(check.steps), "--log-every", "1"]
+    check.rows()
+    configs = lever_configs(args.cpu_check)
+    plans, record["plans"] = {}, {}
+    for name, profile, policy in configs:
+        plans[name], source = check.plan(policy, profile=profile)
+        record["plans"][name] = plans[name] if isinstance(plans[name], str) else {
+            "profile": profile, "activation_checkpointing": policy, "max_micro_batch": plans[name]["max_micro_batch"],
+            "source": source}
+    record["baseline"] = f"{configs[0][0]}: the {configs[0][1]} profile as shipped"
+    steps = ["--max-steps", str(check.steps), "--log-every", "1"]
     metrics_copy = check.out / "metrics.jsonl"
     metrics_copy.write_text("")
 
-    def lever(name: str, flags: list[str], recompute: bool, env: dict | None = None, plan=None, **why) -> dict:
+    def lever(name: str, flags: list[str], plan: dict | str, env: dict | None = None, keep_batch: bool = True,
+              **why) -> dict:
         """One part: train_run under the part's budget, halving the micro-batch while it runs out
-        of memory (exit 5) and time is left, the metrics appended to the copy at once; compared
-        with `plan` (default: the bf16 plan for `recompute`)."""
+        of memory (exit 5) and time is left (accumulation keeping the global batch, or with
+        `keep_batch` false one micro-batch a step), the metrics appended to the copy at once;
+        compared with `plan`, and with the baseline, the first part."""
         budget_until = check.clock.elapsed() + budgets[name]
         tried = []
         while True:
@@ -783,50 +917,34 @@ def levers(check: Check) -> None:
             if entry["exit"] != 5 or not micro or micro == 1:
                 break
             tried.append(micro)
-            flags = with_micro_batch(flags, micro // 2, global_batch)
+            flags = with_micro_batch(flags, micro // 2, global_batch(flags) if keep_batch else None)
         entry |= {"out_of_memory_at": tried, **why}
-        entry.setdefault("activation_checkpointing", "full" if recompute else "none")  # what the part asked for
+        entry.setdefault("activation_checkpointing", flag_value(flags, "--activation-checkpointing", None))
         entry.setdefault("fp8", flag_value(flags, "--frozen-fp8", "none"))
         if entry["exit"] == 2:  # one line: this train.py or this device cannot run the lever
             entry["status"] = "refused"
-        entry["ratio_to_baseline"] = ratio(entry, baseline) if name != "baseline" else 1.0
-        return check.add_run(entry, plans[recompute] if plan is None else plan)
+        entry["ratio_to_baseline"] = ratio(entry, record["runs"][0]) if record["runs"] else 1.0
+        return check.add_run(entry, plan)
 
     def skipped(name: str, why: str) -> None:
         record["runs"].append({"name": name, "status": "skipped", "why": why})
         check.parts[name] = {"status": "skipped", "exit": None, "seconds": 0.0}
         check.results.write()
 
-    # (1) the baseline: the profile as shipped
-    from latentwire.settings import load_config
-
-    cfg = load_config(base)
-    global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * cfg.training.num_gpus
-    baseline = lever("baseline", steps, True)
-    # (2) without recompute, at the largest micro-batch the plan for these rows fits that splits
-    # the global batch (accumulation makes up the rest), with expandable segments
-    if not isinstance(plans[False], str):
-        no_ac = with_micro_batch([*steps, "--activation-checkpointing", "none"],
-                                 largest_split(plans[False]["max_micro_batch"], global_batch), global_batch)
-        lever("no_recompute", no_ac, False, EXPANDABLE, planned_max_micro_batch=plans[False]["max_micro_batch"])
-    # (3) FP8 frozen linears by each recipe, at the fastest bf16 configuration (its flags, recompute
-    # and allocator settings), torchao on these parts' path alone
+    # (1)-(3) the h200 profile as shipped (the baseline), the h100 profile as shipped under its
+    # memory cap, and the h100 profile under selective recompute, each at its own 64 x 1
+    for name, profile, policy in configs:
+        lever(name, [*check.flags(profile, policy), *steps], plans[name])
+    # (4) FP8 frozen linears by each recipe, at the fastest bf16 configuration (its flags and
+    # environment), torchao on these parts' path alone
     bf16 = [r for r in record["runs"] if r["status"] == "done" and r.get("samples_per_s")]
-    fastest = max(bf16, key=lambda r: r["samples_per_s"]) if bf16 else baseline
-    recompute, fp8_env_of = fastest["activation_checkpointing"] != "none", {**fastest["env"], **fp8_env(args.torchao)}
+    fastest = max(bf16, key=lambda r: r["samples_per_s"]) if bf16 else record["runs"][0]
+    _, fastest_profile, fastest_policy = next(c for c in configs if c[0] == fastest["name"])
+    fp8_env_of = {**fastest["env"], **fp8_env(args.torchao)}
+    fp8_plans = {recipe: check.plan(fastest_policy, recipe, fastest_profile) for recipe in RECIPES}
     for recipe in RECIPES:
-        lever(f"fp8_{recipe}", [*fastest["flags"], "--frozen-fp8", recipe], recompute, fp8_env_of, of=fastest["name"])
-    # (4) each recipe at the largest micro-batch its own plan fits, one micro-batch a step: rowwise
-    # scaling pays only past some thousands of rows a GEMM
-    for recipe in RECIPES:
-        name = f"fp8_{recipe}_largest"
-        plan, source = check.plan(recompute, recipe)
-        if isinstance(plan, str):
-            skipped(name, plan)
-            continue
-        lever(name, with_micro_batch([*fastest["flags"], "--frozen-fp8", recipe], plan["max_micro_batch"], None),
-              recompute, fp8_env_of, plan, of=fastest["name"], plan_source=source)
-    record["levers"] = {r["name"]: r.get("ratio_to_baseline") for r in record["runs"]}
+        lever(f"fp8_{recipe}", [*fastest["flags"], "--frozen-fp8", recipe], fp8_plans[recipe][0], fp8_env_of,
+              of=fastest["name"])
     check.results.write()
 
     # (5) where the fastest's time goes: torch.profiler over three steady steps
@@ -839,20 +957,41 @@ def levers(check: Check) -> None:
     check.parts["profile"] = {k: record["profile"].get(k) for k in ("status", "exit", "seconds")}
     check.results.write()
 
-    # (6) a run that fails at its first step, with the profile's loader (its workers, pinned
-    # memory): a micro-batch four times what the plan without recompute fits runs out of memory
-    if args.cpu_check or isinstance(plans[False], str):
-        skipped("fails_at_first_step", "a CPU has no out-of-memory to provoke" if args.cpu_check else plans[False])
+    # (5) ... and the baseline failing at its first step, with the profile's loader (its workers,
+    # pinned memory): four times the micro-batch its plan fits runs out of memory
+    baseline, profile, policy = configs[0]
+    if args.cpu_check or isinstance(plans[baseline], str):
+        skipped("fails_at_first_step", "a CPU has no out-of-memory to provoke" if args.cpu_check else plans[baseline])
     else:
         entry = train_run(run, "fails_at_first_step",
-                          with_micro_batch([*steps, "--activation-checkpointing", "none", "--compile", "false",
-                                            "--max-steps", "2"], 4 * plans[False]["max_micro_batch"], None), work,
-                          budgets["fails_at_first_step"], watch=CAUGHT)
+                          with_micro_batch([*check.flags(profile, policy), *steps, "--compile", "false",
+                                            "--max-steps", "2"], 4 * plans[baseline]["max_micro_batch"], None),
+                          work, budgets["fails_at_first_step"], watch=CAUGHT)
         check.add_run(entry)
+
+    # (6) if time is left, each recipe at the largest micro-batch its own plan fits, one micro-batch
+    # a step, with expandable segments: rowwise scaling pays only past some thousands of rows a GEMM
+    for recipe in RECIPES:
+        name = f"fp8_{recipe}_largest"
+        plan, source = fp8_plans[recipe]
+        if isinstance(plan, str):
+            skipped(name, plan)
+            continue
+        lever(name, with_micro_batch([*fastest["flags"], "--frozen-fp8", recipe], plan["max_micro_batch"], None),
+              plan, {**fp8_env_of, **EXPANDABLE}, keep_batch=False, of=fastest["name"], plan_source=source)
+    record["levers"] = {r["name"]: r["ratio_to_baseline"] for r in record["runs"] if "ratio_to_baseline" in r}
     check.finish()
 
 
-def flag_value(flags: list[str], flag: str, default: str) -> str:
+def global_batch(flags: list[str]) -> int:
+    """The global batch these flags train: micro-batch x accumulation x the profile's GPUs."""
+    from latentwire.settings import load_config
+
+    training = load_config(flags).training
+    return training.micro_batch_size * training.grad_accum_steps * training.num_gpus
+
+
+def flag_value(flags: list[str], flag: str, default: str | None) -> str | None:
     """The value the last `flag` in `flags` gives (argparse's rule), else `default`."""
     at = [i for i, f in enumerate(flags[:-1]) if f == flag]
     return flags[at[-1] + 1] if at else default
@@ -915,9 +1054,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="where the results file and the log go ($OUT on the GPU machine)")
     p.add_argument("--work", help="data, runs, checkpoints and caches (default: a new temporary directory)")
-    p.add_argument("--profile", default="h100")
+    p.add_argument("--profile", help="the validation's profile (default h100); the levers measure h200 and h100")
     p.add_argument("--levers", action="store_true",
-                   help="measure the levers instead (recompute off, FP8, a kernel profile, a failing run)")
+                   help="measure the levers instead (the h200 and h100 profiles as shipped, selective recompute "
+                        "under the h100's cap, FP8, a kernel profile, a failing run)")
     p.add_argument("--deadline", type=float, default=530, help="seconds from now by which every part has ended")
     p.add_argument("--margin", type=float, default=20, help="seconds kept for stopping a part and writing results")
     p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
@@ -929,7 +1069,8 @@ def main() -> None:
     p.add_argument("--cpu-check", action="store_true", help="the cpu profile with its tiny readers, every part small")
     p.add_argument("--torchao", metavar="DIR",
                    help="a folder torchao is installed in (pip install --target): on the FP8 parts' path alone")
-    p.add_argument("--prepare", action="store_true", help="trace the profile's plans into bench/results/ and exit")
+    p.add_argument("--prepare", action="store_true",
+                   help="trace the plans the validation of --profile and the levers compare with into bench/results/")
     p.add_argument("--kernel-facts", action="store_true", help=argparse.SUPPRESS)  # the preflight's child
     args = p.parse_args()
     if args.kernel_facts:
@@ -937,9 +1078,11 @@ def main() -> None:
         print(json.dumps(kernel_facts(device)))
         return
     if args.prepare:
-        return prepare(args.profile, args.torchao)
+        return prepare(args.profile or "h100", args.torchao)
     if not args.out:
         p.error("--out is required")
+    if args.levers and args.profile:
+        p.error("--profile is the validation's: the levers measure the h200 and h100 profiles")
     budgets = dict(LEVER_BUDGETS_S if args.levers else BUDGETS_S)
     for item in args.budget:
         part, _, seconds = item.partition("=")
@@ -954,16 +1097,19 @@ def main() -> None:
 
 def table(record: dict) -> str:
     """The runs as a short table: the end of the output is what a lent machine's reply carries."""
-    rows = ["run | status | mb x accum | step s | tokens/s | mfu | hfu | x baseline | peak GiB | plan GiB | "
-            "compile s | recompiles"]
+    rows = ["run | status | mb x accum | recompute | fp8 | step s | tokens/s | mfu | hfu | x baseline | peak GiB | "
+            "plan GiB | cap fraction | alloc retries | first step s | cache hit/miss | recompiles"]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in record["runs"]:
         rows.append(f"{r['name']} | {r['status']} | {r.get('micro_batch_size', '-')} x "
-                    f"{r.get('grad_accum_steps', '-')} | {fmt(r.get('step_time_s'), '.3f')} | "
+                    f"{r.get('grad_accum_steps', '-')} | {r.get('activation_checkpointing', '-')} | "
+                    f"{r.get('fp8', '-')} | {fmt(r.get('step_time_s'), '.3f')} | "
                     f"{fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('mfu'), '.3f')} | {fmt(r.get('hfu'), '.3f')} | "
                     f"{fmt(r.get('ratio_to_baseline'), '.2f')} | "
                     f"{fmt(r.get('peak_mem_gb'), '.2f')} | {fmt(r.get('planned_peak_gb'), '.2f')} | "
-                    f"{fmt(r.get('compile_s'), '.1f')} | {r.get('recompiles', '-')}")
+                    f"{fmt(r.get('memory_fraction'), '.4f')} | {r.get('alloc_retries', '-')} | "
+                    f"{fmt(r.get('first_step_s'), '.1f')} | {r.get('cache_hits', '-')}/{r.get('cache_misses', '-')} | "
+                    f"{r.get('recompiles', '-')}")
     return "\n".join(rows)
 
 

@@ -48,12 +48,16 @@ def gpu_validation(out: Path, *flags: str, timeout: int = 600) -> tuple[subproce
 
 @pytest.mark.slow
 def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
-    """The levers mode on the cpu check, one run for every assertion: an entry per lever, in the
-    order of what it decides, with the fields the card's results need (FP8 refused in one line
-    where train.py or the device cannot run it, or skipped where its plan is refused), FP8 by each
-    recipe at the fastest bf16 configuration with torchao on those parts' path alone, every run's
-    metrics copied into the results folder, the kernel summary of the fastest (the CPU's operators
-    here), and everything written whole within the deadline."""
+    """The levers mode on the cpu check, one run for every assertion: an entry per part, in the
+    order of what it decides (the h200 profile as shipped, the baseline; the h100 profile as
+    shipped; selective recompute; FP8 by each recipe at the fastest of those, refused in one line
+    where train.py or the device cannot run it; the failing run; each recipe at its plan's largest
+    micro-batch, skipped where its plan is refused), each with the fields the card's results need:
+    the recompute policy it ran, the memory cap (none on a CPU: memory_fraction gives None there,
+    so no run says a `memory:` line), the compile cache's use (none: the cpu check runs eager);
+    torchao on the FP8 parts' path alone, every run's metrics copied into the results folder, the
+    kernel summary of the fastest (the CPU's operators here), and everything written whole within
+    the deadline."""
     from gpu_validation import GRACE_S, TORCHAO_FOR_FP8
 
     deadline, site = 400, str(tmp_path / "torchao")  # where the card's torchao would be; the cpu check refuses FP8
@@ -64,32 +68,44 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["cpu-levers.json", "metrics.jsonl", "profile.txt",
                                                      "validation.log"]
     runs = {r["name"]: r for r in results["runs"]}
-    assert list(runs) == ["baseline", "no_recompute", "fp8_tensorwise", "fp8_rowwise", "fp8_tensorwise_largest",
-                          "fp8_rowwise_largest", "fails_at_first_step"]
+    assert list(runs) == ["h200", "h100", "h100_selective", "fp8_tensorwise", "fp8_rowwise", "fails_at_first_step",
+                          "fp8_tensorwise_largest", "fp8_rowwise_largest"]
+    assert results["baseline"].startswith("h200: ") and list(results["plans"]) == ["h200", "h100", "h100_selective"]
     fields = {"status", "micro_batch_size", "grad_accum_steps", "step_time_s", "tokens_per_s", "mfu", "hfu",
-              "peak_mem_gb", "activation_checkpointing", "fp8", "ratio_to_baseline", "device", "torch"}
-    fastest = max((runs["baseline"], runs["no_recompute"]), key=lambda r: r["samples_per_s"])
-    for name, recompute, fp8 in (("baseline", "full", "none"), ("no_recompute", "none", "none"),
-                                 ("fp8_tensorwise", fastest["activation_checkpointing"], "tensorwise"),
-                                 ("fp8_rowwise", fastest["activation_checkpointing"], "rowwise")):
+              "peak_mem_gb", "activation_checkpointing", "fp8", "ratio_to_baseline", "device", "torch", "memory_gb",
+              "cap_memory", "memory_capped", "memory_fraction", "alloc_retries", "first_step_s", "compile_cache"}
+    fastest = max((runs[name] for name in ("h200", "h100", "h100_selective")), key=lambda r: r["samples_per_s"])
+    for name, policy, fp8 in (("h200", "none", "none"), ("h100", "full", "none"),
+                              ("h100_selective", "selective", "none"),
+                              ("fp8_tensorwise", fastest["activation_checkpointing"], "tensorwise"),
+                              ("fp8_rowwise", fastest["activation_checkpointing"], "rowwise")):
         run = runs[name]
-        assert (run["activation_checkpointing"], run["fp8"]) == (recompute, fp8), name
+        assert (run["activation_checkpointing"], run["fp8"]) == (policy, fp8), name
+        assert results["plans"].get(name, {"activation_checkpointing": policy})["activation_checkpointing"] == policy
         assert (run["env"].get("PYTHONPATH", "").split(os.pathsep)[0] == site) == (fp8 != "none"), run["env"]
         if fp8 != "none":
             assert run["env"] == {**fastest["env"], **TORCHAO_FOR_FP8, "PYTHONPATH": run["env"]["PYTHONPATH"]}
             assert run["flags"][:len(fastest["flags"])] == fastest["flags"] and run["of"] == fastest["name"]
+        else:
+            assert run["env"] == {} and run["flags"][run["flags"].index("--profile") + 1] == "cpu"
         if fp8 != "none" and run["status"] == "refused":
             assert run["exit"] == 2 and run["error"].startswith("error: "), run
             continue
         assert run["status"] == "done" and fields <= run.keys(), (name, fields - run.keys())
         assert run["ratio_to_baseline"] > 0 and run["hfu"] is None  # no peak FLOP/s on a CPU: no MFU, no HFU
+        assert (run["memory_gb"], run["cap_memory"], run["memory_capped"], run["memory_fraction"],
+                run["memory_cap_line"], run["alloc_retries"]) == (8.0, True, False, None, None, None), name
+        assert (run["compile_cache"], run["cache_hits"], run["cache_misses"]) == (None, 0, 0), name
+        assert run["first_step_s"] > 0
     for recipe in ("tensorwise", "rowwise"):  # the cpu profile's fp32 refuses FP8 plans before a process
         assert runs[f"fp8_{recipe}_largest"]["why"].startswith("plan refused: error: "), runs
-    assert runs["baseline"]["ratio_to_baseline"] == 1.0
-    assert runs["no_recompute"]["env"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert runs["h200"]["ratio_to_baseline"] == 1.0 and set(results["levers"]) == {
+        "h200", "h100", "h100_selective", "fp8_tensorwise", "fp8_rowwise"}
     assert runs["fails_at_first_step"]["status"] == "skipped"
+    log = (out / "validation.log").read_text()
+    assert not re.search(r"^memory: ", log, re.M)
     copied = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for name in ("baseline", "no_recompute", "profile"):
+    for name in ("h200", "h100", "h100_selective", "profile"):
         mine = [r["step"] for r in copied if r["part"] == name]
         assert mine == list(range(1, len(mine) + 1)) and mine, name
         assert all("hfu" in r for r in copied if r["part"] == name)
@@ -98,6 +114,48 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
     assert 0 <= profile["summary"]["idle_share"] < 1 and profile["summary"]["activity"] == "CPU operators"
     text = (out / "profile.txt").read_text()
     assert "3 profiled steps" in text and "idle" in text and "aten::mm" in text
+
+
+def test_an_entry_reads_the_memory_cap_and_the_compile_cache_from_what_the_run_said():
+    """The memory cap's opening line as train.py says it on a card (memory_fraction with an H200's
+    figures: held to the h100 profile's 79.6 GB; lifted by --cap-memory false; a CPU says nothing)
+    and AOTAutograd's cache lines, read into a run's entry."""
+    from gpu_validation import compile_cache_use, memory_cap
+
+    from latentwire.harness.memory_cap import GIB, memory_fraction
+
+    fraction, line = memory_fraction(int(140.4 * GIB), int(0.5 * GIB), 79.6, True, "cuda")
+    print(line)  # the line a capped run's log holds
+    said = memory_cap(f"batch: ...\n{line}\nstep 1/3 | ...")
+    assert said["memory_capped"] and said["memory_cap_line"] == line
+    assert abs(said["memory_fraction"] - fraction) < 1e-4  # the line's four decimals
+    _, lifted = memory_fraction(int(140.4 * GIB), int(0.5 * GIB), 79.6, False, "cuda")
+    assert memory_cap(lifted) == {"memory_capped": False, "memory_fraction": None, "memory_cap_line": lifted}
+    assert memory_fraction(0, 0, 8.0, True, "cpu") == (None, None)
+    assert memory_cap("step 1/3 | ...") == {"memory_capped": False, "memory_fraction": None, "memory_cap_line": None}
+    hit, miss = "AOTAutograd cache hit for key a1", "AOTAutograd cache miss for key b2"
+    assert compile_cache_use(f"{hit}\n{hit}\n") == {"cache_hits": 2, "cache_misses": 0, "cache_bypassed": 0,
+                                                     "compile_cache": "warm"}
+    assert compile_cache_use(f"{hit}\n{miss}\n")["compile_cache"] == "partly warm"
+    assert compile_cache_use(f"{miss}\nBypassing autograd cache due to: x\n")["compile_cache"] == "cold"
+    assert compile_cache_use("step 1/3")["compile_cache"] is None
+
+
+def test_the_plans_both_commands_compare_with_are_shipped():
+    """Every plan --prepare ships (the validation's for h100, the levers' for the h200 and h100
+    profiles and the policies they run, and each FP8 recipe at each of the levers' configurations)
+    is in bench/results/ under the flags the driver looks it up by."""
+    from gpu_validation import REAL_LLMS, lever_configs, plan_flags, plan_path, plans_to_ship
+
+    assert lever_configs(False) == [("h200", "h200", "none"), ("h100", "h100", "full"),
+                                    ("h100_selective", "h100", "selective")]
+    assert [c[1:] for c in lever_configs(True)] == [("cpu", "none"), ("cpu", "full"), ("cpu", "selective")]
+    for profile, policy, recipe in plans_to_ship("h100", fp8=True):
+        path = plan_path(profile, policy, recipe)
+        shipped = json.loads(path.read_text())
+        rows = ["--max-prompt-bytes", str(shipped["rows"]["max_prompt_bytes"])]
+        assert shipped["flags"] == plan_flags(profile, REAL_LLMS, policy, rows, recipe), path
+        assert shipped["plan"]["activation_checkpointing"] == policy and shipped["plan"]["max_micro_batch"] > 0
 
 
 @pytest.mark.slow
