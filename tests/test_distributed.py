@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from conftest import REPO, RUN, child_env, free_port, ok
 from latentwire.harness import exits
-from latentwire.harness.errors import UserError
 from latentwire.harness.distributed import leave_together, process_group
+from latentwire.harness.errors import UserError
 
 # Rank 0 is still busy (as when it writes a report) when rank 1's work is done; each rank records
 # when its body ended and when it left the process group, in a file of its own (two ranks printing
