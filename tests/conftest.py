@@ -217,9 +217,17 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 600, torchrun: boo
                           timeout=timeout)
 
 
-def run_module(module: str, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=child_env(), capture_output=True,
-                          text=True, timeout=timeout)
+def run_module(module: str, args: list[str], timeout: int = 300, elsewhere: Path | None = None
+               ) -> subprocess.CompletedProcess:
+    """`python -m module` from the repository, or from the directory `elsewhere` with the checkout
+    on PYTHONPATH and a train.py there that is not the project's (a command that imported `train`
+    would take it, and stop)."""
+    env, cwd = child_env(), REPO
+    if elsewhere is not None:
+        (elsewhere / "train.py").write_text('raise SystemExit("error: the train.py of the working directory")\n')
+        env, cwd = child_env(PYTHONPATH=str(REPO)), elsewhere
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def evaluate_cli(ckpt, out_dir, nproc=1, n=32):

@@ -91,7 +91,8 @@ def test_find_batch_command_writes_json_and_a_tensorboard_plot(tmp_path):
     out = tmp_path / "run"
     # The cpu profile at these sizes holds about 8 MiB and 2 MiB per sample: a cap that fits a few.
     proc = ok(run_module("latentwire.find_batch", ["--profile", "cpu", *SMALL, "--cap-gb", "0.015",
-                                                    "--micro-batch-size", "2", "--out-dir", str(out)]))
+                                                    "--micro-batch-size", "2", "--out-dir", str(out)],
+                         elsewhere=tmp_path))  # train.py's step read from the checkout, from any directory
     result = json.loads((out / "find_batch.json").read_text())
     trials = result["trials"]
     best = result["max_micro_batch"]

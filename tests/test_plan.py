@@ -382,7 +382,8 @@ def test_bad_plan_flags_are_one_line_errors(args, fragment, capsys):
 @pytest.mark.slow
 def test_h100_plan_counts_every_byte_of_the_real_configuration(tmp_path):
     out = tmp_path / "h100.json"
-    proc = ok(run_module("latentwire.plan", ["--profile", "h100", "--json", str(out)], timeout=600))
+    proc = ok(run_module("latentwire.plan", ["--profile", "h100", "--json", str(out)], timeout=600,
+                         elsewhere=tmp_path))  # train.py's step read from the checkout, from any directory
     p = json.loads(out.read_text())
     assert p["params_frozen_bytes"] == pytest.approx(2 * (LLAMA_3_1_8B_PARAMS + QWEN_2_5_7B_PARAMS), rel=0.005)
     trainable = p["analytic"]["params_trainable"]
