@@ -164,6 +164,8 @@ def build_parser(schema: Schema, profiles: Path, prog: str, argv: list[str] | No
     pre.add_argument("--hw-profiles", default=str(profiles))
     known, _ = pre.parse_known_args(argv)
     described, shown = schema.describe_profiles(Path(known.hw_profiles), known.profile)
+    if shown:
+        shown["values"]["out_dir"] = default_out_dir(shown["values"]["out_dir"], known.profile)
     p = Parser(prog=prog, usage=f"{prog} --profile KEY [--resume [--new-data] | --overwrite] [--FIELD VALUE ...]",
                description="Train from a hardware profile. Every field of the profile is also a flag, which "
                "overrides it.", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -187,13 +189,18 @@ def build_parser(schema: Schema, profiles: Path, prog: str, argv: list[str] | No
     return p
 
 
+def default_out_dir(out_dir: str, profile: str) -> str:
+    """A profile's out_dir, runs/<profile> where it names none."""
+    return out_dir or f"runs/{profile}"
+
+
 def load_config(config_type: type[LoopConfig], argv: list[str] | None, profiles: Path, prog: str = "train.py"):
     """Parse the command line into a validated `config_type` (LoopConfig or a model's extension)."""
     schema = config_type.schema()
     args = build_parser(schema, profiles, prog, argv).parse_args(argv)
     path = Path(args.hw_profiles)
     values = schema.with_flags(schema.resolve_profile(read_profiles(path), args.profile, path), args)
-    values["out_dir"] = values["out_dir"] or f"runs/{args.profile}"
+    values["out_dir"] = default_out_dir(values["out_dir"], args.profile)
     if args.resume and args.overwrite:  # a requeued job may keep --overwrite: its own checkpoint wins then
         raise UserError("--resume and --overwrite exclude each other")
     if args.stop_at_step is not None and args.stop_at_step <= 0:
