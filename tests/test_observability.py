@@ -258,7 +258,7 @@ main_guard(lambda: train.main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module, name, nproc", [("latentwire.parallelize", "read_weights", 1), ("train", "DDP", 2)])
+@pytest.mark.parametrize("module, name, nproc", [("latentwire.llm", "read_weights", 1), ("train", "DDP", 2)])
 def test_out_of_memory_before_the_loop_is_one_line_and_exit_5(tmp_path, module, name, nproc):
     """While an LLM is read into place (one process), or while DDP starts on rank 1 of two."""
     script = tmp_path / "oom.py"

@@ -153,7 +153,7 @@ def test_a_signal_while_loading_saves_the_start_and_resumes_exactly(tmp_path, st
     """Rank 1 is signalled while it reads its second LLM: the ranks agree before the first step,
     save step 0 (what --resume needs) without training, and the resumed run is the unbroken one."""
     out = tmp_path / "run"
-    proc = popen_signalled(tmp_path, [*TWENTY[2], "--out-dir", str(out)], "latentwire.parallelize", "read_weights",
+    proc = popen_signalled(tmp_path, [*TWENTY[2], "--out-dir", str(out)], "latentwire.llm", "read_weights",
                            nth=2)
     assert "saving step 0" in proc.stdout and "exitcode  : 75" in proc.stderr, proc.stdout + proc.stderr
     assert [p.name for p in list_checkpoints(out)] == ["step_00000000"]
