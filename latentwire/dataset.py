@@ -15,6 +15,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -162,6 +163,8 @@ class DataConfig:
     max_prompt_bytes: int
     max_answer_tokens: int
     pad_multiple: int
+    seed: int | None  # of the examples; None: the run's seed
+    FLAT_NAMES: ClassVar[dict] = {"seed": "data_seed"}
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,8 @@ class DataSources:
 
     @classmethod
     def of(cls, data: DataConfig, seed: int) -> DataSources:
-        return cls(data.dataset, data.eval_dataset, data.held_out_fraction, seed)
+        """The sources of a run whose seed is `seed`: its examples follow data_seed where it is set."""
+        return cls(data.dataset, data.eval_dataset, data.held_out_fraction, seed if data.seed is None else data.seed)
 
     def fraction_held_out(self, source: str) -> float:
         """The part of `source` held out from training: the training file's held_out_fraction when

@@ -85,6 +85,9 @@ FIELDS: dict[str, Field] = {
     "drop_cut_answers": Field(bool, "drop training examples whose answer lies past max_prompt_bytes (the encoder "
                                     "never sees it)", default=False),
     "num_examples": Field(int, "size of the synthetic training set", positive=True),
+    "data_seed": Field(int, "seed of the examples: the synthetic set, a dataset's sample and a file's held-out part "
+                            "(null: seed), so runs of several seeds can train and be evaluated on the same examples",
+                       nullable=True, non_negative=True, default=None),
     "max_prompt_bytes": Field(int, "prompts are cut to this many UTF-8 bytes", positive=True),
     "max_answer_tokens": Field(int, "answers are cut to this many tokens", positive=True),
     "pad_multiple": Field(int, "pad lengths to a multiple of this (few shapes for compile)", positive=True),
