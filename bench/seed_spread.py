@@ -53,6 +53,8 @@ def train_and_evaluate(name: str, flags: list[str], seed: int, data_seed: int, a
 def revision() -> str:
     """The checkout's commit, marked + where its tracked files differ from it."""
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "unknown"  # a copy of a checkout, without its git metadata
     dirty = subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD"]).returncode != 0
     return head.stdout.strip() + ("+" if dirty else "")
 
