@@ -54,6 +54,10 @@ FIELDS: dict[str, Field] = {
                                 "it sits", default=False),
     "patch_mlp": Field(bool, "the byte encoder reads a patch's bytes jointly (a GELU MLP) instead of as a sum of "
                              "per-slot codes (linear)", default=False),
+    "patch_hash_buckets": Field(int, "rows of a code per byte-encoder patch as a whole, looked up by a hash of its "
+                                     "bytes and added to the patch embedding (0: none)", non_negative=True, default=0),
+    "question_queries": Field(bool, "the latent pooler's queries start from a projection of the prompt's question (its "
+                                    "first line) as the byte encoder reads it", default=False),
     "dropout": Field(float, "dropout in the encoder and adapters", non_negative=True),
     # --- prompt contract (latentwire.prompting) ---------------------------------------------
     "anchor_text": Field(str, "text after the wire and after a text prompt, before the answer (training, teacher "
@@ -117,7 +121,8 @@ class Evaluation:
 
 # The trainable model's shape, which its weights have: a resume may not change it (as it may not the
 # loop's restored settings), and --init-from takes weights of the same shape trained for the same readers.
-WIRE_SHAPE = ("num_latents", "d_z", "encoder_dim", "encoder_layers", "encoder_heads", "patch_bytes", "patch_mlp")
+WIRE_SHAPE = ("num_latents", "d_z", "encoder_dim", "encoder_layers", "encoder_heads", "patch_bytes", "patch_mlp",
+              "patch_hash_buckets", "question_queries")
 
 
 def check_consistency(v: dict, where: str) -> None:
