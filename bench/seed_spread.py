@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import shlex
@@ -37,14 +38,21 @@ RESULTS = REPO / "bench" / "results" / "seed_spread.jsonl"
 QUICK_FLAGS = ["--max-steps", "2", "--num-examples", "64", "--micro-batch-size", "4", "--log-every", "1"]
 
 
-def train_and_evaluate(name: str, flags: list[str], seed: int, data_seed: int, args) -> dict:
+def settings_digest(cfg) -> str:
+    """What the runs of one candidate share, whatever flags or profile gave it: its resolved settings
+    but the seed, where it writes and the profile's prose."""
+    settings = {k: v for k, v in cfg.to_dict().items() if k not in ("seed", "data_seed", "out_dir", "description")}
+    return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def train_and_evaluate(name: str, flags: list[str], seed: int, data_seed: int, settings: str, args) -> dict:
     out_dir = args.out_root / name.replace(" ", "_") / f"seed{seed}"
     command = ["--profile", "cpu", "--seed", str(seed), "--data-seed", str(data_seed), *flags]
     start = time.perf_counter()
     run([*launcher(args.nproc), *command, "--out-dir", str(out_dir), "--overwrite"], args.threads)
     train_s = time.perf_counter() - start
     n, wire = evaluate_wire(out_dir, args.eval_examples, args.threads)
-    return {"name": name, "flags": shlex.join(flags), "seed": seed, "data_seed": data_seed,
+    return {"name": name, "flags": shlex.join(flags), "settings": settings, "seed": seed, "data_seed": data_seed,
             "command": shlex.join([f"torchrun --nproc_per_node={args.nproc} train.py", *command]),
             "revision": revision(), "date": datetime.date.today().isoformat(), "train_s": round(train_s, 1),
             "examples": n, **wire}
@@ -75,22 +83,24 @@ def run_line(r: dict) -> str:
         f"{100 * r[who]['f1_share']:.1f}% of the text's F1" for who in READERS)
 
 
-def table(groups: dict[tuple[str, str], list[dict]]) -> str:
+def table(groups: dict[tuple, list[dict]]) -> str:
     lines = ["| candidate (flags over `--profile cpu`) | runs | share of text F1: mean ± sd (s.e.), min: "
              + " | ".join(READERS) + " | wire EM: " + " / ".join(READERS) + " |",
              "|---|---:|" + "---:|" * len(READERS) + "---:|"]
-    for (name, flags), rows in groups.items():
+    for (name, flags, settings), rows in groups.items():
         s = {who: spread(rows, who) for who in READERS}
         cells = [f"{s[w]['mean']:.1f} ± {s[w]['sd']:.1f} ({s[w]['se']:.1f}), {s[w]['min']:.1f}" for w in READERS]
         em = " / ".join(f"{s[w]['em_wire']:.1f}" for w in READERS)
-        lines.append(f"| {name} (`{flags or 'defaults'}`) | {len(rows)} | " + " | ".join(cells) + f" | {em} |")
+        label = f"{name} (`{flags or 'defaults'}`{f', settings {settings}' if settings else ''})"
+        lines.append(f"| {label} | {len(rows)} | " + " | ".join(cells) + f" | {em} |")
     return "\n".join(lines)
 
 
-def grouped(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    groups: dict[tuple[str, str], list[dict]] = {}
+def grouped(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """The runs of each candidate: one name and flags over the same settings."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["name"], r["flags"]), []).append(r)
+        groups.setdefault((r["name"], r["flags"], r.get("settings")), []).append(r)
     return groups
 
 
@@ -116,17 +126,17 @@ def main() -> None:
     if args.quick:
         args.seeds, args.nproc, args.eval_examples, flags = 2, 1, 8, [*QUICK_FLAGS, *flags]
     cfg = load_config(["--profile", "cpu", *flags])  # a bad flag is train.py's one error line, before any run
-    data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.training.seed
+    data_seed, settings = cfg.data.seed if cfg.data.seed is not None else cfg.training.seed, settings_digest(cfg)
     print("command: " + shlex.join([Path(sys.executable).name, *sys.argv]), flush=True)
     rows = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        row = train_and_evaluate(args.name, flags, seed, data_seed, args)
+        row = train_and_evaluate(args.name, flags, seed, data_seed, settings, args)
         rows.append(row)
         args.results.parent.mkdir(parents=True, exist_ok=True)
         with open(args.results, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(run_line(row), flush=True)
-    print(table({(args.name, shlex.join(flags)): rows}))
+    print(table(grouped(rows)))
     stats = {who: spread(rows, who) for who in READERS}
     fields = {f"{who}_{k}": stats[who][k] / 100 for who in READERS for k in ("mean", "sd", "min")}
     summary("seed_spread", min(s["min"] for s in stats.values()) / 100, runs=len(rows), **fields)

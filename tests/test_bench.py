@@ -44,7 +44,8 @@ def test_seed_spread_evaluates_every_seed_on_the_same_examples_and_records_each_
                              capture_output=True, text=True, timeout=600))
     ratio = float(RATIO.search(proc.stdout.strip().splitlines()[-1]).group(1))
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [(r["seed"], r["data_seed"]) for r in rows] == [(0, 0), (1, 0)]
+    assert [(r["seed"], r["data_seed"], r["settings"]) for r in rows] == [(0, 0, rows[0]["settings"]),
+                                                                          (1, 0, rows[0]["settings"])]
     assert ratio == pytest.approx(min(r[who]["f1_share"] for r in rows for who in ("llama", "qwen")), abs=1e-4)
     reports = [json.loads(next((tmp_path / "runs" / "default" / f"seed{s}" / "eval").glob("*.json")).read_text())
                for s in (0, 1)]
