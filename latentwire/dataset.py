@@ -168,6 +168,9 @@ class DataConfig:
     max_prompt_bytes: int = setting(4096, "prompts are cut to this many UTF-8 bytes", gt=0)
     max_answer_tokens: int = setting(32, "answers are cut to this many tokens", gt=0)
     pad_multiple: int = setting(256, "pad lengths to a multiple of this (few shapes for compile)", gt=0)
+    seed: int | None = setting(None, "seed of the examples: the synthetic set, a dataset's sample and a file's "
+                                     "held-out part (null: seed), so runs of several seeds can train and be evaluated "
+                                     "on the same examples", key="data_seed", ge=0)
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,8 @@ class DataSources:
 
     @classmethod
     def of(cls, data: DataConfig, seed: int) -> DataSources:
-        return cls(data.dataset, data.eval_dataset, data.held_out_fraction, seed)
+        """The sources of a run whose seed is `seed`: its examples follow data_seed where it is set."""
+        return cls(data.dataset, data.eval_dataset, data.held_out_fraction, seed if data.seed is None else data.seed)
 
     def fraction_held_out(self, source: str) -> float:
         """The part of `source` held out from training: the training file's held_out_fraction when

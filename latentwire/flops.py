@@ -95,6 +95,7 @@ class FlopModel(StepFlops):
     pooler_rounds: int
     llms: tuple[tuple[str, LLMShape], ...]  # (name, shape) pairs, in the batches' order
     recompute: str = "none"  # what activation checkpointing recomputes of the frozen decoder layers
+    row_params: int = 0  # applied once per row: the pooler's question projection
 
     @classmethod
     def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], wire,
@@ -102,8 +103,10 @@ class FlopModel(StepFlops):
         """`wire`: the WireConfig the encoder was built from; `recompute`: the activation
         checkpointing policy of the frozen decoder layers (counted by step_hardware_flops only)."""
         kv = sum(linear_params(c.attn.k) + linear_params(c.attn.v) for c in wire_encoder.pooler.cross)
+        question = linear_params(wire_encoder.pooler.question) if wire_encoder.pooler.question is not None else 0
         return cls(encoder_token_params=linear_params(wire_encoder.encoder) + kv,
-                   latent_params=linear_params(wire_encoder.pooler) - kv + linear_params(wire_encoder.adapters),
+                   latent_params=linear_params(wire_encoder.pooler) - kv - question
+                   + linear_params(wire_encoder.adapters), row_params=question,
                    encoder_layers=wire.encoder_layers, encoder_heads=wire.encoder_heads, encoder_dim=wire.encoder_dim,
                    patch_bytes=wire.patch_bytes, d_z=wire.d_z, num_latents=wire.num_latents,
                    pooler_rounds=len(wire_encoder.pooler.cross),
@@ -115,7 +118,7 @@ class FlopModel(StepFlops):
         lengths), so summed lengths and summed squares make it exact for rows of any lengths.
         Distillation adds no teacher: its targets come with the batch (latentwire.distillation)."""
         m, h = self.num_latents, self.encoder_heads
-        flops = 6 * (self.encoder_token_params * s.patches + self.latent_params * s.rows * m)
+        flops = 6 * (self.encoder_token_params * s.patches + (self.latent_params * m + self.row_params) * s.rows)
         flops += self.encoder_layers * attention_flops_per_pair(h, self.encoder_dim // h) * s.patches_squared
         flops += self.pooler_rounds * attention_flops_per_pair(h, self.d_z // h) * (m * s.patches + m * m * s.rows)
         for (_, shape), (seq, seq_squared, head_positions) in zip(self.llms, s.llms, strict=True):

@@ -16,6 +16,7 @@ from .dataset import PAD_BYTE
 from .harness.config import setting
 
 NUM_BYTE_IDS = PAD_BYTE + 1  # 256 byte values + the padding id
+NEWLINE = ord("\n")
 ROPE_BASE = 10_000.0
 
 
@@ -112,7 +113,8 @@ class ByteEncoder(nn.Module):
     either alone did not.
     """
 
-    def __init__(self, dim: int, layers: int, heads: int, patch: int, dropout: float, patch_mlp: bool = False):
+    def __init__(self, dim: int, layers: int, heads: int, patch: int, dropout: float, patch_mlp: bool = False,
+                 hash_buckets: int = 0):
         super().__init__()
         self.patch, self.head_dim = patch, dim // heads
         self.byte_embed = nn.Embedding(NUM_BYTE_IDS, dim)
@@ -120,6 +122,9 @@ class ByteEncoder(nn.Module):
         # summand. The MLP reads the bytes jointly (see the docstring).
         self.patch_embed = (nn.Sequential(nn.Linear(patch * dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
                             if patch_mlp else nn.Linear(patch * dim, dim))
+        # A code per patch as a whole, looked up by its bytes' hash (BLT's hash n-gram embeddings): a
+        # lookup, no matmul, and " 23" and " 24" land in rows of their own.
+        self.patch_hash = nn.Embedding(hash_buckets, dim) if hash_buckets else None
         self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
 
@@ -135,11 +140,26 @@ class ByteEncoder(nn.Module):
             byte_mask = F.pad(byte_mask, (0, extra), value=False)
         b, length = byte_ids.shape
         x = self.patch_embed(self.byte_embed(byte_ids).view(b, length // self.patch, -1))
-        patch_mask = byte_mask[:, ::self.patch]
+        if self.patch_hash is not None:
+            x = x + self.patch_hash(patch_hashes(byte_ids.view(b, -1, self.patch), self.patch_hash.num_embeddings))
+        patch_mask = self.patch_mask(byte_mask)
         rotary = rotary_tables(x.shape[1], self.head_dim, x.device)
         for block in self.blocks:
             x = block(x, patch_mask, rotary=rotary)
         return self.norm(x), patch_mask
+
+    def patch_mask(self, byte_mask: torch.Tensor) -> torch.Tensor:
+        """Whether each patch's first byte is in `byte_mask` (rows padded to whole patches)."""
+        return F.pad(byte_mask, (0, -byte_mask.shape[1] % self.patch), value=False)[:, ::self.patch]
+
+
+def patch_hashes(patches: torch.Tensor, buckets: int) -> torch.Tensor:
+    """Each patch's bucket [B, P] from its byte ids [B, P, patch]: the patch as a number in base
+    NUM_BYTE_IDS (exact in int64 up to 7 bytes), then a Lehmer step modulo the prime 2^31 - 1 so that
+    patches differing in one byte scatter over the buckets instead of landing a fixed stride apart."""
+    weights = NUM_BYTE_IDS ** torch.arange(patches.shape[-1], device=patches.device, dtype=torch.long)
+    prime = 2 ** 31 - 1
+    return ((patches * weights).sum(-1) % prime * 48271 % prime) % buckets
 
 
 class LatentPooler(nn.Module):
@@ -151,15 +171,26 @@ class LatentPooler(nn.Module):
     person the question names) instead of an average of all bytes.
     """
 
-    def __init__(self, num_latents: int, d_z: int, enc_dim: int, heads: int, dropout: float, rounds: int = 2):
+    def __init__(self, num_latents: int, d_z: int, enc_dim: int, heads: int, dropout: float, rounds: int = 2,
+                 question_queries: bool = False):
         super().__init__()
         self.queries = nn.Parameter(torch.randn(num_latents, d_z) * d_z ** -0.5)
+        # Queries that read the question: the first round already knows whose fact it looks for. Zero
+        # at first, so training starts from the plain queries.
+        self.question = nn.Linear(enc_dim, d_z) if question_queries else None
+        if self.question is not None:
+            nn.init.zeros_(self.question.weight)
+            nn.init.zeros_(self.question.bias)
         self.cross = nn.ModuleList(Block(d_z, heads, dropout, kv_dim=enc_dim) for _ in range(rounds))
         self.self_attn = nn.ModuleList(Block(d_z, heads, dropout) for _ in range(rounds))
         self.norm = nn.LayerNorm(d_z)
 
-    def forward(self, feats: torch.Tensor, feat_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, feats: torch.Tensor, feat_mask: torch.Tensor, question_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
         z = self.queries.expand(feats.shape[0], -1, -1)
+        if self.question is not None:  # the mean of the question's features, projected onto every query
+            weights = question_mask.to(feats.dtype)[..., None]
+            z = z + self.question((feats * weights).sum(1) / weights.sum(1).clamp(min=1))[:, None, :]
         for cross, self_attn in zip(self.cross, self.self_attn, strict=True):
             z = self_attn(cross(z, feat_mask, kv=feats), None)  # latents are never padding: no mask
         return self.norm(z)
@@ -199,6 +230,12 @@ class WireConfig:
                                         "same wherever it sits")
     patch_mlp: bool = setting(False, "the byte encoder reads a patch's bytes jointly (a GELU MLP) instead of as a sum "
                                      "of per-slot codes (linear)", restored=True, weights=True)
+    patch_hash_buckets: int = setting(0, "rows of a code per byte-encoder patch as a whole, looked up by a hash of "
+                                         "its bytes and added to the patch embedding (0: none)", ge=0, restored=True,
+                                      weights=True)
+    question_queries: bool = setting(False, "the latent pooler's queries start from a projection of the prompt's "
+                                            "question (its first line) as the byte encoder reads it", restored=True,
+                                     weights=True)
 
     @property
     def word_patch(self) -> int:
@@ -213,8 +250,9 @@ class WireEncoder(nn.Module):
         """`llm_dims` maps an LLM's name to (hidden size, input-embedding RMS)."""
         super().__init__()
         self.encoder = ByteEncoder(wire.encoder_dim, wire.encoder_layers, wire.encoder_heads, wire.patch_bytes,
-                                   wire.dropout, wire.patch_mlp)
-        self.pooler = LatentPooler(wire.num_latents, wire.d_z, wire.encoder_dim, wire.encoder_heads, wire.dropout)
+                                   wire.dropout, wire.patch_mlp, wire.patch_hash_buckets)
+        self.pooler = LatentPooler(wire.num_latents, wire.d_z, wire.encoder_dim, wire.encoder_heads, wire.dropout,
+                                   question_queries=wire.question_queries)
         self.adapters = nn.ModuleDict({name: Adapter(wire.d_z, hidden, rms, wire.dropout)
                                        for name, (hidden, rms) in llm_dims.items()})
 
@@ -224,7 +262,14 @@ class WireEncoder(nn.Module):
         return cls(wire, {name: (llm.hidden_size, llm.embed_rms()) for name, llm in llms.items()})
 
     def wire(self, byte_ids: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
-        return self.pooler(*self.encoder(byte_ids, byte_mask))
+        feats, feat_mask = self.encoder(byte_ids, byte_mask)
+        if self.pooler.question is None:
+            return self.pooler(feats, feat_mask)
+        return self.pooler(feats, feat_mask, self.question_patches(byte_ids, byte_mask))
+
+    def question_patches(self, byte_ids: torch.Tensor, byte_mask: torch.Tensor) -> torch.Tensor:
+        """The encoder's patches of the prompt's first line, its question (dataset.prompt_text)."""
+        return self.encoder.patch_mask(byte_mask & ((byte_ids == NEWLINE).cumsum(1) == 0))
 
     def forward(self, byte_ids: torch.Tensor, byte_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         z = self.wire(byte_ids, byte_mask)

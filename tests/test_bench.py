@@ -35,6 +35,26 @@ def test_quick_run_ends_in_a_ratio(script):
     assert math.isfinite(ratio) and ratio > 0, last
 
 
+@pytest.mark.slow
+def test_seed_spread_evaluates_every_seed_on_the_same_examples_and_records_each_run(tmp_path):
+    """--quick: two seeds of a few steps, each evaluated on the same held-out examples (the same
+    text answers), each run appended to the results file as it finished, and the ratio the smallest
+    share of any run and reader."""
+    results = tmp_path / "spread.jsonl"
+    proc = ok(subprocess.run([sys.executable, str(REPO / "bench" / "seed_spread.py"), "--quick", "--results",
+                              str(results), "--out-root", str(tmp_path / "runs")], cwd=REPO, env=child_env(),
+                             capture_output=True, text=True, timeout=600))
+    ratio = float(RATIO.search(proc.stdout.strip().splitlines()[-1]).group(1))
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["seed"], r["data_seed"], r["settings"]) for r in rows] == [(0, 0, rows[0]["settings"]),
+                                                                          (1, 0, rows[0]["settings"])]
+    assert ratio == pytest.approx(min(r[who]["f1_share"] for r in rows for who in ("llama", "qwen")), abs=1e-4)
+    reports = [json.loads(next((tmp_path / "runs" / "default" / f"seed{s}" / "eval").glob("*.json")).read_text())
+               for s in (0, 1)]
+    text = [[(a["question"], a["text_llama"], a["text_qwen"]) for a in r["answers"]] for r in reports]
+    assert text[0] == text[1] and len(text[0]) == 8
+
+
 def gpu_validation(out: Path, *flags: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, dict, float]:
     """bench/gpu_validation.py on the cpu profile (`--cpu-check`): the code path a lent GPU runs,
     its results file and how long it took."""

@@ -80,6 +80,20 @@ def test_synthetic_split_uses_a_different_seed():
     assert held_out != train and len(held_out) == 32
 
 
+def test_data_seed_holds_the_examples_while_the_run_s_seed_changes():
+    """Runs of several seeds (bench/seed_spread.py) train and are evaluated on the same examples
+    with --data-seed; without it the examples follow the run's seed, as they always did."""
+    from latentwire.settings import load_config
+
+    def examples(*flags: str) -> tuple[list[dict], list[dict]]:
+        cfg = load_config(["--profile", "cpu", *flags])
+        sources = DataSources.of(cfg.data, cfg.training.seed)
+        return sources.train_examples(16), sources.held_out_examples(16, "synthetic")
+
+    assert examples("--seed", "3", "--data-seed", "0") == examples("--seed", "0") == examples("--data-seed", "0")
+    assert examples("--seed", "3") != examples("--seed", "0")
+
+
 def test_corpus_text_holds_contexts_questions_and_answers():
     lines = synthetic_corpus_text(n=10, seed=1)
     ex = synthetic_examples(10, 1)[0]

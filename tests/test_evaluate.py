@@ -331,13 +331,14 @@ def context_free_em(examples: list[dict]) -> float:
     return sum(1 / choices[answer_text(e)] for e in examples) / len(examples)
 
 
-# The default run's wire EM, at least. Rounding alone moves a run (Adam's first steps turn rounding
-# into different updates): eight runs that differ only in rounding (Adam's eps in its sixth digit;
-# the chunked head loss) ended at 63.7-75.3 / 66.0-76.3% (llama / qwen) on 300 held-out examples,
-# 68.8 / 70.0 on average, standard deviation about 4. 56% is about 2.5 standard deviations of a run
-# and of a 256-example EM together below their mean, and far above a 300-step run's 14% and the 18%
-# of the defaults four rounds ago, which it is there to catch.
-WIRE_EM_BOUND = 0.56
+# The default run's wire EM, at least. Any difference moves a run (Adam's first steps turn rounding
+# into different updates), so a run on another machine is another draw: eight seeds of the default
+# run (bench/seed_spread.py, docs/evaluation.md) ended at wire EM 84.5 ± 1.0 (llama) and 85.0 ± 1.7
+# (qwen) on 300 held-out examples, at least 82.7. An EM over 256 examples near 85% has a standard
+# error of 2.2 points; 77% is 2.5 standard deviations of a run and of that EM together (2.8) below
+# the lower mean, and above every reader's EM in four seeds of the previous defaults but one
+# (53.3-78.3), which it is there to catch.
+WIRE_EM_BOUND = 0.77
 
 
 @pytest.mark.slow
@@ -346,7 +347,7 @@ def test_the_trained_wire_carries_information_and_content(default_run):
     by more than noise (the paired difference over 256 held-out examples). And it carries more than
     the kind of answer the question wants: each reader's exact match from the wire beats the best a
     context-free wire could expect, by more than 3 standard errors of that guess. And it carries at
-    least two thirds of what the readers get from the text (WIRE_EM_BOUND)."""
+    least 90% of what the readers get from the text (WIRE_EM_BOUND, of their 84%)."""
     ckpt = command.resolve_checkpoint(default_run, "--ckpt")
     cfg, _ = command.read_meta(ckpt)
     llms = tiny_llms()

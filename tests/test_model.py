@@ -199,3 +199,35 @@ def test_rotary_scores_depend_only_on_the_distance_between_positions():
     torch.testing.assert_close(near, far, rtol=1e-5, atol=1e-5)
     assert not torch.isclose(near, at(q, 3) @ at(k, 4), atol=1e-2)
     torch.testing.assert_close(at(q, 25).norm(), q.norm())
+
+
+def test_the_hashed_patch_code_gives_each_age_a_row_of_its_own():
+    """--patch-hash-buckets: a patch's row depends on its bytes alone, in range, and the ages a
+    linear patch code tells apart by one summand (" 23" and " 24", word-patched) get rows of their own."""
+    from latentwire.dataset import PAD_BYTE
+    from latentwire.model import patch_hashes
+    ages = torch.tensor([[32, ord(str(age)[0]), ord(str(age)[1]), PAD_BYTE] for age in range(20, 50)])
+    rows = patch_hashes(ages[None], 4096)[0]
+    assert rows.shape == (30,) and len(set(rows.tolist())) == 30 and 0 <= rows.min() and rows.max() < 4096
+    assert torch.equal(patch_hashes(torch.stack([ages.flip(0), ages]), 4096), torch.stack([rows.flip(0), rows]))
+
+
+def test_queries_that_read_the_question_start_as_the_plain_ones_and_read_its_first_line(cfg):
+    """--question-queries: the pooler's queries start from the mean feature of the prompt's first
+    line (its question; word-patched, its words' patches exactly), projected by weights that start
+    at zero, so training starts from the plain pooler's wire; trained, the wire depends on them."""
+    from dataclasses import replace
+
+    from latentwire.dataset import prompt_text, round_up
+    model, llms = build(replace(cfg, wire=replace(cfg.wire, question_queries=False)))
+    asking = WireEncoder.for_llms(replace(cfg.wire, question_queries=True), llms)
+    missing, unexpected = asking.load_state_dict(model.state_dict(), strict=False)
+    assert sorted(missing) == ["pooler.question.bias", "pooler.question.weight"] and not unexpected
+    batch = batch_of(cfg, llms)
+    wire = model.wire(batch["bytes"], batch["byte_mask"])
+    assert torch.equal(asking.wire(batch["bytes"], batch["byte_mask"]), wire)
+    questions = [prompt_text(e).split("\n")[0].encode() for e in synthetic_examples(64, 3)[:6]]
+    patches = [sum(round_up(len(w), 4) // 4 for w in q.replace(b" ", b"\0 ").split(b"\0")) for q in questions]
+    assert asking.question_patches(batch["bytes"], batch["byte_mask"]).sum(1).tolist() == patches
+    torch.nn.init.normal_(asking.pooler.question.weight)
+    assert not torch.allclose(asking.wire(batch["bytes"], batch["byte_mask"]), wire)
