@@ -7,6 +7,7 @@ main() is the table of contents; each optimization is a labelled block. The mode
 one recipe, the one import that names it; the machinery from the harness. docs/loop.md lists the
 blocks and how to lift the loop onto another model.
 """
+
 from __future__ import annotations
 
 import os
@@ -139,6 +140,7 @@ def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
 @dataclass
 class Parts:
     """What build() makes and the loop uses."""
+
     recipe: Recipe
     model: nn.Module  # the trainable model itself: checkpoints and evaluation take it
     ddp_model: nn.Module  # the same, in DDP when there are several ranks: the step takes it
@@ -216,10 +218,23 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     # The newest checkpoint every rank loads (harness.resume); the same layout resumes bitwise the run
     # that never stopped on CPU, on CUDA to rounding (its attention backward adds in varying order).
     state = TrainState(step=0, epoch=0, examples_done=0, layout=(world, micro, accum), data=recipe.data_identity)
-    meta = {"profile": cfg.invocation.profile, "config": cfg.to_dict(), "data": recipe.data_identity,
-            "init_from": str(init) if init else None, **recipe.meta()}
-    checkpointer = Checkpointer(out_dir, rank=rank, keep=cfg.output.keep_checkpoints, meta=meta, model=model,
-                                optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    meta = {
+        "profile": cfg.invocation.profile,
+        "config": cfg.to_dict(),
+        "data": recipe.data_identity,
+        "init_from": str(init) if init else None,
+        **recipe.meta(),
+    }
+    checkpointer = Checkpointer(
+        out_dir,
+        rank=rank,
+        keep=cfg.output.keep_checkpoints,
+        meta=meta,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+    )
     if cfg.invocation.resume:
         state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), steps, cfg.invocation, di.say, di.warn)
         if state is None:
@@ -235,12 +250,29 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     if di.is_main:  # every input has been checked: only now may --overwrite delete the old run
         prepare_out_dir(out_dir, cfg.invocation.overwrite)
     snapshots, meter, logger, profiler = observers(cfg, di, recipe, state.step, tf32, started)
-    di.say(f"profile {cfg.invocation.profile}: {world} x {device.type}, {cfg.numerics.precision}, global batch "
-           f"{micro} x {accum} x {world} = {micro * accum * world}, {recipe.describe(model)}")
-    return Parts(recipe=recipe, model=model, ddp_model=ddp_model, task=task, amp_dtype=amp_dtype,
-                 attention_backends=attention_backends, scaler=scaler, optimizer=optimizer, scheduler=scheduler,
-                 checkpointer=checkpointer, state=state, batches=batches, snapshots=snapshots, meter=meter,
-                 logger=logger, profiler=profiler, on_disk=state.step if cfg.invocation.resume else None)
+    di.say(
+        f"profile {cfg.invocation.profile}: {world} x {device.type}, {cfg.numerics.precision}, global batch "
+        f"{micro} x {accum} x {world} = {micro * accum * world}, {recipe.describe(model)}"
+    )
+    return Parts(
+        recipe=recipe,
+        model=model,
+        ddp_model=ddp_model,
+        task=task,
+        amp_dtype=amp_dtype,
+        attention_backends=attention_backends,
+        scaler=scaler,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        checkpointer=checkpointer,
+        state=state,
+        batches=batches,
+        snapshots=snapshots,
+        meter=meter,
+        logger=logger,
+        profiler=profiler,
+        on_disk=state.step if cfg.invocation.resume else None,
+    )
 
 
 def numerics(config: Numerics, device: torch.device, di: DistInfo) -> tuple:
@@ -267,9 +299,15 @@ def one_cycle(optimizer: torch.optim.Optimizer, lr: float, s: Schedule, steps: i
     """The learning rate's schedule, from `lr` / div_factor up to `lr` and down."""
     # --- Schedule: OneCycle, stepped once per optimizer step; momentum not cycled ---------------------
     return torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=lr, total_steps=steps, pct_start=one_cycle_pct_start(s.pct_start, steps),
-        anneal_strategy=s.anneal_strategy, div_factor=s.div_factor, final_div_factor=s.final_div_factor,
-        cycle_momentum=False)
+        optimizer,
+        max_lr=lr,
+        total_steps=steps,
+        pct_start=one_cycle_pct_start(s.pct_start, steps),
+        anneal_strategy=s.anneal_strategy,
+        div_factor=s.div_factor,
+        final_div_factor=s.final_div_factor,
+        cycle_momentum=False,
+    )
 
 
 def observers(cfg: LoopConfig, di: DistInfo, recipe: Recipe, step: int, tf32: bool, started: float) -> tuple:
@@ -282,8 +320,14 @@ def observers(cfg: LoopConfig, di: DistInfo, recipe: Recipe, step: int, tf32: bo
     # `mfu` of what the step runs, padding included; `mfu_useful` of the real positions alone.
     peak = getattr(cfg.card, "peak_tflops_" + matmul_arithmetic(cfg.numerics.precision, tf32))
     meter = StepMeter(device, recipe.flops, peak_tflops=peak)
-    logger = MetricsLogger(out_dir, enabled=di.is_main, first_step=step + 1, total_steps=cfg.training.max_steps,
-                           first_record=recipe.data_facts, started=started)
+    logger = MetricsLogger(
+        out_dir,
+        enabled=di.is_main,
+        first_step=step + 1,
+        total_steps=cfg.training.max_steps,
+        first_record=recipe.data_facts,
+        started=started,
+    )
     # --- Profiler: torch.profiler on the profile's wait / warmup / active schedule ---------------------
     # A few steps after the first (compile, allocator warm-up), not the run: one trace per rank.
     profiler = NoProfiler()
@@ -320,17 +364,26 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
             n_targets = reduced[:-3].view_as(counts).float()
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
             step_terms, grad_norm = train_step(
-                parts.ddp_model, parts.task, micro_batches, n_targets=n_targets, amp_dtype=parts.amp_dtype,
-                attention_backends=parts.attention_backends, scaler=parts.scaler, optimizer=parts.optimizer,
-                max_grad_norm=cfg.training.max_grad_norm, world_size=world,
-                no_sync=parts.ddp_model.no_sync if di.is_distributed else nullcontext)
+                parts.ddp_model,
+                parts.task,
+                micro_batches,
+                n_targets=n_targets,
+                amp_dtype=parts.amp_dtype,
+                attention_backends=parts.attention_backends,
+                scaler=parts.scaler,
+                optimizer=parts.optimizer,
+                max_grad_norm=cfg.training.max_grad_norm,
+                world_size=world,
+                no_sync=parts.ddp_model.no_sync if di.is_distributed else nullcontext,
+            )
 
             # --- The step's one host sync ------------------------------------------------
             # Whether the gradient is finite, whether any rank was signalled, the token counts and this
             # rank's FLOPs without padding. The norm is global (after DDP's all-reduce): ranks agree.
             targets, useful = parts.task.target_tokens(n_targets), parts.meter.useful_flops(micro_batches)
             finite, scheduler_stops, person_stops, tokens, target_tokens, useful_flops = torch.stack(
-                [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], targets, useful]).tolist()
+                [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], targets, useful]
+            ).tolist()
             stop_requested = stop_code(scheduler_stops, person_stops)
 
             # --- Non-finite steps: skipped, counted, and the run stops if they persist ----
@@ -348,8 +401,9 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
             if bad_in_a_row >= cfg.training.max_nonfinite_steps:
                 exit_after_save = diverged(bad_in_a_row, state.step, cfg.numerics.precision)
                 break
-            parts.meter.add(micro_batches, data_wait, useful_flops, samples=global_batch, tokens=tokens,
-                            target_tokens=target_tokens)
+            parts.meter.add(
+                micro_batches, data_wait, useful_flops, samples=global_batch, tokens=tokens, target_tokens=target_tokens
+            )
 
             # --- Periodic evaluation: every rank answers its share of the held-out split --------
             # Taken after the window's rates, so it never counts as training time; a signal skips it.
@@ -360,9 +414,16 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
 
             # --- Logging: the loss of the whole global batch, not the last micro-batch ----
             if state.step == 1 or state.step % cfg.output.log_every == 0 or state.step == steps or eval_due:
-                record = {"step": state.step, "time": time.time(), "epoch": state.epoch,
-                          **parts.task.record(all_reduce(step_terms)),
-                          "lr": lr, "grad_norm": grad_norm.item(), "skipped_steps": skipped, **parts.meter.read()}
+                record = {
+                    "step": state.step,
+                    "time": time.time(),
+                    "epoch": state.epoch,
+                    **parts.task.record(all_reduce(step_terms)),
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    "skipped_steps": skipped,
+                    **parts.meter.read(),
+                }
                 if eval_due:
                     scores = parts.recipe.evaluate(parts.model)
                     if scores is None:  # a signal during it: the evaluation is dropped, the step saved
@@ -373,8 +434,10 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
 
             if run_ends:
                 if stop_requested and eval_scheduled:
-                    di.warn(f"note: a signal ({stop.signal_name or 'on another rank'}) dropped step {state.step}'s "
-                            f"evaluation; the run is done: {parts.recipe.next_step(Path(cfg.output.out_dir))}")
+                    di.warn(
+                        f"note: a signal ({stop.signal_name or 'on another rank'}) dropped step {state.step}'s "
+                        f"evaluation; the run is done: {parts.recipe.next_step(Path(cfg.output.out_dir))}"
+                    )
                 break
             # --- A signal: the step is done; save it and leave ---------------------------
             if stop_requested:
@@ -393,9 +456,20 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
     di.say(closing_line(path, out_dir, parts.recipe.next_step(out_dir) if state.step == steps else CONTINUE))
 
 
-def train_step(model, task, micro_batches: list[dict], *, n_targets: torch.Tensor, amp_dtype: torch.dtype | None,
-               attention_backends: list, scaler, optimizer, max_grad_norm: float, world_size: int,
-               no_sync) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    model,
+    task,
+    micro_batches: list[dict],
+    *,
+    n_targets: torch.Tensor,
+    amp_dtype: torch.dtype | None,
+    attention_backends: list,
+    scaler,
+    optimizer,
+    max_grad_norm: float,
+    world_size: int,
+    no_sync,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over one optimizer step's micro-batches, then clipping. Returns the
     loss terms over `n_targets` (the task's counts in the whole global batch) and the pre-clip
     gradient norm; the update is the caller's, once it has read whether the norm is finite. The
@@ -407,8 +481,9 @@ def train_step(model, task, micro_batches: list[dict], *, n_targets: torch.Tenso
         for i, batch in enumerate(micro_batches):
             # --- One gradient all-reduce per optimizer step: no_sync on all but the last ---
             with nullcontext() if i == len(micro_batches) - 1 else no_sync():
-                step_terms += micro_step(model, task, batch, n_targets=n_targets, amp_dtype=amp_dtype, scaler=scaler,
-                                         world_size=world_size)
+                step_terms += micro_step(
+                    model, task, batch, n_targets=n_targets, amp_dtype=amp_dtype, scaler=scaler, world_size=world_size
+                )
 
     # --- Gradient clipping: the logged norm is the pre-clip norm ---------------------------
     scaler.unscale_(optimizer)
@@ -416,8 +491,9 @@ def train_step(model, task, micro_batches: list[dict], *, n_targets: torch.Tenso
     return step_terms, grad_norm
 
 
-def micro_step(model, task, batch: dict, *, n_targets: torch.Tensor, amp_dtype: torch.dtype | None, scaler,
-               world_size: int) -> torch.Tensor:
+def micro_step(
+    model, task, batch: dict, *, n_targets: torch.Tensor, amp_dtype: torch.dtype | None, scaler, world_size: int
+) -> torch.Tensor:
     """One micro-batch's forward and backward (the body a CUDA graph would capture): its loss
     terms over the global counts, detached."""
     # --- Mixed precision: matmuls in amp_dtype; parameters, gradients and the loss in fp32 --
@@ -431,15 +507,19 @@ def micro_step(model, task, batch: dict, *, n_targets: torch.Tensor, amp_dtype: 
 
 # Helpers ------------------------------------------------------------------------------------------
 
+
 def adamw(model: nn.Module, config: OptimizerConfig, device_type: str) -> torch.optim.AdamW:
     """Frozen parameters get no optimizer state at all (Adam keeps 8 bytes per parameter). The fused
     kernel (CUDA, and the CPU's since torch 2.4) updates every tensor in one pass instead of a loop
     of several ops per tensor. Weight decay on matrices only, not on biases and norm gains."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                             fused=device_type in ("cuda", "cpu"))
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, fused=device_type in ("cuda", "cpu")
+    )
 
 
 def one_cycle_pct_start(pct_start: float, max_steps: int) -> float:
@@ -467,8 +547,11 @@ def closing_line(checkpoint: Path, out_dir: Path, next_step: str) -> str:
 def stopped(code: int, stop: StopFlag, step: int, is_main: bool) -> SystemExit:
     """The exit of a run a signal stopped (75 preempted, 130 interrupted), once it has saved `step`."""
     if is_main:
-        what = ("interrupted (Ctrl-C)" if code == INTERRUPTED_EXIT_CODE
-                else f"preempted ({stop.signal_name or 'signal on another rank'})")
+        what = (
+            "interrupted (Ctrl-C)"
+            if code == INTERRUPTED_EXIT_CODE
+            else f"preempted ({stop.signal_name or 'signal on another rank'})"
+        )
         print(f"{what}: saving step {step}; exiting with code {code}, continue with --resume", flush=True)
     return SystemExit(code)
 
@@ -480,8 +563,10 @@ def diverged(in_a_row: int, step: int, precision: str) -> Diverged:
     hint = ""
     if precision == "fp16":
         hint = "; in fp16, models trained in bf16 can overflow: lower --lr, or try --precision fp32 if memory allows"
-    return Diverged(f"{in_a_row} non-finite steps in a row (to step {step}); saved the last good weights as "
-                    f"checkpoint step {step}{hint}")
+    return Diverged(
+        f"{in_a_row} non-finite steps in a row (to step {step}); saved the last good weights as "
+        f"checkpoint step {step}{hint}"
+    )
 
 
 if __name__ == "__main__":

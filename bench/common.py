@@ -5,6 +5,7 @@ Every script compares two things run side by side in one process (or alternated 
 machine's speed and its other load cancel out of the ratio it reports; absolute times are printed
 for context only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # --- command line and settings ----------------------------------------------------------------
 
+
 def parse_settings(description: str, quick, full, extra=None):
     """`--quick` picks the `quick` settings (the tests' few steps), otherwise `full` (a meaningful
     measurement); every settings field is also a flag that overrides either; `extra(parser)` may add
@@ -50,21 +52,34 @@ def parse_settings(description: str, quick, full, extra=None):
     if extra is not None:
         extra(p)
     p.add_argument("--quick", action="store_true", help="a few steps only: checks the script runs")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads per process (1: ranks and loaders do not oversubscribe the cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads per process (1: ranks and loaders do not oversubscribe the cores)",
+    )
     for f in dataclasses.fields(full):
-        p.add_argument("--" + f.name.replace("_", "-"), type=int, default=None,
-                       help=f"default {getattr(full, f.name)} ({getattr(quick, f.name)} with --quick)")
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"default {getattr(full, f.name)} ({getattr(quick, f.name)} with --quick)",
+        )
     args = p.parse_args()
     chosen = quick if args.quick else full
-    settings = dataclasses.replace(chosen, **{f.name: getattr(args, f.name) for f in dataclasses.fields(chosen)
-                                              if getattr(args, f.name) is not None})
+    settings = dataclasses.replace(
+        chosen,
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(chosen) if getattr(args, f.name) is not None},
+    )
     torch.set_num_threads(args.threads)
     print("command: " + " ".join([Path(sys.executable).name, *sys.argv]))
-    print(f"config: mode={'quick' if args.quick else 'full'} threads={args.threads} "
-          + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items()))
-    print(f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, "
-          f"torch {torch.__version__}", flush=True)
+    print(
+        f"config: mode={'quick' if args.quick else 'full'} threads={args.threads} "
+        + " ".join(f"{k}={v}" for k, v in dataclasses.asdict(settings).items())
+    )
+    print(
+        f"machine: {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}, torch {torch.__version__}", flush=True
+    )
     return args, settings
 
 
@@ -75,12 +90,14 @@ def cpu_config(*overrides):
 
 # --- model, data and the bare step ------------------------------------------------------------
 
+
 def build_model(cfg) -> tuple[dict, WireEncoder]:
     """The two frozen LLMs and the trainable WireEncoder, built and wrapped as train.py builds them
     (eager: a bench compiles what it compares itself)."""
     torch.manual_seed(cfg.training.seed)
-    llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, CPU,
-                       checkpointing=checkpoint_options(cfg.recompute.policy))
+    llms = frozen_llms(
+        cfg.frozen, cfg.prompt, cfg.numerics.precision, CPU, checkpointing=checkpoint_options(cfg.recompute.policy)
+    )
     model = WireEncoder.for_llms(cfg.wire, llms)
     return llms, model.train()
 
@@ -89,11 +106,18 @@ def make_loader(cfg, llms: dict) -> DataLoader:
     """train.py's DataLoader for a world of one: the same examples, sampler (so the same batch
     order), collate, workers and prefetch; no pinned memory, as on CPU there is no copy to overlap."""
     dataset = PromptDataset(DataSources.of(cfg.data, cfg.training.seed).train_examples(cfg.data.num_examples))
-    collate = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
-                               teacher=cfg.objectives.teacher, word_patch=cfg.wire.word_patch)
+    collate = Collator.for_llms(
+        llms,
+        cfg.data.max_prompt_bytes,
+        cfg.data.max_answer_tokens,
+        cfg.data.pad_multiple,
+        teacher=cfg.objectives.teacher,
+        word_patch=cfg.wire.word_patch,
+    )
     sampler = ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.training.seed)
-    return harness_loader(dataset, sampler, collate, cfg.training.micro_batch_size, cfg.loader, "cpu",
-                          seed=cfg.training.seed)
+    return harness_loader(
+        dataset, sampler, collate, cfg.training.micro_batch_size, cfg.loader, "cpu", seed=cfg.training.seed
+    )
 
 
 def take(loader: DataLoader, n: int) -> list[dict]:
@@ -119,12 +143,19 @@ def bare_step(model, llms: dict, optimizer: torch.optim.Optimizer, micro_batches
 
 # --- processes --------------------------------------------------------------------------------
 
+
 def launcher(nproc: int, repo: Path = REPO) -> list[str]:
     """`repo`'s train.py as users start it: plain python for one process, torchrun for more."""
     if nproc == 1:
         return [sys.executable, str(repo / "train.py")]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(repo / "train.py")]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(repo / "train.py"),
+    ]
 
 
 def child_env(threads: int) -> dict:
@@ -136,6 +167,7 @@ def child_env(threads: int) -> dict:
 
 
 # --- timing and the summary line --------------------------------------------------------------
+
 
 def median(values: list[float]) -> float:
     return statistics.median(values)

@@ -32,6 +32,7 @@ step times; ratio = whole / regional compile seconds.
     python bench/compile.py --shapes h100-slice    # 4-layer slice: about 12 minutes, 10 GB of memory
     python bench/compile.py --quick                # one small batch, aot_eager: checks the script (the tests)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,22 +60,32 @@ SLICE_VOCAB = 32768
 
 @dataclass(frozen=True)
 class Settings:
-    rounds: int            # passes over the batch set after the warm-up, each timing every batch both ways
-    batches: int           # micro-batches in the fixed set
+    rounds: int  # passes over the batch set after the warm-up, each timing every batch both ways
+    batches: int  # micro-batches in the fixed set
     micro_batch_size: int
 
 
-FULL = {"cpu": Settings(rounds=3, batches=4, micro_batch_size=16),
-        "h100-slice": Settings(rounds=1, batches=2, micro_batch_size=2)}
+FULL = {
+    "cpu": Settings(rounds=3, batches=4, micro_batch_size=16),
+    "h100-slice": Settings(rounds=1, batches=2, micro_batch_size=2),
+}
 QUICK = Settings(rounds=1, batches=1, micro_batch_size=2)
 
 
 def flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", choices=tuple(FULL), default="cpu", help="cpu profile, or the h100 profile's shapes "
-                   "cut to a few decoder layers (see above)")
+    p.add_argument(
+        "--shapes",
+        choices=tuple(FULL),
+        default="cpu",
+        help="cpu profile, or the h100 profile's shapes cut to a few decoder layers (see above)",
+    )
     p.add_argument("--layers", type=int, default=4, help="decoder layers of each LLM in the h100 slice (default 4)")
-    p.add_argument("--backend", choices=("inductor", "aot_eager"), default=None,
-                   help="inductor (aot_eager with --quick: dynamo and AOTAutograd without inductor's C++ compiling)")
+    p.add_argument(
+        "--backend",
+        choices=("inductor", "aot_eager"),
+        default=None,
+        help="inductor (aot_eager with --quick: dynamo and AOTAutograd without inductor's C++ compiling)",
+    )
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # set for the child processes
 
 
@@ -97,10 +108,29 @@ def bench_config(args, s: Settings, workdir: Path):
     if args.shapes == "cpu":
         return load_config(["--profile", "cpu", *map(str, common)])
     llama, qwen = slice_configs(workdir, args.layers)
-    return load_config(["--profile", "h100", *map(str, common), "--llama", "random:" + llama,
-                        "--qwen", "random:" + qwen, "--precision", "fp32", "--dataset", "synthetic",
-                        "--num-examples", "256", "--num-latents", "8", "--max-prompt-bytes", "256",
-                        "--compile-mode", "default"])
+    return load_config(
+        [
+            "--profile",
+            "h100",
+            *map(str, common),
+            "--llama",
+            "random:" + llama,
+            "--qwen",
+            "random:" + qwen,
+            "--precision",
+            "fp32",
+            "--dataset",
+            "synthetic",
+            "--num-examples",
+            "256",
+            "--num-latents",
+            "8",
+            "--max-prompt-bytes",
+            "256",
+            "--compile-mode",
+            "default",
+        ]
+    )
 
 
 def compile_kwargs(mode: str, backend: str) -> dict:
@@ -116,8 +146,7 @@ def whole_step(mode: str, backend: str):
 def regional_step(model, llms: dict, mode: str, backend: str):
     """What train.py compiles: each of the step's regions compiled on its own, the decoder layers
     by train.py's own prepare_frozen_llms."""
-    prepare_frozen_llms(llms, checkpointing=None, compile_options=compile_kwargs(mode, backend), mesh=None,
-                              device=None)
+    prepare_frozen_llms(llms, checkpointing=None, compile_options=compile_kwargs(mode, backend), mesh=None, device=None)
     for region in wire_regions(model):
         region.compile(**compile_kwargs(mode, backend))
     return stable_shapes()(forward_loss_sums)
@@ -139,6 +168,7 @@ def cpu_seconds() -> float:
 
 def graphs() -> int:
     from torch._dynamo.utils import counters
+
     return counters["stats"]["unique_graphs"]
 
 
@@ -149,9 +179,12 @@ def run_variant(variant: str, args, s: Settings, backend: str) -> dict:
         t = time.perf_counter()
         llms, model = build_model(cfg)
         batches = take(make_loader(cfg, llms), s.batches)
-        print(f"[{variant}] built in {time.perf_counter() - t:.0f} s; prompt widths "
-              f"{sorted({b['bytes'].shape[1] for b in batches})}, micro-batch {s.micro_batch_size}, "
-              f"mode={cfg.compile.mode}, activation checkpointing {cfg.recompute.policy}", flush=True)
+        print(
+            f"[{variant}] built in {time.perf_counter() - t:.0f} s; prompt widths "
+            f"{sorted({b['bytes'].shape[1] for b in batches})}, micro-batch {s.micro_batch_size}, "
+            f"mode={cfg.compile.mode}, activation checkpointing {cfg.recompute.policy}",
+            flush=True,
+        )
     if variant == "whole":
         forward = whole_step(cfg.compile.mode, backend)
     else:
@@ -161,11 +194,15 @@ def run_variant(variant: str, args, s: Settings, backend: str) -> dict:
     first = timed_step(forward, model, llms, batches[0])
     first_cpu = cpu_seconds() - cpu
     first_graphs = graphs()
-    print(f"[{variant}] first step (compile + step): {first:.1f} s ({first_cpu:.1f} s of CPU), {first_graphs} graphs",
-          flush=True)
+    print(
+        f"[{variant}] first step (compile + step): {first:.1f} s ({first_cpu:.1f} s of CPU), {first_graphs} graphs",
+        flush=True,
+    )
     rest = [timed_step(forward, model, llms, b) for b in batches[1:]]
-    print(f"[{variant}] the other {len(rest)} batches once: {sum(rest):.1f} s, {graphs() - first_graphs} more graphs",
-          flush=True)
+    print(
+        f"[{variant}] the other {len(rest)} batches once: {sum(rest):.1f} s, {graphs() - first_graphs} more graphs",
+        flush=True,
+    )
     eager, compiled = [], []
     for r in range(s.rounds):
         for b in batches:
@@ -176,12 +213,21 @@ def run_variant(variant: str, args, s: Settings, backend: str) -> dict:
                         eager.append(timed_step(forward, model, llms, b))
                 else:
                     compiled.append(timed_step(forward, model, llms, b))
-        print(f"[{variant}] round {r + 1}/{s.rounds}: compiled {median(compiled):.3f} s, eager {median(eager):.3f} s",
-              flush=True)
+        print(
+            f"[{variant}] round {r + 1}/{s.rounds}: compiled {median(compiled):.3f} s, eager {median(eager):.3f} s",
+            flush=True,
+        )
     step = median(compiled)
-    return {"variant": variant, "first_step_s": first, "compile_s": first - step, "first_step_cpu_s": first_cpu,
-            "step_s": step,
-            "eager_step_s": median(eager), "graphs": first_graphs, "recompile_graphs": graphs() - first_graphs}
+    return {
+        "variant": variant,
+        "first_step_s": first,
+        "compile_s": first - step,
+        "first_step_cpu_s": first_cpu,
+        "step_s": step,
+        "eager_step_s": median(eager),
+        "graphs": first_graphs,
+        "recompile_graphs": graphs() - first_graphs,
+    }
 
 
 def run_child(variant: str, args, s: Settings, backend: str) -> dict:
@@ -190,14 +236,26 @@ def run_child(variant: str, args, s: Settings, backend: str) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"inductor-{variant}-") as cache:
         env = child_env(args.threads)
         env.update(TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_COMPILE_THREADS="1")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--shapes", args.shapes,
-               "--layers", str(args.layers), "--backend", backend, "--threads", str(args.threads),
-               *(f"--{k.replace('_', '-')}={v}" for k, v in asdict(s).items())]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--variant",
+            variant,
+            "--shapes",
+            args.shapes,
+            "--layers",
+            str(args.layers),
+            "--backend",
+            backend,
+            "--threads",
+            str(args.threads),
+            *(f"--{k.replace('_', '-')}={v}" for k, v in asdict(s).items()),
+        ]
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
         result = None
         for line in proc.stdout:
             if line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
+                result = json.loads(line[len("RESULT ") :])
             elif line.startswith("["):
                 print(line, end="", flush=True)
         if proc.wait() != 0 or result is None:
@@ -218,18 +276,30 @@ def main() -> None:
     print(f"backend {backend}, shapes {args.shapes}{layers}", flush=True)
     results = {v: run_child(v, args, s, backend) for v in VARIANTS}
     for v, r in results.items():
-        print(f"{v:8s}: first step {r['first_step_s']:7.1f} s ({r['first_step_cpu_s']:7.1f} s of CPU) = compile "
-              f"{r['compile_s']:7.1f} s + step; "
-              f"steady step {1e3 * r['step_s']:8.1f} ms compiled, {1e3 * r['eager_step_s']:8.1f} ms eager; "
-              f"{r['graphs']} graphs, {r['recompile_graphs']} more after the first step", flush=True)
+        print(
+            f"{v:8s}: first step {r['first_step_s']:7.1f} s ({r['first_step_cpu_s']:7.1f} s of CPU) = compile "
+            f"{r['compile_s']:7.1f} s + step; "
+            f"steady step {1e3 * r['step_s']:8.1f} ms compiled, {1e3 * r['eager_step_s']:8.1f} ms eager; "
+            f"{r['graphs']} graphs, {r['recompile_graphs']} more after the first step",
+            flush=True,
+        )
     whole, regional = results["whole"], results["regional"]
-    summary("compile", whole["compile_s"] / regional["compile_s"], shapes=args.shapes,
-            **({"layers": args.layers} if args.shapes != "cpu" else {}), backend=backend,
-            whole_compile_s=whole["compile_s"], regional_compile_s=regional["compile_s"],
-            whole_first_step_cpu_s=whole["first_step_cpu_s"], regional_first_step_cpu_s=regional["first_step_cpu_s"],
-            whole_step_ms=1e3 * whole["step_s"], regional_step_ms=1e3 * regional["step_s"],
-            eager_step_ms=1e3 * regional["eager_step_s"], whole_graphs=whole["graphs"],
-            regional_graphs=regional["graphs"])
+    summary(
+        "compile",
+        whole["compile_s"] / regional["compile_s"],
+        shapes=args.shapes,
+        **({"layers": args.layers} if args.shapes != "cpu" else {}),
+        backend=backend,
+        whole_compile_s=whole["compile_s"],
+        regional_compile_s=regional["compile_s"],
+        whole_first_step_cpu_s=whole["first_step_cpu_s"],
+        regional_first_step_cpu_s=regional["first_step_cpu_s"],
+        whole_step_ms=1e3 * whole["step_s"],
+        regional_step_ms=1e3 * regional["step_s"],
+        eager_step_ms=1e3 * regional["eager_step_s"],
+        whole_graphs=whole["graphs"],
+        regional_graphs=regional["graphs"],
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ the ratio says by how much, i.e. what share of a core the loader needs while the
     python bench/dataloader.py            # full: about a minute
     python bench/dataloader.py --quick    # a few batches (the tests)
 """
+
 from __future__ import annotations
 
 import time
@@ -27,9 +28,9 @@ from common import bare_step, build_model, cpu_config, make_loader, median, pars
 
 @dataclass(frozen=True)
 class Settings:
-    rounds: int            # loader epochs, each followed by model steps
-    model_steps: int       # optimizer steps timed per round
-    num_examples: int      # epoch size: the loader's round
+    rounds: int  # loader epochs, each followed by model steps
+    model_steps: int  # optimizer steps timed per round
+    num_examples: int  # epoch size: the loader's round
 
 
 FULL = Settings(rounds=8, model_steps=8, num_examples=8192)
@@ -52,7 +53,7 @@ def model_round(model, llms, optimizer, batches: list[dict], accum: int) -> list
     """Samples/s of each optimizer step over `batches`, `accum` micro-batches a step."""
     rates = []
     for i in range(0, len(batches), accum):
-        group = batches[i:i + accum]
+        group = batches[i : i + accum]
         start = time.perf_counter()
         bare_step(model, llms, optimizer, group)
         rates.append(sum(b["bytes"].shape[0] for b in group) / (time.perf_counter() - start))
@@ -62,10 +63,16 @@ def model_round(model, llms, optimizer, batches: list[dict], accum: int) -> list
 def main() -> None:
     _, s = parse_settings(__doc__.splitlines()[0], QUICK, FULL)
     cfg = cpu_config("--num-examples", s.num_examples)
-    print(f"model step: {cfg.training.micro_batch_size} x {cfg.training.grad_accum_steps} micro-batches; loader: " + (
-        f"{cfg.loader.num_workers} worker(s), prefetch {cfg.loader.prefetch_factor}" if cfg.loader.num_workers else
-        "no workers (the profile's num_workers is 0): it collates in the training process, in series "
-        "with the model, so 1/ratio is the share of each step spent loading"), flush=True)
+    print(
+        f"model step: {cfg.training.micro_batch_size} x {cfg.training.grad_accum_steps} micro-batches; loader: "
+        + (
+            f"{cfg.loader.num_workers} worker(s), prefetch {cfg.loader.prefetch_factor}"
+            if cfg.loader.num_workers
+            else "no workers (the profile's num_workers is 0): it collates in the training process, in series "
+            "with the model, so 1/ratio is the share of each step spent loading"
+        ),
+        flush=True,
+    )
     llms, model = build_model(cfg)
     loader = make_loader(cfg, llms)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr)
@@ -80,11 +87,19 @@ def main() -> None:
         steps = model_round(model, llms, optimizer, batches, cfg.training.grad_accum_steps)
         loader_rates.append(rate)
         model_rates += steps
-        print(f"round {r + 1}/{s.rounds}: loader {rate:.0f} samples/s, model {median(steps):.1f} samples/s "
-              f"(median of {len(steps)} steps)", flush=True)
+        print(
+            f"round {r + 1}/{s.rounds}: loader {rate:.0f} samples/s, model {median(steps):.1f} samples/s "
+            f"(median of {len(steps)} steps)",
+            flush=True,
+        )
     loader_rate, model_rate = median(loader_rates), median(model_rates)
-    summary("dataloader", loader_rate / model_rate, loader_samples_per_s=loader_rate,
-            model_samples_per_s=model_rate, num_workers=cfg.loader.num_workers)
+    summary(
+        "dataloader",
+        loader_rate / model_rate,
+        loader_samples_per_s=loader_rate,
+        model_samples_per_s=model_rate,
+        num_workers=cfg.loader.num_workers,
+    )
 
 
 if __name__ == "__main__":

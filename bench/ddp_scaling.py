@@ -15,6 +15,7 @@ how the harness scales on GPUs.
     python bench/ddp_scaling.py            # full: about 2-3 minutes
     python bench/ddp_scaling.py --quick    # a few steps (the tests)
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,9 @@ from common import REPO, STEPS_ONLY, child_env, launcher, median, parse_settings
 
 @dataclass(frozen=True)
 class Settings:
-    rounds: int            # pairs of runs (one process, two processes)
-    steps: int             # optimizer steps per run
-    warmup: int            # first logged steps left out (start-up, allocator, optimizer state)
+    rounds: int  # pairs of runs (one process, two processes)
+    steps: int  # optimizer steps per run
+    warmup: int  # first logged steps left out (start-up, allocator, optimizer state)
     micro_batch_size: int  # per rank
     grad_accum_steps: int
     num_examples: int
@@ -44,11 +45,26 @@ QUICK = Settings(rounds=1, steps=3, warmup=1, micro_batch_size=4, grad_accum_ste
 
 def run(nproc: int, s: Settings, out_dir: Path, threads: int) -> float:
     """Median global samples/s of one train.py run after warm-up."""
-    flags = ["--profile", "cpu", "--micro-batch-size", s.micro_batch_size, "--grad-accum-steps", s.grad_accum_steps,
-             "--max-steps", s.steps, "--num-examples", s.num_examples, "--log-every", 1, *STEPS_ONLY,
-             "--out-dir", out_dir]
-    proc = subprocess.run([*launcher(nproc), *map(str, flags)], cwd=REPO, env=child_env(threads),
-                          capture_output=True, text=True)
+    flags = [
+        "--profile",
+        "cpu",
+        "--micro-batch-size",
+        s.micro_batch_size,
+        "--grad-accum-steps",
+        s.grad_accum_steps,
+        "--max-steps",
+        s.steps,
+        "--num-examples",
+        s.num_examples,
+        "--log-every",
+        1,
+        *STEPS_ONLY,
+        "--out-dir",
+        out_dir,
+    ]
+    proc = subprocess.run(
+        [*launcher(nproc), *map(str, flags)], cwd=REPO, env=child_env(threads), capture_output=True, text=True
+    )
     if proc.returncode != 0:
         sys.exit(f"error: train.py with {nproc} process(es) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -57,8 +73,11 @@ def run(nproc: int, s: Settings, out_dir: Path, threads: int) -> float:
 
 def main() -> None:
     args, s = parse_settings(__doc__.splitlines()[0], QUICK, FULL)
-    print(f"note: the 2 ranks x {args.threads} thread(s) share {os.cpu_count()} cores (and any other job there)"
-          ": the ratio measures DDP's overhead on gloo plus contention for the cores, not GPU scaling", flush=True)
+    print(
+        f"note: the 2 ranks x {args.threads} thread(s) share {os.cpu_count()} cores (and any other job there)"
+        ": the ratio measures DDP's overhead on gloo plus contention for the cores, not GPU scaling",
+        flush=True,
+    )
     one, two = [], []
     with tempfile.TemporaryDirectory(prefix="ddp_scaling_") as tmp:
         for r in range(s.rounds):
@@ -66,11 +85,18 @@ def main() -> None:
             rates = {n: run(n, s, Path(tmp) / f"round{r}_nproc{n}", args.threads) for n in order}
             one.append(rates[1])
             two.append(rates[2])
-            print(f"round {r + 1}/{s.rounds}: 1 process {rates[1]:.1f} samples/s, 2 processes {rates[2]:.1f} samples/s",
-                  flush=True)
+            print(
+                f"round {r + 1}/{s.rounds}: 1 process {rates[1]:.1f} samples/s, 2 processes {rates[2]:.1f} samples/s",
+                flush=True,
+            )
     one_rate, two_rate = median(one), median(two)
-    summary("ddp_scaling", two_rate / one_rate, one_process_samples_per_s=one_rate,
-            two_process_samples_per_s=two_rate, per_rank_batch=f"{s.micro_batch_size}x{s.grad_accum_steps}")
+    summary(
+        "ddp_scaling",
+        two_rate / one_rate,
+        one_process_samples_per_s=one_rate,
+        two_process_samples_per_s=two_rate,
+        per_rank_batch=f"{s.micro_batch_size}x{s.grad_accum_steps}",
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ training time: above 1, this checkout trains the default faster.
     python bench/default_run.py --before 71410ce                 # the whole default, twice
     python bench/default_run.py --before 71410ce --max-steps 300 # a quicker look at speed only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,33 +50,56 @@ def main() -> None:
     p.add_argument("--out-root", type=Path, default=REPO / "runs" / "default_run")
     args = p.parse_args()
     extra = [] if args.max_steps is None else ["--max-steps", str(args.max_steps)]
-    if subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "-q", f"{args.before}^{{commit}}"],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--verify", "-q", f"{args.before}^{{commit}}"], capture_output=True
+        ).returncode
+        != 0
+    ):
         print(f"error: --before {args.before}: not a commit of this repository", file=sys.stderr)
         sys.exit(2)
     with tempfile.TemporaryDirectory() as tmp:
         before_repo = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(before_repo), args.before],
-                       check=True)
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(before_repo), args.before], check=True
+        )
         try:
             rows = {}
             for name, repo in (("before", before_repo), ("after", REPO)):
                 out_dir = args.out_root / name
                 train_s = train(repo, out_dir, extra, args.threads)
-                rows[name] = {"train_s": train_s, "step_s": median_step_s(out_dir),
-                              "wire": None if args.max_steps else evaluate_wire(out_dir, args.eval_examples,
-                                                                                args.threads, repo)[1]}
-                print(f"{name} ({args.before if name == 'before' else 'this checkout'}): "
-                      f"trained in {train_s:.1f} s, {1000 * rows[name]['step_s']:.1f} ms a step", flush=True)
+                rows[name] = {
+                    "train_s": train_s,
+                    "step_s": median_step_s(out_dir),
+                    "wire": None
+                    if args.max_steps
+                    else evaluate_wire(out_dir, args.eval_examples, args.threads, repo)[1],
+                }
+                print(
+                    f"{name} ({args.before if name == 'before' else 'this checkout'}): "
+                    f"trained in {train_s:.1f} s, {1000 * rows[name]['step_s']:.1f} ms a step",
+                    flush=True,
+                )
                 if rows[name]["wire"]:
-                    print("  " + "; ".join(f"{who} wire EM {w['em_wire']:.1f} ± {w['em_wire_se']:.1f}, "
-                                           f"{100 * w['f1_share']:.0f}% of the text's F1"
-                                           for who, w in rows[name]["wire"].items()), flush=True)
+                    print(
+                        "  "
+                        + "; ".join(
+                            f"{who} wire EM {w['em_wire']:.1f} ± {w['em_wire_se']:.1f}, "
+                            f"{100 * w['f1_share']:.0f}% of the text's F1"
+                            for who, w in rows[name]["wire"].items()
+                        ),
+                        flush=True,
+                    )
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before_repo)], check=False)
     before, after = rows["before"], rows["after"]
-    summary("default_run", before["train_s"] / after["train_s"], before_train_s=before["train_s"],
-            after_train_s=after["train_s"], step_ratio=before["step_s"] / after["step_s"])
+    summary(
+        "default_run",
+        before["train_s"] / after["train_s"],
+        before_train_s=before["train_s"],
+        after_train_s=after["train_s"],
+        step_ratio=before["step_s"] / after["step_s"],
+    )
 
 
 if __name__ == "__main__":

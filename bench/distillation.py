@@ -11,6 +11,7 @@ Summary: ratio = median step time with distillation / without, after warm-up.
     python bench/distillation.py            # full: about 3 minutes
     python bench/distillation.py --quick    # a few steps (the tests)
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,9 @@ PASS_SECONDS = re.compile(r"distillation targets of (\d+) examples .* computed o
 
 @dataclass(frozen=True)
 class Settings:
-    rounds: int            # pairs of runs (without, with distillation)
-    steps: int             # optimizer steps per run
-    warmup: int            # first logged steps left out
+    rounds: int  # pairs of runs (without, with distillation)
+    steps: int  # optimizer steps per run
+    warmup: int  # first logged steps left out
     micro_batch_size: int  # per rank
     grad_accum_steps: int
     num_examples: int
@@ -42,14 +43,33 @@ QUICK = Settings(rounds=1, steps=3, warmup=1, micro_batch_size=4, grad_accum_ste
 
 def run(kd: bool, s: Settings, out_dir: Path, threads: int) -> tuple[float, float | None]:
     """(median step time after warm-up, seconds of the teacher's one-off pass or None)."""
-    flags = ["--profile", "cpu", "--micro-batch-size", s.micro_batch_size, "--grad-accum-steps", s.grad_accum_steps,
-             "--max-steps", s.steps, "--num-examples", s.num_examples, "--log-every", 1, *STEPS_ONLY,
-             "--kd-weight", 1 if kd else 0, "--out-dir", out_dir]
-    proc = subprocess.run([*launcher(2), *map(str, flags)], cwd=REPO, env=child_env(threads), capture_output=True,
-                          text=True)
+    flags = [
+        "--profile",
+        "cpu",
+        "--micro-batch-size",
+        s.micro_batch_size,
+        "--grad-accum-steps",
+        s.grad_accum_steps,
+        "--max-steps",
+        s.steps,
+        "--num-examples",
+        s.num_examples,
+        "--log-every",
+        1,
+        *STEPS_ONLY,
+        "--kd-weight",
+        1 if kd else 0,
+        "--out-dir",
+        out_dir,
+    ]
+    proc = subprocess.run(
+        [*launcher(2), *map(str, flags)], cwd=REPO, env=child_env(threads), capture_output=True, text=True
+    )
     if proc.returncode != 0:
-        sys.exit(f"error: train.py {'with' if kd else 'without'} distillation exited {proc.returncode}:\n"
-                 f"{proc.stderr[-3000:]}")
+        sys.exit(
+            f"error: train.py {'with' if kd else 'without'} distillation exited {proc.returncode}:\n"
+            f"{proc.stderr[-3000:]}"
+        )
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     found = PASS_SECONDS.search(proc.stdout)
     return median([r["step_time_s"] for r in records if r["step"] > s.warmup]), float(found[2]) if found else None
@@ -60,15 +80,24 @@ def main() -> None:
     off, on, passes = [], [], []
     with tempfile.TemporaryDirectory(prefix="distillation_") as tmp:
         for r in range(s.rounds):
-            for kd in ((False, True) if r % 2 == 0 else (True, False)):
+            for kd in (False, True) if r % 2 == 0 else (True, False):
                 step, seconds = run(kd, s, Path(tmp) / f"round{r}_kd{int(kd)}", args.threads)
                 (on if kd else off).append(step)
                 passes += [seconds] if kd else []
-            print(f"round {r + 1}/{s.rounds}: step {off[-1] * 1e3:.1f} ms without, {on[-1] * 1e3:.1f} ms with "
-                  f"distillation; the teacher's pass {passes[-1]:.1f} s", flush=True)
+            print(
+                f"round {r + 1}/{s.rounds}: step {off[-1] * 1e3:.1f} ms without, {on[-1] * 1e3:.1f} ms with "
+                f"distillation; the teacher's pass {passes[-1]:.1f} s",
+                flush=True,
+            )
     without, with_kd, teacher_pass = median(off), median(on), median(passes)
-    summary("distillation", with_kd / without, step_without_ms=without * 1e3, step_with_ms=with_kd * 1e3,
-            teacher_pass_s=teacher_pass, examples=s.num_examples)
+    summary(
+        "distillation",
+        with_kd / without,
+        step_without_ms=without * 1e3,
+        step_with_ms=with_kd * 1e3,
+        teacher_pass_s=teacher_pass,
+        examples=s.num_examples,
+    )
 
 
 if __name__ == "__main__":

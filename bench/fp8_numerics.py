@@ -44,6 +44,7 @@ part, makes the real error smaller.
 
 Ends with `ratio=<fp8 loss / bf16 loss>`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,6 +82,7 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 @dataclass(frozen=True)
 class Bounds:
     """A recipe's per-GEMM errors relative to D, from the formats its config casts each operand to."""
+
     forward: float  # eps_f: input x weight
     backward: float  # eps_b: the gradient coming back x weight
 
@@ -91,8 +93,10 @@ class Bounds:
         def eps(*casts) -> float:
             return math.sqrt(sum(unit_roundoff(cast.target_dtype) ** 2 for cast in casts) / 3)
 
-        return cls(eps(c.cast_config_input, c.cast_config_weight),
-                   eps(c.cast_config_grad_output, c.cast_config_weight_for_grad_input))
+        return cls(
+            eps(c.cast_config_input, c.cast_config_weight),
+            eps(c.cast_config_grad_output, c.cast_config_weight_for_grad_input),
+        )
 
     @staticmethod
     def gemm_range(eps: float) -> tuple[float, float]:
@@ -101,7 +105,7 @@ class Bounds:
 
     def through(self, n: int) -> float:
         """r, the gradient's relative error through n float8 GEMMs in series."""
-        return math.sqrt(n * (self.forward ** 2 + self.backward ** 2))
+        return math.sqrt(n * (self.forward**2 + self.backward**2))
 
 
 @dataclass(frozen=True)
@@ -139,26 +143,34 @@ class Comparison:
     def line(self) -> str:
         def gemms(errors: dict, eps: float) -> str:
             low, high = Bounds.gemm_range(eps)
-            return (f"{min(errors.values()):.2%} to {max(errors.values()):.2%} of their incoherent norm (bound "
-                    f"{low:.2%} to {high:.2%})")
+            return (
+                f"{min(errors.values()):.2%} to {max(errors.values()):.2%} of their incoherent norm (bound "
+                f"{low:.2%} to {high:.2%})"
+            )
 
-        wire = ", ".join(f"{name} cosine {cosine:.4f}, relative difference {self.wire_rel_diff[name]:.1%}"
-                         for name, cosine in self.wire_cosine.items())
-        return (f"{self.recipe}: {len(self.forward_errors)} float8 linears, forward error "
-                f"{gemms(self.forward_errors, self.bounds.forward)}, input-gradient error "
-                f"{gemms(self.input_grad_errors, self.bounds.backward)}; loss bf16 {self.loss_bf16:.5f} fp8 "
-                f"{self.loss_fp8:.5f} (relative difference {self.loss_rel_diff:.2%}, estimate {self.loss_bound:.1%}); "
-                f"trainable gradient cosine {self.grad_cosine:.4f} (estimate >= {self.cosine_bound:.3f}), relative "
-                f"difference {self.grad_rel_diff:.1%} (estimate {self.grad_rel_bound:.1%}); at the soft tokens: {wire}")
+        wire = ", ".join(
+            f"{name} cosine {cosine:.4f}, relative difference {self.wire_rel_diff[name]:.1%}"
+            for name, cosine in self.wire_cosine.items()
+        )
+        return (
+            f"{self.recipe}: {len(self.forward_errors)} float8 linears, forward error "
+            f"{gemms(self.forward_errors, self.bounds.forward)}, input-gradient error "
+            f"{gemms(self.input_grad_errors, self.bounds.backward)}; loss bf16 {self.loss_bf16:.5f} fp8 "
+            f"{self.loss_fp8:.5f} (relative difference {self.loss_rel_diff:.2%}, estimate {self.loss_bound:.1%}); "
+            f"trainable gradient cosine {self.grad_cosine:.4f} (estimate >= {self.cosine_bound:.3f}), relative "
+            f"difference {self.grad_rel_diff:.1%} (estimate {self.grad_rel_bound:.1%}); at the soft tokens: {wire}"
+        )
 
 
 def gemms_in_series(llm) -> int:
     """The n of the estimate: the linears that convert on each decoder layer's deepest path, summed
     over the layers (before the conversion)."""
     converted = {id(linear) for _, _, linear in fp8_linears(llm)}
-    return sum(any(id(getattr(module, name, None)) in converted
-                   for module in layer.modules() for name in group)
-               for layer in decoder_layers(llm) for group in PATH_GROUPS)
+    return sum(
+        any(id(getattr(module, name, None)) in converted for module in layer.modules() for name in group)
+        for layer in decoder_layers(llm)
+        for group in PATH_GROUPS
+    )
 
 
 def loss_and_gradients(model, llms: dict, batch: dict, cfg, backends) -> tuple[float, torch.Tensor, dict]:
@@ -175,8 +187,15 @@ def loss_and_gradients(model, llms: dict, batch: dict, cfg, backends) -> tuple[f
 
     handle = model.register_forward_hook(keep)
     with sdpa_kernel(backends):
-        terms = train.micro_step(model, task, batch, n_targets=task.counts(batch).float(), amp_dtype=torch.bfloat16,
-                                 scaler=scaler, world_size=1)
+        terms = train.micro_step(
+            model,
+            task,
+            batch,
+            n_targets=task.counts(batch).float(),
+            amp_dtype=torch.bfloat16,
+            scaler=scaler,
+            world_size=1,
+        )
     handle.remove()
     grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
     model.zero_grad(set_to_none=True)
@@ -209,6 +228,7 @@ def gemm_errors(checked: dict) -> tuple[dict[str, float], dict[str, float], list
     times the weight)."""
     forward, backward, handles = {}, {}, []
     for key, (parent, attr, weight) in checked.items():
+
         def output_hook(module, args, output, key=key, weight=weight):
             x = args[0].detach().reshape(-1, weight.shape[1]).to(weight.dtype)
             bias = module.bias.float() if module.bias is not None else 0
@@ -225,14 +245,24 @@ def gemm_errors(checked: dict) -> tuple[dict[str, float], dict[str, float], list
 
 def compare(cfg, device: torch.device, recipe: str) -> Comparison:
     """The same batch through the same weights, bf16 then float8 by `recipe` (see the module's docstring)."""
-    llms = frozen_llms(replace(cfg.frozen, fp8="none"), cfg.prompt, "bf16", device,  # cast below, by `recipe`
-                       checkpointing=checkpoint_options(cfg.recompute.policy))
+    llms = frozen_llms(
+        replace(cfg.frozen, fp8="none"),
+        cfg.prompt,
+        "bf16",
+        device,  # cast below, by `recipe`
+        checkpointing=checkpoint_options(cfg.recompute.policy),
+    )
     torch.manual_seed(cfg.training.seed)
     model = WireEncoder.for_llms(cfg.wire, llms).to(device).train()
     micro = cfg.training.micro_batch_size
     dataset = PromptDataset(DataSources.of(cfg.data, cfg.training.seed).train_examples(micro))
-    collate = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
-                                word_patch=cfg.wire.word_patch)
+    collate = Collator.for_llms(
+        llms,
+        cfg.data.max_prompt_bytes,
+        cfg.data.max_answer_tokens,
+        cfg.data.pad_multiple,
+        word_patch=cfg.wire.word_patch,
+    )
     batch = to_device(collate([dataset[i] for i in range(micro)]), device)
     backends, _ = sdpa_backends(cuda_capability(device), torch.bfloat16)
     loss_bf16, grad_bf16, wire_bf16 = loss_and_gradients(model, llms, batch, cfg, backends)
@@ -250,15 +280,25 @@ def compare(cfg, device: torch.device, recipe: str) -> Comparison:
     def rel_diff(a, b) -> float:
         return ((a - b).norm() / b.norm()).item()
 
-    return Comparison(recipe, Bounds.of(recipe), loss_bf16, loss_fp8, cosine(grad_fp8, grad_bf16),
-                      rel_diff(grad_fp8, grad_bf16), {name: cosine(wire_fp8[name], g) for name, g in wire_bf16.items()},
-                      {name: rel_diff(wire_fp8[name], g) for name, g in wire_bf16.items()}, forward, backward,
-                      in_series)
+    return Comparison(
+        recipe,
+        Bounds.of(recipe),
+        loss_bf16,
+        loss_fp8,
+        cosine(grad_fp8, grad_bf16),
+        rel_diff(grad_fp8, grad_bf16),
+        {name: cosine(wire_fp8[name], g) for name, g in wire_bf16.items()},
+        {name: rel_diff(wire_fp8[name], g) for name, g in wire_bf16.items()},
+        forward,
+        backward,
+        in_series,
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--profile", default="cpu", help="the hardware profile (train.py's); any train.py flag may follow")
     p.add_argument("--recipe", default="tensorwise", choices=RECIPES, help="torchao's float8 scaling recipe")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the CPU)")
@@ -269,18 +309,27 @@ def main() -> None:
     cfg = load_config(["--profile", args.profile, *quick, *rest, *FORCED], prog="bench/fp8_numerics.py")
     device = torch.device(cfg.card.device)
     result = compare(cfg, device, args.recipe)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
-          f"readers {cfg.frozen.llama} and {cfg.frozen.qwen}; micro-batch {cfg.training.micro_batch_size}; "
-          f"GEMMs in series {result.gemms_in_series}")
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
+        f"readers {cfg.frozen.llama} and {cfg.frozen.qwen}; micro-batch {cfg.training.micro_batch_size}; "
+        f"GEMMs in series {result.gemms_in_series}"
+    )
     for key, error in result.forward_errors.items():
         print(f"  {key}: error / D forward {error:.3%}, input gradient {result.input_grad_errors[key]:.3%}")
     print(result.line())
-    summary("fp8_numerics", result.loss_fp8 / result.loss_bf16, recipe=args.recipe,
-            loss_rel_diff=result.loss_rel_diff, loss_estimate=result.loss_bound, grad_cosine=result.grad_cosine,
-            grad_rel_diff=result.grad_rel_diff, grad_estimate=result.grad_rel_bound,
-            **{f"wire_rel_diff_{name}": value for name, value in result.wire_rel_diff.items()},
-            forward_error_max=max(result.forward_errors.values()),
-            input_grad_error_max=max(result.input_grad_errors.values()))
+    summary(
+        "fp8_numerics",
+        result.loss_fp8 / result.loss_bf16,
+        recipe=args.recipe,
+        loss_rel_diff=result.loss_rel_diff,
+        loss_estimate=result.loss_bound,
+        grad_cosine=result.grad_cosine,
+        grad_rel_diff=result.grad_rel_diff,
+        grad_estimate=result.grad_rel_bound,
+        **{f"wire_rel_diff_{name}": value for name, value in result.wire_rel_diff.items()},
+        forward_error_max=max(result.forward_errors.values()),
+        input_grad_error_max=max(result.input_grad_errors.values()),
+    )
 
 
 if __name__ == "__main__":

@@ -106,6 +106,7 @@ rows (half a minute or more of single-threaded Python each, which a GPU lease sh
 plan-<profile>-<policy>-<recipe>.json for FP8, which need torchao), and the driver reads each from
 there when its flags match, tracing it itself only when they do not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -193,8 +194,9 @@ def squad_length_examples(path: Path, n: int, seed: int = 0) -> Path:
         first = min(next(j for j, (_, end) in enumerate(spans) if end > at), max(len(spans) - length, 0))
         start, end = spans[first][0], spans[min(first + length, len(spans)) - 1][1]
         answer = context[start:end].strip()
-        examples.append({**ex, "context": context,
-                         "answers": {"text": [answer], "answer_start": [context.index(answer, start)]}})
+        examples.append(
+            {**ex, "context": context, "answers": {"text": [answer], "answer_start": [context.index(answer, start)]}}
+        )
     path.write_text(json.dumps(examples))
     return path
 
@@ -208,19 +210,22 @@ def rows_summary(path: Path, max_answer_tokens: int, pad_multiple: int) -> dict:
 
     examples = json.loads(Path(path).read_text())
     answers = [answer_text(ex) for ex in examples]
-    summary = {"examples": len(examples),
-               "prompt_bytes_max": max(len(prompt_text(ex).encode()) for ex in examples)}
+    summary = {"examples": len(examples), "prompt_bytes_max": max(len(prompt_text(ex).encode()) for ex in examples)}
     summary["max_prompt_bytes"] = round_up(summary["prompt_bytes_max"], pad_multiple)
     for family in ("llama", "qwen"):
         lengths = sorted(min(len(ids), max_answer_tokens) for ids in answer_token_ids(tiny_tokenizer(family), answers))
         summary[f"answer_tokens_{family}"] = {
-            "mean": round(statistics.fmean(lengths), 2), "median": statistics.median(lengths),
-            "p90": lengths[int(0.9 * (len(lengths) - 1))], "max": lengths[-1],
-            "one_token": round(lengths.count(1) / len(lengths), 3)}
+            "mean": round(statistics.fmean(lengths), 2),
+            "median": statistics.median(lengths),
+            "p90": lengths[int(0.9 * (len(lengths) - 1))],
+            "max": lengths[-1],
+            "one_token": round(lengths.count(1) / len(lengths), 3),
+        }
     return summary
 
 
 # --- the card's attention kernels (run in a child: `--kernel-facts`) --------------------------------
+
 
 def kernel_facts(device: torch.device) -> dict:
     """What each SDPA kernel does with the inputs this project gives it: a query row that sees no
@@ -258,8 +263,10 @@ def kernel_facts(device: torch.device) -> dict:
         pad = torch.ones(2, 1, 1, 16, dtype=torch.bool, device=device)
         pad[0, ..., 10:] = False
         facts["head_width"][str(width)] = [
-            b for b in backends
-            if not attempt(b, lambda x=x, pad=pad: str(sdpa(x, x, x, attn_mask=pad).shape)).startswith("refused")]
+            b
+            for b in backends
+            if not attempt(b, lambda x=x, pad=pad: str(sdpa(x, x, x, attn_mask=pad).shape)).startswith("refused")
+        ]
 
     # Llama-3.1-8B's attention: 32 query heads over 8 key/value heads of width 128, causal, no mask.
     q0, k0, v0 = (torch.randn(2, h, 256, 128, device=device) for h in (32, 8, 8))
@@ -287,14 +294,16 @@ def kernel_facts(device: torch.device) -> dict:
     key_mask = torch.arange(96, device=device)[None, :] < torch.tensor([96, 70, 33, 1], device=device)[:, None]
 
     def compiled_dropout():  # inductor's kernels are the GPU's fact; on a CPU the check's code path is enough
-        out = torch.compile(encoder_attention, dynamic=True,
-                            backend="inductor" if device.type == "cuda" else "aot_eager")(x, key_mask)
+        out = torch.compile(
+            encoder_attention, dynamic=True, backend="inductor" if device.type == "cuda" else "aot_eager"
+        )(x, key_mask)
         out.float().sum().backward()
         finite = bool(out.isfinite().all() and x.grad.isfinite().all())
         return "finite" if finite else "non-finite output or gradient"
 
-    facts["compiled_masked_dropout"] = attempt("EFFICIENT_ATTENTION" if device.type == "cuda" else "MATH",
-                                               compiled_dropout)
+    facts["compiled_masked_dropout"] = attempt(
+        "EFFICIENT_ATTENTION" if device.type == "cuda" else "MATH", compiled_dropout
+    )
     return facts
 
 
@@ -302,13 +311,19 @@ def versions() -> dict:
     import transformers
 
     cuda = torch.cuda.is_available()
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "capability": list(torch.cuda.get_device_capability()) if cuda else None}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+    }
 
 
 # --- time and children ----------------------------------------------------------------------------
+
 
 class Clock:
     """The deadline every part is fitted under: `margin` seconds are kept for stopping the last part
@@ -354,8 +369,14 @@ class Runner:
             log.flush()
             offset = log.tell()
             started = time.monotonic()
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**self.env, **(env or {})})
+            proc = subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**self.env, **(env or {})},
+            )
             seen = None
             try:
                 if watch is None:
@@ -426,12 +447,20 @@ class Results:
 
 # --- the plan, traced on the CPU --------------------------------------------------------------------
 
+
 def plan_flags(profile: str, readers: list[str], policy: str, rows: list[str], fp8: str = "none") -> list[str]:
     """The flags the plan is traced for and the runs share, `policy` the activation checkpointing:
     `rows`, the longest rows of the check's data (check_rows), so the plan traces those and not the
     profile's longest."""
-    return ["--profile", profile, *readers, *rows, "--activation-checkpointing", policy,
-            *(["--frozen-fp8", fp8] if fp8 != "none" else [])]
+    return [
+        "--profile",
+        profile,
+        *readers,
+        *rows,
+        "--activation-checkpointing",
+        policy,
+        *(["--frozen-fp8", fp8] if fp8 != "none" else []),
+    ]
 
 
 def plan_path(profile: str, policy: str, fp8: str = "none") -> Path:
@@ -463,16 +492,26 @@ def trace_plan(flags: list[str], path: Path, run, budget_s: float = 300, env: di
     return json.loads(path.read_text())
 
 
-def the_plan(run, profile: str, readers: list[str], policy: str, rows: list[str], work: Path,
-             fp8: str = "none", torchao: str | None = None) -> tuple[dict | str, str]:
+def the_plan(
+    run,
+    profile: str,
+    readers: list[str],
+    policy: str,
+    rows: list[str],
+    work: Path,
+    fp8: str = "none",
+    torchao: str | None = None,
+) -> tuple[dict | str, str]:
     """The plan for these flags, and where it came from: bench/results/ where it is shipped, else
     traced now (an FP8 plan with torchao where `torchao` says)."""
     flags, path = plan_flags(profile, readers, policy, rows, fp8), plan_path(profile, policy, fp8)
     plan = shipped_plan(flags, path)
     if plan is not None:
         return plan, str(path.relative_to(REPO))
-    return (trace_plan(flags, work / path.name, run, env=fp8_env(torchao) if fp8 != "none" else None),
-            "traced by this run")
+    return (
+        trace_plan(flags, work / path.name, run, env=fp8_env(torchao) if fp8 != "none" else None),
+        "traced by this run",
+    )
 
 
 def check_rows(profile: str, work: Path, examples: int) -> tuple[Path, dict, list[str]]:
@@ -488,10 +527,11 @@ def check_rows(profile: str, work: Path, examples: int) -> tuple[Path, dict, lis
 
 def planned_peak_gib(plan: dict, micro_batch: int) -> float:
     """The plan's traced peak (without its reserve) at `micro_batch`: its fit, fixed + per sample."""
-    return (plan["fixed_bytes"] + plan["activation_bytes_per_sample"] * micro_batch) / 2 ** 30
+    return (plan["fixed_bytes"] + plan["activation_bytes_per_sample"] * micro_batch) / 2**30
 
 
 # --- the parts --------------------------------------------------------------------------------------
+
 
 def steady_state(records: list[dict]) -> dict:
     """Medians over the steps after the first three (the first compiles, the next may recompile for
@@ -506,15 +546,23 @@ def steady_state(records: list[dict]) -> dict:
         return statistics.median(values) if values else None
 
     step = median("step_time_s")
-    return {"steps_logged": timed[-1]["step"], "step_time_s": step, "samples_per_s": median("samples_per_s"),
-            "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "hfu": median("hfu"),
-            "tflops_per_gpu": median("tflops_per_gpu"),
-            "data_wait_frac": median("data_wait_frac"), "peak_mem_gb": max(r["run_peak_mem_gb"] for r in timed),
-            "peak_reserved_gb": max((r.get("peak_reserved_gb") or 0) for r in timed) or None,
-            "alloc_retries": alloc_retries(timed),
-            "first_step_s": timed[0]["step_time_s"],
-            "compile_s": max(timed[0]["step_time_s"] - step, 0.0) if len(timed) > 1 else None,
-            "loss_first": timed[0]["loss"], "loss_last": timed[-1]["loss"]}
+    return {
+        "steps_logged": timed[-1]["step"],
+        "step_time_s": step,
+        "samples_per_s": median("samples_per_s"),
+        "tokens_per_s": median("tokens_per_s"),
+        "mfu": median("mfu"),
+        "hfu": median("hfu"),
+        "tflops_per_gpu": median("tflops_per_gpu"),
+        "data_wait_frac": median("data_wait_frac"),
+        "peak_mem_gb": max(r["run_peak_mem_gb"] for r in timed),
+        "peak_reserved_gb": max((r.get("peak_reserved_gb") or 0) for r in timed) or None,
+        "alloc_retries": alloc_retries(timed),
+        "first_step_s": timed[0]["step_time_s"],
+        "compile_s": max(timed[0]["step_time_s"] - step, 0.0) if len(timed) > 1 else None,
+        "loss_first": timed[0]["loss"],
+        "loss_last": timed[-1]["loss"],
+    }
 
 
 def alloc_retries(records: list[dict]) -> int | None:
@@ -530,8 +578,11 @@ def memory_cap(output: str) -> dict:
     None, or a card of the profile's size): not capped."""
     line = MEMORY_LINE.search(output)
     held = HELD.search(line.group(0)) if line else None
-    return {"memory_capped": held is not None, "memory_fraction": float(held.group(1)) if held else None,
-            "memory_cap_line": line.group(0) if line else None}
+    return {
+        "memory_capped": held is not None,
+        "memory_fraction": float(held.group(1)) if held else None,
+        "memory_cap_line": line.group(0) if line else None,
+    }
 
 
 def compile_cache_use(output: str) -> dict:
@@ -540,12 +591,13 @@ def compile_cache_use(output: str) -> dict:
     graph read back), partly warm or cold; None where nothing compiled."""
     said = [hit_or_miss or bypassed for hit_or_miss, bypassed in AOT_CACHE.findall(output)]
     hits, misses, bypassed = (said.count(word) for word in ("hit", "miss", "Bypassing"))
-    state = (None if not said else "warm" if not (misses or bypassed) else "cold" if not hits else "partly warm")
+    state = None if not said else "warm" if not (misses or bypassed) else "cold" if not hits else "partly warm"
     return {"cache_hits": hits, "cache_misses": misses, "cache_bypassed": bypassed, "compile_cache": state}
 
 
-def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env: dict | None = None,
-              watch: str | None = None) -> dict:
+def train_run(
+    run, name: str, flags: list[str], work: Path, budget_s: float, env: dict | None = None, watch: str | None = None
+) -> dict:
     """train.py in one process (no process group, no DDP), its steady state, recompiles and graph
     breaks, its memory cap and what the compile cache gave it; a run stopped at its time keeps the
     records it had flushed (`records`). A run refused in one line (exit 2: a flag this train.py
@@ -555,22 +607,35 @@ def train_run(run, name: str, flags: list[str], work: Path, budget_s: float, env
 
     run_dir = work / "runs" / name
     started = time.time()
-    child = run([sys.executable, "train.py", *flags, "--out-dir", str(run_dir), "--overwrite"], budget_s,
-                env={"TORCH_LOGS": f"recompiles,graph_breaks,{AOT_CACHE_LOG}", **(env or {})}, watch=watch)
+    child = run(
+        [sys.executable, "train.py", *flags, "--out-dir", str(run_dir), "--overwrite"],
+        budget_s,
+        env={"TORCH_LOGS": f"recompiles,graph_breaks,{AOT_CACHE_LOG}", **(env or {})},
+        watch=watch,
+    )
     entry = {"name": name, **child.entry(), "flags": flags, "run_dir": str(run_dir), "env": env or {}}
     try:
         cfg = load_config([*flags, "--out-dir", str(run_dir)])
     except (UserError, SystemExit):  # what train.py refused is in its error line
         cfg = None
     if cfg is not None:
-        entry |= {"profile": cfg.invocation.profile, "micro_batch_size": cfg.training.micro_batch_size,
-                  "grad_accum_steps": cfg.training.grad_accum_steps, "compile": cfg.compile.enabled,
-                  "compile_mode": cfg.compile.mode if cfg.compile.enabled else None,
-                  "activation_checkpointing": cfg.recompute.policy, "fp8": cfg.frozen.fp8,
-                  "memory_gb": cfg.card.memory_gb, "cap_memory": cfg.card.cap_memory}
-    entry |= {"recompiles": child.output.count("Recompiling function"),
-              "graph_breaks": len(re.findall(r"Graph break", child.output)),
-              **memory_cap(child.output), **compile_cache_use(child.output)}
+        entry |= {
+            "profile": cfg.invocation.profile,
+            "micro_batch_size": cfg.training.micro_batch_size,
+            "grad_accum_steps": cfg.training.grad_accum_steps,
+            "compile": cfg.compile.enabled,
+            "compile_mode": cfg.compile.mode if cfg.compile.enabled else None,
+            "activation_checkpointing": cfg.recompute.policy,
+            "fp8": cfg.frozen.fp8,
+            "memory_gb": cfg.card.memory_gb,
+            "cap_memory": cfg.card.cap_memory,
+        }
+    entry |= {
+        "recompiles": child.output.count("Recompiling function"),
+        "graph_breaks": len(re.findall(r"Graph break", child.output)),
+        **memory_cap(child.output),
+        **compile_cache_use(child.output),
+    }
     entry["records"], torn = read_records(run_dir / "metrics.jsonl")
     if torn:
         entry["unreadable_metrics_lines"] = torn
@@ -605,8 +670,20 @@ def evaluated(run, run_dir: str, work: Path, examples: int, budget_s: float) -> 
     """The trained wire with text baselines: non-finite NLLs and empty answers counted. Random
     readers' answers through a tiny tokenizer are mostly empty or noise: expected, not a failure."""
     out = work / "eval"
-    child = run([sys.executable, "-m", "latentwire.evaluate", "--ckpt", run_dir, "--eval-examples", str(examples),
-                 "--out-dir", str(out)], budget_s)
+    child = run(
+        [
+            sys.executable,
+            "-m",
+            "latentwire.evaluate",
+            "--ckpt",
+            run_dir,
+            "--eval-examples",
+            str(examples),
+            "--out-dir",
+            str(out),
+        ],
+        budget_s,
+    )
     entry = child.entry()
     reports = sorted(out.glob("*.json"))
     if child.status != "done" or not reports:
@@ -614,29 +691,58 @@ def evaluated(run, run_dir: str, work: Path, examples: int, budget_s: float) -> 
     report = json.loads(reports[-1].read_text())
     answers = [v for a in report["answers"] for k, v in a.items() if k not in ("index", "question", "gold")]
     nll = {k: v for k, v in report["metrics"].items() if k.startswith("nll_")}
-    return entry | {"examples": examples, "nll": nll, "nonfinite_nll": [k for k, v in nll.items() if v != v or
-                                                                       abs(v) == float("inf")],
-                    "em": {k: v for k, v in report["metrics"].items() if k.startswith("em_")},
-                    "empty_answers": sum(not a for a in answers), "answers": len(answers),
-                    "note": "random weights read through a tiny tokenizer: empty or noise answers are expected"}
+    return entry | {
+        "examples": examples,
+        "nll": nll,
+        "nonfinite_nll": [k for k, v in nll.items() if v != v or abs(v) == float("inf")],
+        "em": {k: v for k, v in report["metrics"].items() if k.startswith("em_")},
+        "empty_answers": sum(not a for a in answers),
+        "answers": len(answers),
+        "note": "random weights read through a tiny tokenizer: empty or noise answers are expected",
+    }
 
 
 def found_batch(run, flags: list[str], work: Path, most: int, budget_s: float) -> dict:
     """find_batch from the profile's micro-batch up to the plan's largest (`most`): two real steps
     at each trial on the plan's longest rows, the measured peak of each."""
     path = work / "find_batch.json"
-    child = run([sys.executable, "-m", "latentwire.find_batch", *flags, "--steps", "2", "--max-micro-batch", str(most),
-                 "--json", str(path), "--out-dir", str(work / "find_batch")], budget_s)
+    child = run(
+        [
+            sys.executable,
+            "-m",
+            "latentwire.find_batch",
+            *flags,
+            "--steps",
+            "2",
+            "--max-micro-batch",
+            str(most),
+            "--json",
+            str(path),
+            "--out-dir",
+            str(work / "find_batch"),
+        ],
+        budget_s,
+    )
     entry = child.entry()
     if child.status == "failed":
         entry["error"] = error_line(child.output)
     if path.exists():
         found = json.loads(path.read_text())
-        entry |= {"find_batch_max": found["max_micro_batch"], "cap_gb": found["cap_bytes"] / 2 ** 30,
-                  "trials": [{"micro_batch": t["micro_batch"], "fits": t["fits"],
-                              "peak_gb": t["peak_allocated"] and t["peak_allocated"] / 2 ** 30,
-                              "peak_reserved_gb": t["peak_reserved"] and t["peak_reserved"] / 2 ** 30,
-                              "seconds": round(t["seconds"], 1), "error": t["error"]} for t in found["trials"]]}
+        entry |= {
+            "find_batch_max": found["max_micro_batch"],
+            "cap_gb": found["cap_bytes"] / 2**30,
+            "trials": [
+                {
+                    "micro_batch": t["micro_batch"],
+                    "fits": t["fits"],
+                    "peak_gb": t["peak_allocated"] and t["peak_allocated"] / 2**30,
+                    "peak_reserved_gb": t["peak_reserved"] and t["peak_reserved"] / 2**30,
+                    "seconds": round(t["seconds"], 1),
+                    "error": t["error"],
+                }
+                for t in found["trials"]
+            ],
+        }
     else:  # stopped mid-search: the trials it printed
         entry["trials_said"] = re.findall(r"trial micro-batch.*", child.output)
     return entry
@@ -652,13 +758,26 @@ def ratio(run: dict, reference: dict, key: str = "samples_per_s") -> float | Non
 
 # Each part's most seconds, in the order they run; the deadline may cut any of them shorter. An H100
 # is expected to take about half of each (a cold compile of the two LLMs' layers is most of main).
-BUDGETS_S = {"preflight": 60, "main": 270, "evaluate": 60, "eager": 60, "find_batch": 90, "no_recompute": 60,
-             "plan_micro_batch": 60}
+BUDGETS_S = {
+    "preflight": 60,
+    "main": 270,
+    "evaluate": 60,
+    "eager": 60,
+    "find_batch": 90,
+    "no_recompute": 60,
+    "plan_micro_batch": 60,
+}
 # The levers mode's parts (--levers), in the order they run: the module's docstring has the time
 # each is expected to take with the compile cache's savings, and which the deadline cuts first.
-LEVER_BUDGETS_S = {"h200": 120, "h100": 110, "h100_selective": 110, **{f"fp8_{recipe}": 100 for recipe in RECIPES},
-                   "profile": 80, "fails_at_first_step": 45,
-                   **{f"fp8_{recipe}_largest": 80 for recipe in RECIPES}}
+LEVER_BUDGETS_S = {
+    "h200": 120,
+    "h100": 110,
+    "h100_selective": 110,
+    **{f"fp8_{recipe}": 100 for recipe in RECIPES},
+    "profile": 80,
+    "fails_at_first_step": 45,
+    **{f"fp8_{recipe}_largest": 80 for recipe in RECIPES},
+}
 # The levers' bf16 configurations, in the order of what they decide: (part, profile, policy), the
 # policy None for the profile's own (as shipped). The first is the baseline, its profile the card's.
 LEVER_CONFIGS = (("h200", "h200", None), ("h100", "h100", None), ("h100_selective", "h100", "selective"))
@@ -685,8 +804,10 @@ def lever_configs(cpu_check: bool) -> list[tuple[str, str, str]]:
     named; on the cpu check the cpu profile under the policy of the card's part it stands for."""
     from latentwire.settings import load_config
 
-    return [(name, "cpu" if cpu_check else profile, policy or load_config(["--profile", profile]).recompute.policy)
-            for name, profile, policy in LEVER_CONFIGS]
+    return [
+        (name, "cpu" if cpu_check else profile, policy or load_config(["--profile", profile]).recompute.policy)
+        for name, profile, policy in LEVER_CONFIGS
+    ]
 
 
 def plans_to_ship(profile: str, fp8: bool) -> list[tuple[str, str, str]]:
@@ -694,8 +815,12 @@ def plans_to_ship(profile: str, fp8: bool) -> list[tuple[str, str, str]]:
     `profile` (full recompute, none), the levers' bf16 configurations, and with `fp8` each recipe at
     each of those (the fastest of which the FP8 parts run at)."""
     levers = [(profile, policy) for _, profile, policy in lever_configs(False)]
-    wanted = [(profile, "full", "none"), (profile, "none", "none"), *((p, policy, "none") for p, policy in levers),
-              *((p, policy, recipe) for recipe in (RECIPES if fp8 else ()) for p, policy in levers)]
+    wanted = [
+        (profile, "full", "none"),
+        (profile, "none", "none"),
+        *((p, policy, "none") for p, policy in levers),
+        *((p, policy, recipe) for recipe in (RECIPES if fp8 else ()) for p, policy in levers),
+    ]
     return list(dict.fromkeys(wanted))
 
 
@@ -715,16 +840,18 @@ def prepare(profile: str, torchao: str | None) -> None:
                 rows[plan_profile] = check_rows(plan_profile, Path(tmp), EXAMPLES)[1:]
             summary, rows_flags = rows[plan_profile]
             flags = plan_flags(plan_profile, REAL_LLMS, policy, rows_flags, recipe)
-            plan = trace_plan(flags, Path(tmp) / "plan.json", run, budget_s=3600,
-                              env=fp8_env(torchao) if recipe != "none" else None)
+            plan = trace_plan(
+                flags, Path(tmp) / "plan.json", run, budget_s=3600, env=fp8_env(torchao) if recipe != "none" else None
+            )
             if isinstance(plan, str) and recipe != "none" and plan.startswith("plan refused"):
                 print(f"no {recipe} plan for {plan_profile} ({policy}): {plan}")
                 continue
             if isinstance(plan, str):
                 sys.exit(f"error: {plan}")
             path = plan_path(plan_profile, policy, recipe)
-            path.write_text(json.dumps({"flags": flags, "torch": torch.__version__, "rows": summary,
-                                        "plan": plan}, indent=2) + "\n")
+            path.write_text(
+                json.dumps({"flags": flags, "torch": torch.__version__, "rows": summary, "plan": plan}, indent=2) + "\n"
+            )
             print(f"wrote {path}: largest micro-batch {plan['max_micro_batch']}")
 
 
@@ -746,22 +873,43 @@ class Check:
         self.profile, self.readers, self.steps, self.lever_steps, self.eval_examples = settings(args)
         self.log = self.out / "validation.log"
         self.log.write_text(f"gpu_validation: {' '.join(sys.argv)}; work in {self.work}\n")
-        self.run = Runner(self.log, self.clock, {**child_env(torch.get_num_threads()),
-                                                 "TORCHINDUCTOR_CACHE_DIR": str(self.work / "inductor_cache")})
-        self.results = Results(self.out / f"{self.profile}{name}.json", {
-            "date": datetime.date.today().isoformat(), "profile": self.profile, "command": " ".join(sys.argv),
-            "deadline_s": args.deadline, "parts": {}, "runs": []})
+        self.run = Runner(
+            self.log,
+            self.clock,
+            {**child_env(torch.get_num_threads()), "TORCHINDUCTOR_CACHE_DIR": str(self.work / "inductor_cache")},
+        )
+        self.results = Results(
+            self.out / f"{self.profile}{name}.json",
+            {
+                "date": datetime.date.today().isoformat(),
+                "profile": self.profile,
+                "command": " ".join(sys.argv),
+                "deadline_s": args.deadline,
+                "parts": {},
+                "runs": [],
+            },
+        )
         self.record, self.parts = self.results.record, self.results.record["parts"]
         self.record["versions"] = versions()
-        self.stamp = {"device": self.record["versions"]["device"], "torch": torch.__version__,
-                      "date": self.record["date"]}
+        self.stamp = {
+            "device": self.record["versions"]["device"],
+            "torch": torch.__version__,
+            "date": self.record["date"],
+        }
 
     def card_state(self) -> None:
         """The card as nvidia-smi sees it (clocks, power, other processes), in the record and the log."""
         self.record["nvidia_smi"] = None
         if torch.cuda.is_available():
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
-                                  "power.limit", "--format=csv,noheader"], capture_output=True, text=True)
+            smi = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+            )
             self.record["nvidia_smi"] = smi.stdout.strip()
             with open(self.log, "a") as f:
                 f.write(subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout)
@@ -770,19 +918,28 @@ class Check:
         """The check's data, and the flag every run and plan shares that makes a plan trace its
         longest rows."""
         self.data, self.record["rows"], self.rows_flags = check_rows(
-            self.profile, self.work, CPU_EXAMPLES if self.args.cpu_check else EXAMPLES)
+            self.profile, self.work, CPU_EXAMPLES if self.args.cpu_check else EXAMPLES
+        )
         self.results.write()
 
     def flags(self, profile: str, policy: str) -> list[str]:
         """A run's flags: the plan's for this profile and activation checkpointing, on the check's data."""
-        base = [*plan_flags(profile, self.readers, policy, self.rows_flags), "--dataset", str(self.data),
-                "--eval-every", "0", "--checkpoint-every", "0"]
+        base = [
+            *plan_flags(profile, self.readers, policy, self.rows_flags),
+            "--dataset",
+            str(self.data),
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            "0",
+        ]
         return base if self.args.cpu_check else [*base, "--compile-mode", self.args.compile_mode]
 
     def plan(self, policy: str, fp8: str = "none", profile: str | None = None) -> tuple[dict | str, str]:
         """The plan for `profile` (default: the check's) under this policy and FP8 recipe, and its source."""
-        return the_plan(self.run, profile or self.profile, self.readers, policy, self.rows_flags, self.work, fp8,
-                        self.args.torchao)
+        return the_plan(
+            self.run, profile or self.profile, self.readers, policy, self.rows_flags, self.work, fp8, self.args.torchao
+        )
 
     def add_run(self, entry: dict, plan: dict | str | None = None) -> dict:
         """A run's entry in the results, its records left out (they are train.py's metrics.jsonl),
@@ -790,8 +947,10 @@ class Check:
         entry.pop("records", None)
         entry |= self.stamp
         if isinstance(plan, dict) and "micro_batch_size" in entry:
-            entry |= {"planned_peak_gb": planned_peak_gib(plan, entry["micro_batch_size"]),
-                      "plan_max_micro_batch": plan["max_micro_batch"]}
+            entry |= {
+                "planned_peak_gb": planned_peak_gib(plan, entry["micro_batch_size"]),
+                "plan_max_micro_batch": plan["max_micro_batch"],
+            }
         self.record["runs"].append(entry)
         self.parts[entry["name"]] = {k: entry[k] for k in ("status", "exit", "seconds")}
         self.results.write()
@@ -802,8 +961,10 @@ class Check:
         self.results.write()
         print(table(self.record))
         runs = self.record["runs"]
-        print(f"wrote {self.results.path}; {sum(r['status'] == 'done' for r in runs)} of {len(runs)} runs finished "
-              f"in {self.clock.elapsed():.0f} s; log: {self.log}")
+        print(
+            f"wrote {self.results.path}; {sum(r['status'] == 'done' for r in runs)} of {len(runs)} runs finished "
+            f"in {self.clock.elapsed():.0f} s; log: {self.log}"
+        )
 
 
 def validate(check: Check) -> None:
@@ -825,22 +986,33 @@ def validate(check: Check) -> None:
     check.rows()
     base = check.flags(check.profile, "full")
     plan, source = check.plan("full")
-    record["plan"] = plan if isinstance(plan, str) else {
-        "source": source, "max_micro_batch": plan["max_micro_batch"], "fixed_gb": plan["fixed_bytes"] / 2 ** 30,
-        "per_sample_gb": plan["activation_bytes_per_sample"] / 2 ** 30}
-    largest = 0 if isinstance(plan, str) else min(plan["max_micro_batch"], 32 if args.cpu_check else 10 ** 6)
+    record["plan"] = (
+        plan
+        if isinstance(plan, str)
+        else {
+            "source": source,
+            "max_micro_batch": plan["max_micro_batch"],
+            "fixed_gb": plan["fixed_bytes"] / 2**30,
+            "per_sample_gb": plan["activation_bytes_per_sample"] / 2**30,
+        }
+    )
+    largest = 0 if isinstance(plan, str) else min(plan["max_micro_batch"], 32 if args.cpu_check else 10**6)
 
     def add_run(entry: dict) -> dict:
         return check.add_run(entry, plan if entry.get("activation_checkpointing") == "full" else None)
 
     # (1) the main run: the profile as users run it, one process, compiled
-    main_run = add_run(train_run(run, "main", [*base, "--max-steps", str(check.steps), "--log-every", "1"], work,
-                                 budgets["main"]))
+    main_run = add_run(
+        train_run(run, "main", [*base, "--max-steps", str(check.steps), "--log-every", "1"], work, budgets["main"])
+    )
 
     # (2) the wire it trained, with text baselines (a run stopped before its end saved nothing)
     saved = any((Path(main_run["run_dir"]) / "checkpoints").glob("step_*"))
-    record["evaluate"] = (evaluated(run, main_run["run_dir"], work, check.eval_examples, budgets["evaluate"]) if saved
-                          else {"status": "skipped", "why": "the main run saved no checkpoint"})
+    record["evaluate"] = (
+        evaluated(run, main_run["run_dir"], work, check.eval_examples, budgets["evaluate"])
+        if saved
+        else {"status": "skipped", "why": "the main run saved no checkpoint"}
+    )
     parts["evaluate"] = {k: record["evaluate"].get(k) for k in ("status", "exit", "seconds")}
     check.results.write()
 
@@ -865,16 +1037,28 @@ def validate(check: Check) -> None:
     no_ac_plan, _ = check.plan("none")
     if not isinstance(no_ac_plan, str):
         m = min(no_ac_plan["max_micro_batch"], main_run["micro_batch_size"])
-        entry = check.add_run(train_run(run, "no_recompute", [*lever, "--compile", "false",
-                                                              "--activation-checkpointing", "none",
-                                                              "--micro-batch-size", str(m)], work,
-                                        budgets["no_recompute"]), no_ac_plan)
+        entry = check.add_run(
+            train_run(
+                run,
+                "no_recompute",
+                [*lever, "--compile", "false", "--activation-checkpointing", "none", "--micro-batch-size", str(m)],
+                work,
+                budgets["no_recompute"],
+            ),
+            no_ac_plan,
+        )
         record["levers"]["no_recompute_over_eager"] = ratio(entry, eager)
         check.results.write()
     if largest:
-        entry = add_run(train_run(run, "plan_micro_batch", [*lever, "--compile", "false", "--micro-batch-size",
-                                                            str(largest), "--grad-accum-steps", "1"], work,
-                                  budgets["plan_micro_batch"]))
+        entry = add_run(
+            train_run(
+                run,
+                "plan_micro_batch",
+                [*lever, "--compile", "false", "--micro-batch-size", str(largest), "--grad-accum-steps", "1"],
+                work,
+                budgets["plan_micro_batch"],
+            )
+        )
         record["levers"]["plan_micro_batch_over_eager"] = ratio(entry, eager)
     check.finish()
 
@@ -894,16 +1078,24 @@ def levers(check: Check) -> None:
     plans, record["plans"] = {}, {}
     for name, profile, policy in configs:
         plans[name], source = check.plan(policy, profile=profile)
-        record["plans"][name] = plans[name] if isinstance(plans[name], str) else {
-            "profile": profile, "activation_checkpointing": policy, "max_micro_batch": plans[name]["max_micro_batch"],
-            "source": source}
+        record["plans"][name] = (
+            plans[name]
+            if isinstance(plans[name], str)
+            else {
+                "profile": profile,
+                "activation_checkpointing": policy,
+                "max_micro_batch": plans[name]["max_micro_batch"],
+                "source": source,
+            }
+        )
     record["baseline"] = f"{configs[0][0]}: the {configs[0][1]} profile as shipped"
     steps = ["--max-steps", str(check.steps), "--log-every", "1"]
     metrics_copy = check.out / "metrics.jsonl"
     metrics_copy.write_text("")
 
-    def lever(name: str, flags: list[str], plan: dict | str, env: dict | None = None, keep_batch: bool = True,
-              **why) -> dict:
+    def lever(
+        name: str, flags: list[str], plan: dict | str, env: dict | None = None, keep_batch: bool = True, **why
+    ) -> dict:
         """One part: train_run under the part's budget, halving the micro-batch while it runs out
         of memory (exit 5) and time is left (accumulation keeping the global batch, or with
         `keep_batch` false one micro-batch a step), the metrics appended to the copy at once;
@@ -943,8 +1135,13 @@ def levers(check: Check) -> None:
     fp8_env_of = {**fastest["env"], **fp8_env(args.torchao)}
     fp8_plans = {recipe: check.plan(fastest_policy, recipe, fastest_profile) for recipe in RECIPES}
     for recipe in RECIPES:
-        lever(f"fp8_{recipe}", [*fastest["flags"], "--frozen-fp8", recipe], fp8_plans[recipe][0], fp8_env_of,
-              of=fastest["name"])
+        lever(
+            f"fp8_{recipe}",
+            [*fastest["flags"], "--frozen-fp8", recipe],
+            fp8_plans[recipe][0],
+            fp8_env_of,
+            of=fastest["name"],
+        )
     check.results.write()
 
     # (5) where the fastest's time goes: torch.profiler over three steady steps
@@ -963,10 +1160,18 @@ def levers(check: Check) -> None:
     if args.cpu_check or isinstance(plans[baseline], str):
         skipped("fails_at_first_step", "a CPU has no out-of-memory to provoke" if args.cpu_check else plans[baseline])
     else:
-        entry = train_run(run, "fails_at_first_step",
-                          with_micro_batch([*check.flags(profile, policy), *steps, "--compile", "false",
-                                            "--max-steps", "2"], 4 * plans[baseline]["max_micro_batch"], None),
-                          work, budgets["fails_at_first_step"], watch=CAUGHT)
+        entry = train_run(
+            run,
+            "fails_at_first_step",
+            with_micro_batch(
+                [*check.flags(profile, policy), *steps, "--compile", "false", "--max-steps", "2"],
+                4 * plans[baseline]["max_micro_batch"],
+                None,
+            ),
+            work,
+            budgets["fails_at_first_step"],
+            watch=CAUGHT,
+        )
         check.add_run(entry)
 
     # (6) if time is left, each recipe at the largest micro-batch its own plan fits, one micro-batch
@@ -977,8 +1182,15 @@ def levers(check: Check) -> None:
         if isinstance(plan, str):
             skipped(name, plan)
             continue
-        lever(name, with_micro_batch([*fastest["flags"], "--frozen-fp8", recipe], plan["max_micro_batch"], None),
-              plan, {**fp8_env_of, **EXPANDABLE}, keep_batch=False, of=fastest["name"], plan_source=source)
+        lever(
+            name,
+            with_micro_batch([*fastest["flags"], "--frozen-fp8", recipe], plan["max_micro_batch"], None),
+            plan,
+            {**fp8_env_of, **EXPANDABLE},
+            keep_batch=False,
+            of=fastest["name"],
+            plan_source=source,
+        )
     record["levers"] = {r["name"]: r["ratio_to_baseline"] for r in record["runs"] if "ratio_to_baseline" in r}
     check.finish()
 
@@ -1000,8 +1212,10 @@ def flag_value(flags: list[str], flag: str, default: str | None) -> str | None:
 def copy_metrics(path: Path, entry: dict) -> None:
     """A run's metrics.jsonl records appended to `path`, each with the part's name and micro-batch."""
     with open(path, "a") as f:
-        f.writelines(json.dumps({"part": entry["name"], "micro_batch_size": entry.get("micro_batch_size"), **r}) + "\n"
-                     for r in entry["records"])
+        f.writelines(
+            json.dumps({"part": entry["name"], "micro_batch_size": entry.get("micro_batch_size"), **r}) + "\n"
+            for r in entry["records"]
+        )
 
 
 def with_micro_batch(flags: list[str], micro: int, global_batch: int | None) -> list[str]:
@@ -1022,9 +1236,21 @@ def profiled(check: Check, best: dict, budget_s: float) -> dict:
     from latentwire.harness.recordings import format_trace_summary
 
     wait = 1 if check.args.cpu_check else 3
-    flags = [*best["flags"], "--max-steps", str(wait + 1 + PROFILED_STEPS + 1), "--profiler", "true",
-             "--profiler-wait", str(wait), "--profiler-warmup", "1", "--profiler-active", str(PROFILED_STEPS),
-             "--profiler-shapes", "false"]
+    flags = [
+        *best["flags"],
+        "--max-steps",
+        str(wait + 1 + PROFILED_STEPS + 1),
+        "--profiler",
+        "true",
+        "--profiler-wait",
+        str(wait),
+        "--profiler-warmup",
+        "1",
+        "--profiler-active",
+        str(PROFILED_STEPS),
+        "--profiler-shapes",
+        "false",
+    ]
     entry = train_run(check.run, "profile", flags, check.work, budget_s, best.get("env"))
     copy_metrics(check.out / "metrics.jsonl", entry)
     entry.pop("records")
@@ -1055,22 +1281,41 @@ def main() -> None:
     p.add_argument("--out", help="where the results file and the log go ($OUT on the GPU machine)")
     p.add_argument("--work", help="data, runs, checkpoints and caches (default: a new temporary directory)")
     p.add_argument("--profile", help="the validation's profile (default h100); the levers measure h200 and h100")
-    p.add_argument("--levers", action="store_true",
-                   help="measure the levers instead (the h200 and h100 profiles as shipped, selective recompute "
-                        "under the h100's cap, FP8, a kernel profile, a failing run)")
+    p.add_argument(
+        "--levers",
+        action="store_true",
+        help="measure the levers instead (the h200 and h100 profiles as shipped, selective recompute "
+        "under the h100's cap, FP8, a kernel profile, a failing run)",
+    )
     p.add_argument("--deadline", type=float, default=530, help="seconds from now by which every part has ended")
     p.add_argument("--margin", type=float, default=20, help="seconds kept for stopping a part and writing results")
-    p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
-                   help=f"a part's most seconds (parts and defaults: {BUDGETS_S}; with --levers: {LEVER_BUDGETS_S})")
-    p.add_argument("--steps", type=int,
-                   help="optimizer steps of the main run (default 20, 12 with --levers; 3 with --cpu-check)")
-    p.add_argument("--compile-mode", default="default", choices=("default", "max-autotune-no-cudagraphs"),
-                   help="the runs' torch.compile mode: max-autotune's minutes of tuning get a command of their own")
+    p.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help=f"a part's most seconds (parts and defaults: {BUDGETS_S}; with --levers: {LEVER_BUDGETS_S})",
+    )
+    p.add_argument(
+        "--steps", type=int, help="optimizer steps of the main run (default 20, 12 with --levers; 3 with --cpu-check)"
+    )
+    p.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=("default", "max-autotune-no-cudagraphs"),
+        help="the runs' torch.compile mode: max-autotune's minutes of tuning get a command of their own",
+    )
     p.add_argument("--cpu-check", action="store_true", help="the cpu profile with its tiny readers, every part small")
-    p.add_argument("--torchao", metavar="DIR",
-                   help="a folder torchao is installed in (pip install --target): on the FP8 parts' path alone")
-    p.add_argument("--prepare", action="store_true",
-                   help="trace the plans the validation of --profile and the levers compare with into bench/results/")
+    p.add_argument(
+        "--torchao",
+        metavar="DIR",
+        help="a folder torchao is installed in (pip install --target): on the FP8 parts' path alone",
+    )
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="trace the plans the validation of --profile and the levers compare with into bench/results/",
+    )
     p.add_argument("--kernel-facts", action="store_true", help=argparse.SUPPRESS)  # the preflight's child
     args = p.parse_args()
     if args.kernel_facts:
@@ -1097,19 +1342,23 @@ def main() -> None:
 
 def table(record: dict) -> str:
     """The runs as a short table: the end of the output is what a lent machine's reply carries."""
-    rows = ["run | status | mb x accum | recompute | fp8 | step s | tokens/s | mfu | hfu | x baseline | peak GiB | "
-            "plan GiB | cap fraction | alloc retries | first step s | cache hit/miss | recompiles"]
+    rows = [
+        "run | status | mb x accum | recompute | fp8 | step s | tokens/s | mfu | hfu | x baseline | peak GiB | "
+        "plan GiB | cap fraction | alloc retries | first step s | cache hit/miss | recompiles"
+    ]
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     for r in record["runs"]:
-        rows.append(f"{r['name']} | {r['status']} | {r.get('micro_batch_size', '-')} x "
-                    f"{r.get('grad_accum_steps', '-')} | {r.get('activation_checkpointing', '-')} | "
-                    f"{r.get('fp8', '-')} | {fmt(r.get('step_time_s'), '.3f')} | "
-                    f"{fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('mfu'), '.3f')} | {fmt(r.get('hfu'), '.3f')} | "
-                    f"{fmt(r.get('ratio_to_baseline'), '.2f')} | "
-                    f"{fmt(r.get('peak_mem_gb'), '.2f')} | {fmt(r.get('planned_peak_gb'), '.2f')} | "
-                    f"{fmt(r.get('memory_fraction'), '.4f')} | {r.get('alloc_retries', '-')} | "
-                    f"{fmt(r.get('first_step_s'), '.1f')} | {r.get('cache_hits', '-')}/{r.get('cache_misses', '-')} | "
-                    f"{r.get('recompiles', '-')}")
+        rows.append(
+            f"{r['name']} | {r['status']} | {r.get('micro_batch_size', '-')} x "
+            f"{r.get('grad_accum_steps', '-')} | {r.get('activation_checkpointing', '-')} | "
+            f"{r.get('fp8', '-')} | {fmt(r.get('step_time_s'), '.3f')} | "
+            f"{fmt(r.get('tokens_per_s'), '.0f')} | {fmt(r.get('mfu'), '.3f')} | {fmt(r.get('hfu'), '.3f')} | "
+            f"{fmt(r.get('ratio_to_baseline'), '.2f')} | "
+            f"{fmt(r.get('peak_mem_gb'), '.2f')} | {fmt(r.get('planned_peak_gb'), '.2f')} | "
+            f"{fmt(r.get('memory_fraction'), '.4f')} | {r.get('alloc_retries', '-')} | "
+            f"{fmt(r.get('first_step_s'), '.1f')} | {r.get('cache_hits', '-')}/{r.get('cache_misses', '-')} | "
+            f"{r.get('recompiles', '-')}"
+        )
     return "\n".join(rows)
 
 

@@ -18,6 +18,7 @@ A GGUF file is first written out as a model directory (`--model-dir`), which is 
 `train.py --llama DIR` reads; `--model DIR` measures a directory you already have.
 Results go to bench/results/instruct_reader.json and are printed as a Markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,11 @@ from latentwire.prompting import PromptContract, PromptFormat
 from latentwire.settings import load_config
 
 RESULTS = REPO / "bench" / "results" / "instruct_reader.json"
-CONTRACTS = {"bare anchor": PromptFormat(chat_template="false"),
-             "chat template": PromptFormat(instruction=""),
-             "chat template + instruction": PromptFormat()}
+CONTRACTS = {
+    "bare anchor": PromptFormat(chat_template="false"),
+    "chat template": PromptFormat(instruction=""),
+    "chat template + instruction": PromptFormat(),
+}
 
 
 def model_dir_from_gguf(gguf: Path, out: Path) -> Path:
@@ -68,20 +71,31 @@ def score(model: Path, prompt: PromptFormat, examples: list[dict], batch_size: i
     answers = []
     with torch.no_grad():
         for start in range(0, len(examples), batch_size):
-            chunk = examples[start:start + batch_size]
-            answers += [decode_answer(llm.tokenizer, ids)
-                        for ids in greedy_generate(llm, text_prompts(llm, chunk, None), max_new_tokens)]
+            chunk = examples[start : start + batch_size]
+            answers += [
+                decode_answer(llm.tokenizer, ids)
+                for ids in greedy_generate(llm, text_prompts(llm, chunk, None), max_new_tokens)
+            ]
     scores = [best_em_f1(answer, ex["answers"]["text"]) for answer, ex in zip(answers, examples, strict=True)]
     em, f1 = ([100 * s[i] for s in scores] for i in (0, 1))
     n = len(scores)
-    return {"contract": llm.contract.describe(),
-            "em": statistics.mean(em), "em_se": statistics.stdev(em) / math.sqrt(n),
-            "f1": statistics.mean(f1), "f1_se": statistics.stdev(f1) / math.sqrt(n), "answers": answers[:4]}
+    return {
+        "contract": llm.contract.describe(),
+        "em": statistics.mean(em),
+        "em_se": statistics.stdev(em) / math.sqrt(n),
+        "f1": statistics.mean(f1),
+        "f1_se": statistics.stdev(f1) / math.sqrt(n),
+        "answers": answers[:4],
+    }
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['model']}, {result['examples']} held-out synthetic examples, text prompt:", "",
-             "| contract | EM | F1 | answers, e.g. |", "|---|---:|---:|---|"]
+    lines = [
+        f"{result['model']}, {result['examples']} held-out synthetic examples, text prompt:",
+        "",
+        "| contract | EM | F1 | answers, e.g. |",
+        "|---|---:|---:|---|",
+    ]
     for name, r in result["contracts"].items():
         shown = ", ".join(repr(a) for a in r["answers"][:3]).replace("|", "\\|")
         lines.append(f"| {name} | {r['em']:.1f} ± {r['em_se']:.1f} | {r['f1']:.1f} ± {r['f1_se']:.1f} | {shown} |")
@@ -93,8 +107,12 @@ def main() -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", type=Path, help="an instruct model's GGUF file")
     source.add_argument("--model", type=Path, help="an instruct model's directory")
-    p.add_argument("--model-dir", type=Path, default=Path("/tmp/latentwire_instruct_reader"),
-                   help="where a --gguf model is written out as a model directory")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path("/tmp/latentwire_instruct_reader"),
+        help="where a --gguf model is written out as a model directory",
+    )
     p.add_argument("--examples", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=25)
     p.add_argument("--threads", type=int, default=2)
@@ -104,8 +122,12 @@ def main() -> None:
     model = args.model or model_dir_from_gguf(args.gguf, args.model_dir)
     cfg = load_config(["--profile", "cpu"])  # its held-out examples, as evaluation reads them
     examples = DataSources.of(cfg.data, cfg.training.seed).held_out_examples(args.examples, "synthetic")
-    result = {"model": str(args.gguf.name if args.gguf else model), "examples": len(examples),
-              "date": datetime.date.today().isoformat(), "contracts": {}}
+    result = {
+        "model": str(args.gguf.name if args.gguf else model),
+        "examples": len(examples),
+        "date": datetime.date.today().isoformat(),
+        "contracts": {},
+    }
     for name, prompt in CONTRACTS.items():
         start = time.perf_counter()
         result["contracts"][name] = score(model, prompt, examples, args.batch_size, cfg.evaluation.max_new_tokens)

@@ -22,6 +22,7 @@ paired with it); the target is <= 1.05.
     python bench/loop_overhead.py            # full: about 2 minutes on 2 cores
     python bench/loop_overhead.py --quick    # a few steps (the tests)
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,8 @@ import train  # found through the repository path that common puts on sys.path
 
 @dataclass(frozen=True)
 class Settings:
-    steps: int             # optimizer steps of each loop
-    warmup: int            # first steps left out (allocator, optimizer state, first records)
+    steps: int  # optimizer steps of each loop
+    warmup: int  # first steps left out (allocator, optimizer state, first records)
     micro_batch_size: int
     grad_accum_steps: int
     num_examples: int
@@ -56,9 +57,21 @@ QUICK = Settings(steps=6, warmup=2, micro_batch_size=4, grad_accum_steps=2, num_
 def train_flags(s: Settings) -> list:
     """The cpu profile as train.py reads it, with the batch layout of `s`, no loader workers and
     a metrics record at every step."""
-    return ["--micro-batch-size", s.micro_batch_size, "--grad-accum-steps", s.grad_accum_steps,
-            "--num-examples", s.num_examples, "--max-steps", s.steps, "--num-workers", 0, "--log-every", 1,
-            *STEPS_ONLY]
+    return [
+        "--micro-batch-size",
+        s.micro_batch_size,
+        "--grad-accum-steps",
+        s.grad_accum_steps,
+        "--num-examples",
+        s.num_examples,
+        "--max-steps",
+        s.steps,
+        "--num-workers",
+        0,
+        "--log-every",
+        1,
+        *STEPS_ONLY,
+    ]
 
 
 class BareLoop:
@@ -83,7 +96,7 @@ class PairedTimer:
     def __init__(self, bare: BareLoop):
         self.bare = bare
         self.record_starts: dict[int, float] = {}  # step -> when its record began to be logged
-        self.bare_times: dict[int, float] = {}     # step -> the bare step run after its record
+        self.bare_times: dict[int, float] = {}  # step -> the bare step run after its record
 
     def logger_class(self, base: type) -> type:
         timer = self
@@ -134,9 +147,15 @@ def main() -> None:
     bare_ms = 1e3 * median([bare_times[k] for k in steps])
     quartiles = statistics.quantiles(pair_ratios, n=4) if len(pair_ratios) > 1 else pair_ratios * 3
     # The quartiles of the per-step ratios show how much of a single pair is the machine's other load.
-    summary("loop_overhead", median(pair_ratios), bare_step_ms=bare_ms, train_py_step_ms=train_ms, steps=len(steps),
-            samples_per_step=s.micro_batch_size * s.grad_accum_steps,
-            step_ratio_quartiles=f"{quartiles[0]:.3f}/{quartiles[1]:.3f}/{quartiles[2]:.3f}")
+    summary(
+        "loop_overhead",
+        median(pair_ratios),
+        bare_step_ms=bare_ms,
+        train_py_step_ms=train_ms,
+        steps=len(steps),
+        samples_per_step=s.micro_batch_size * s.grad_accum_steps,
+        step_ratio_quartiles=f"{quartiles[0]:.3f}/{quartiles[1]:.3f}/{quartiles[2]:.3f}",
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ The snapshot is the one `train.py --memory-snapshot true` or `python -m latentwi
 allocated; the blocks live then are listed by size and the Python lines that allocated them, most
 bytes first: set beside the plan's traced peak, the rows the plan lacks are what it has not counted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,16 @@ def report(snapshot: dict, top: int) -> str:
             continue
         peak, live = live_at_peak(trace)
         sites = by_site(live)
-        lines.append(f"device {device}: {len(trace)} events recorded; at their peak {peak / GIB:.3f} GiB in "
-                     f"{len(live)} blocks allocated since recording began")
+        lines.append(
+            f"device {device}: {len(trace)} events recorded; at their peak {peak / GIB:.3f} GiB in "
+            f"{len(live)} blocks allocated since recording began"
+        )
         lines.append("     GiB | blocks x MiB | allocated at (innermost first)")
         for site in sites[:top]:
-            lines.append(f"{site.block_bytes * site.blocks / GIB:8.3f} | {site.blocks:6d} x "
-                         f"{site.block_bytes / 2 ** 20:9.2f} | " + "  <  ".join(site.frames))
+            lines.append(
+                f"{site.block_bytes * site.blocks / GIB:8.3f} | {site.blocks:6d} x "
+                f"{site.block_bytes / 2**20:9.2f} | " + "  <  ".join(site.frames)
+            )
         rest = sum(s.block_bytes * s.blocks for s in sites[top:])
         if rest:
             lines.append(f"{rest / GIB:8.3f} | the other {len(sites) - top} sites")

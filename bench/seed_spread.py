@@ -14,6 +14,7 @@ smallest share of any run and reader: the worst run's, which the cpu profile's g
     python bench/seed_spread.py --seeds 4 --name eps -- --adam-eps 1e-6   # a candidate, seeds 0-3
     python bench/seed_spread.py --table                            # every candidate recorded
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +53,19 @@ def train_and_evaluate(name: str, flags: list[str], seed: int, data_seed: int, s
     run([*launcher(args.nproc), *command, "--out-dir", str(out_dir), "--overwrite"], args.threads)
     train_s = time.perf_counter() - start
     n, wire = evaluate_wire(out_dir, args.eval_examples, args.threads)
-    return {"name": name, "flags": shlex.join(flags), "settings": settings, "seed": seed, "data_seed": data_seed,
-            "command": shlex.join([f"torchrun --nproc_per_node={args.nproc} train.py", *command]),
-            "revision": revision(), "date": datetime.date.today().isoformat(), "train_s": round(train_s, 1),
-            "examples": n, **wire}
+    return {
+        "name": name,
+        "flags": shlex.join(flags),
+        "settings": settings,
+        "seed": seed,
+        "data_seed": data_seed,
+        "command": shlex.join([f"torchrun --nproc_per_node={args.nproc} train.py", *command]),
+        "revision": revision(),
+        "date": datetime.date.today().isoformat(),
+        "train_s": round(train_s, 1),
+        "examples": n,
+        **wire,
+    }
 
 
 def revision() -> str:
@@ -72,21 +82,34 @@ def spread(rows: list[dict], who: str) -> dict:
     and the wire's and the text's mean EM."""
     shares = [100 * r[who]["f1_share"] for r in rows]
     sd = statistics.stdev(shares) if len(shares) > 1 else math.nan
-    return {"runs": len(shares), "mean": statistics.fmean(shares), "sd": sd, "se": sd / math.sqrt(len(shares)),
-            "min": min(shares), "em_wire": statistics.fmean(r[who]["em_wire"] for r in rows),
-            "em_text": statistics.fmean(r[who]["em_text"] for r in rows)}
+    return {
+        "runs": len(shares),
+        "mean": statistics.fmean(shares),
+        "sd": sd,
+        "se": sd / math.sqrt(len(shares)),
+        "min": min(shares),
+        "em_wire": statistics.fmean(r[who]["em_wire"] for r in rows),
+        "em_text": statistics.fmean(r[who]["em_text"] for r in rows),
+    }
 
 
 def run_line(r: dict) -> str:
     return f"seed {r['seed']}: trained in {r['train_s']:.0f} s; " + "; ".join(
         f"{who} wire EM {r[who]['em_wire']:.1f} (text {r[who]['em_text']:.1f}), "
-        f"{100 * r[who]['f1_share']:.1f}% of the text's F1" for who in READERS)
+        f"{100 * r[who]['f1_share']:.1f}% of the text's F1"
+        for who in READERS
+    )
 
 
 def table(groups: dict[tuple, list[dict]]) -> str:
-    lines = ["| candidate (flags over `--profile cpu`) | runs | share of text F1: mean ± sd (s.e.), min: "
-             + " | ".join(READERS) + " | wire EM: " + " / ".join(READERS) + " |",
-             "|---|---:|" + "---:|" * len(READERS) + "---:|"]
+    lines = [
+        "| candidate (flags over `--profile cpu`) | runs | share of text F1: mean ± sd (s.e.), min: "
+        + " | ".join(READERS)
+        + " | wire EM: "
+        + " / ".join(READERS)
+        + " |",
+        "|---|---:|" + "---:|" * len(READERS) + "---:|",
+    ]
     for (name, flags, settings), rows in groups.items():
         s = {who: spread(rows, who) for who in READERS}
         cells = [f"{s[w]['mean']:.1f} ± {s[w]['sd']:.1f} ({s[w]['se']:.1f}), {s[w]['min']:.1f}" for w in READERS]
@@ -106,9 +129,8 @@ def grouped(rows: list[dict]) -> dict[tuple, list[dict]]:
 
 def main() -> None:
     argv = sys.argv[1:]
-    flags = argv[argv.index("--") + 1:] if "--" in argv else []
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                epilog="train.py flags for every run go after `--`")
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="train.py flags for every run go after `--`")
     p.add_argument("--seeds", type=int, default=8, help="how many seeds (runs)")
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--name", default="default", help="the candidate's name in the results")
@@ -119,7 +141,7 @@ def main() -> None:
     p.add_argument("--results", type=Path, default=RESULTS, help="the JSON-lines file runs are appended to")
     p.add_argument("--quick", action="store_true", help="2 seeds of a few steps: checks the script runs")
     p.add_argument("--table", action="store_true", help="print every candidate recorded, and run nothing")
-    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.table:
         print(table(grouped([json.loads(line) for line in args.results.read_text().splitlines()])))
         return

@@ -15,6 +15,7 @@ the text's F1. Runs are serial (two ranks already fill two cores), so the wall t
 Results append to bench/results/wire_levers.jsonl (one JSON object per run, with its command),
 and the table of this invocation's runs is printed in Markdown.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,15 @@ def train_and_evaluate(name: str, flags: str, out_root: Path, examples: int, thr
     run(train, threads)
     train_s = time.perf_counter() - start
     n, wire = evaluate_wire(out_dir, examples, threads)
-    return {"lever": name, "flags": flags, "train_s": round(train_s, 1), "examples": n,
-            "command": " ".join(["torchrun --nproc_per_node=2 train.py --profile cpu", flags]).strip(),
-            "date": datetime.date.today().isoformat(), **wire}
+    return {
+        "lever": name,
+        "flags": flags,
+        "train_s": round(train_s, 1),
+        "examples": n,
+        "command": " ".join(["torchrun --nproc_per_node=2 train.py --profile cpu", flags]).strip(),
+        "date": datetime.date.today().isoformat(),
+        **wire,
+    }
 
 
 def evaluate_wire(out_dir: Path, examples: int, threads: int, repo: Path = REPO) -> tuple[int, dict]:
@@ -64,13 +71,34 @@ def evaluate_wire(out_dir: Path, examples: int, threads: int, repo: Path = REPO)
     with the threads of both ranks: how many it scored, and each reader's wire and text EM and F1,
     the wire EM's standard error and the wire's share of the text's F1."""
     shutil.rmtree(out_dir / "eval", ignore_errors=True)  # a report of an earlier run is not this one's
-    run([sys.executable, "-m", "latentwire.evaluate", "--ckpt", str(out_dir), "--eval-examples", str(examples),
-         "--out-dir", str(out_dir / "eval")], 2 * threads, repo)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "latentwire.evaluate",
+            "--ckpt",
+            str(out_dir),
+            "--eval-examples",
+            str(examples),
+            "--out-dir",
+            str(out_dir / "eval"),
+        ],
+        2 * threads,
+        repo,
+    )
     report = json.loads(next((out_dir / "eval").glob("*.json")).read_text())
     m, n = report["metrics"], report["examples"]
-    return n, {who: {"em_wire": m[f"em_wire_{who}"], "em_wire_se": binomial_se(m[f"em_wire_{who}"], n),
-                     "em_text": m[f"em_text_{who}"], "f1_wire": m[f"f1_wire_{who}"], "f1_text": m[f"f1_text_{who}"],
-                     "f1_share": report["wire_share_of_text"][who]["f1"]} for who in READERS}
+    return n, {
+        who: {
+            "em_wire": m[f"em_wire_{who}"],
+            "em_wire_se": binomial_se(m[f"em_wire_{who}"], n),
+            "em_text": m[f"em_text_{who}"],
+            "f1_wire": m[f"f1_wire_{who}"],
+            "f1_text": m[f"f1_text_{who}"],
+            "f1_share": report["wire_share_of_text"][who]["f1"],
+        }
+        for who in READERS
+    }
 
 
 def binomial_se(percent: float, n: int) -> float:
@@ -86,9 +114,10 @@ def run(command: list[str], threads: int, cwd: Path = REPO) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| lever (flags over `--profile cpu`) | train s | wire EM: llama / qwen "
-             "| share of text F1: llama / qwen |",
-             "|---|---:|---:|---:|"]
+    lines = [
+        "| lever (flags over `--profile cpu`) | train s | wire EM: llama / qwen | share of text F1: llama / qwen |",
+        "|---|---:|---:|---:|",
+    ]
     for r in rows:
         em = " / ".join(f"{r[w]['em_wire']:.1f} ± {r[w]['em_wire_se']:.1f}" for w in READERS)
         share = " / ".join(f"{100 * r[w]['f1_share']:.0f}%" for w in READERS)
@@ -103,32 +132,49 @@ def by_attribute(run: Path) -> str:
     report = json.loads(next((run / "eval").glob("*.json")).read_text())
     sources = DataSources.of(cfg.data, cfg.training.seed)
     examples = sources.held_out_examples(report["examples"], sources.held_out_source())
-    lines = ["| question | values | examples | " + " | ".join(f"{who}: wire / text EM" for who in READERS) + " |",
-             "|---|---:|---:|" + "---:|" * len(READERS)]
+    lines = [
+        "| question | values | examples | " + " | ".join(f"{who}: wire / text EM" for who in READERS) + " |",
+        "|---|---:|---:|" + "---:|" * len(READERS),
+    ]
     for attr in ATTRIBUTES:
         before, after = attr.question.split("{name}")
-        asked = [a for a in report["answers"] if examples[a["index"]]["question"].startswith(before)
-                 and examples[a["index"]]["question"].endswith(after)]
+        asked = [
+            a
+            for a in report["answers"]
+            if examples[a["index"]]["question"].startswith(before) and examples[a["index"]]["question"].endswith(after)
+        ]
+
         def em(key: str, asked: list[dict] = asked) -> float:
             return 100 * sum(a[key] == answer_text(examples[a["index"]]) for a in asked) / len(asked)
 
         cells = [f"{em(f'wire_{who}'):.0f} / {em(f'text_{who}'):.0f}" for who in READERS]
-        lines.append(f"| {attr.question.format(name='X')} | {len(attr.values)} | {len(asked)} | " + " | ".join(cells)
-                     + " |")
+        lines.append(
+            f"| {attr.question.format(name='X')} | {len(attr.values)} | {len(asked)} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lever", nargs=2, action="append", metavar=("NAME", "FLAGS"), default=[],
-                   help="a lever of your own: its name and its train.py flags")
+    p.add_argument(
+        "--lever",
+        nargs=2,
+        action="append",
+        metavar=("NAME", "FLAGS"),
+        default=[],
+        help="a lever of your own: its name and its train.py flags",
+    )
     p.add_argument("--only", nargs="+", choices=list(LEVERS), help="run only these of LEVERS")
     p.add_argument("--eval-examples", type=int, default=300)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out-root", type=Path, default=REPO / "runs" / "levers")
     p.add_argument("--table", action="store_true", help="print the table of every recorded run, and run nothing")
-    p.add_argument("--by-attribute", type=Path, metavar="RUN",
-                   help="print a lever run's EM per attribute asked (the synthetic set), and run nothing")
+    p.add_argument(
+        "--by-attribute",
+        type=Path,
+        metavar="RUN",
+        help="print a lever run's EM per attribute asked (the synthetic set), and run nothing",
+    )
     args = p.parse_args()
     if args.table:
         print(table([json.loads(line) for line in RESULTS.read_text().splitlines()]))

@@ -1,5 +1,6 @@
 """How the frozen LLMs attend: causally with no mask in training, under a mask where prompts
 are left-padded (the distillation teacher, evaluation)."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager

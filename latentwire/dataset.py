@@ -8,6 +8,7 @@ It comes from the built-in synthetic set, a hub dataset (`squad`, `hotpot_qa`), 
 The encoder reads the prompt as raw UTF-8 bytes; each frozen LLM reads only the answer tokens
 of its own tokenizer. `Collator` builds both, padded to few distinct shapes.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 # --- the built-in synthetic reading-comprehension set -------------------------------------
 
+
 @dataclass(frozen=True)
 class _Attribute:
     statement: str  # one context sentence, formatted with name and value
@@ -40,42 +42,156 @@ class _Attribute:
 
 
 NAMES = (
-    "Maria", "James", "Aisha", "Chen", "Olga", "Pedro", "Fatima", "Liam", "Yuki", "Omar",
-    "Sofia", "Ivan", "Priya", "Lucas", "Amara", "Noah", "Elena", "Hassan", "Mia", "Diego",
-    "Hana", "Felix", "Zara", "Mateo", "Ingrid", "Kofi", "Lena", "Ravi", "Chloe", "Tariq",
-    "Nina", "Oscar", "Leila", "Hugo", "Sara", "Arjun", "Greta", "Jonas", "Rosa", "Malik",
+    "Maria",
+    "James",
+    "Aisha",
+    "Chen",
+    "Olga",
+    "Pedro",
+    "Fatima",
+    "Liam",
+    "Yuki",
+    "Omar",
+    "Sofia",
+    "Ivan",
+    "Priya",
+    "Lucas",
+    "Amara",
+    "Noah",
+    "Elena",
+    "Hassan",
+    "Mia",
+    "Diego",
+    "Hana",
+    "Felix",
+    "Zara",
+    "Mateo",
+    "Ingrid",
+    "Kofi",
+    "Lena",
+    "Ravi",
+    "Chloe",
+    "Tariq",
+    "Nina",
+    "Oscar",
+    "Leila",
+    "Hugo",
+    "Sara",
+    "Arjun",
+    "Greta",
+    "Jonas",
+    "Rosa",
+    "Malik",
 )
 
 # Small vocabularies and one fixed sentence per attribute keep the task learnable by a tiny
 # model in a few hundred steps; the answer still depends on which person and which attribute
 # the question names, so the prompt really matters.
 ATTRIBUTES = (
-    _Attribute("{name} lives in {value}.", "Which city does {name} live in?",
-               ("Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Berlin", "Madrid", "Toronto", "Sydney",
-                "Nairobi", "Dublin", "Seoul", "Lisbon", "Vienna", "Mumbai", "Chicago", "Prague",
-                "Denver", "Athens", "Bogota")),
-    _Attribute("{name}'s favourite colour is {value}.", "What is {name}'s favourite colour?",
-               ("red", "blue", "green", "yellow", "purple", "orange", "pink", "brown", "black",
-                "white", "grey", "gold", "silver", "teal")),
-    _Attribute("{name} has a pet {value}.", "What pet does {name} have?",
-               ("cat", "dog", "parrot", "rabbit", "hamster", "turtle", "goldfish", "horse", "snake",
-                "lizard", "ferret", "pony")),
-    _Attribute("{name} works as a {value}.", "What is {name}'s job?",
-               ("doctor", "teacher", "baker", "pilot", "nurse", "lawyer", "farmer", "chef", "dentist",
-                "painter", "plumber", "writer", "singer", "banker", "tailor", "carpenter", "sailor",
-                "judge", "barber", "librarian")),
-    _Attribute("{name} is {value} years old.", "How old is {name}?",
-               tuple(str(age) for age in range(20, 50))),
-    _Attribute("{name} plays {value}.", "Which sport does {name} play?",
-               ("tennis", "football", "golf", "hockey", "rugby", "cricket", "volleyball", "baseball",
-                "badminton", "squash")),
+    _Attribute(
+        "{name} lives in {value}.",
+        "Which city does {name} live in?",
+        (
+            "Paris",
+            "Tokyo",
+            "Lima",
+            "Cairo",
+            "Oslo",
+            "Berlin",
+            "Madrid",
+            "Toronto",
+            "Sydney",
+            "Nairobi",
+            "Dublin",
+            "Seoul",
+            "Lisbon",
+            "Vienna",
+            "Mumbai",
+            "Chicago",
+            "Prague",
+            "Denver",
+            "Athens",
+            "Bogota",
+        ),
+    ),
+    _Attribute(
+        "{name}'s favourite colour is {value}.",
+        "What is {name}'s favourite colour?",
+        (
+            "red",
+            "blue",
+            "green",
+            "yellow",
+            "purple",
+            "orange",
+            "pink",
+            "brown",
+            "black",
+            "white",
+            "grey",
+            "gold",
+            "silver",
+            "teal",
+        ),
+    ),
+    _Attribute(
+        "{name} has a pet {value}.",
+        "What pet does {name} have?",
+        (
+            "cat",
+            "dog",
+            "parrot",
+            "rabbit",
+            "hamster",
+            "turtle",
+            "goldfish",
+            "horse",
+            "snake",
+            "lizard",
+            "ferret",
+            "pony",
+        ),
+    ),
+    _Attribute(
+        "{name} works as a {value}.",
+        "What is {name}'s job?",
+        (
+            "doctor",
+            "teacher",
+            "baker",
+            "pilot",
+            "nurse",
+            "lawyer",
+            "farmer",
+            "chef",
+            "dentist",
+            "painter",
+            "plumber",
+            "writer",
+            "singer",
+            "banker",
+            "tailor",
+            "carpenter",
+            "sailor",
+            "judge",
+            "barber",
+            "librarian",
+        ),
+    ),
+    _Attribute("{name} is {value} years old.", "How old is {name}?", tuple(str(age) for age in range(20, 50))),
+    _Attribute(
+        "{name} plays {value}.",
+        "Which sport does {name} play?",
+        ("tennis", "football", "golf", "hockey", "rugby", "cricket", "volleyball", "baseball", "badminton", "squash"),
+    ),
 )
 
 
 def _synthetic_example(rng: random.Random) -> dict:
     people = rng.sample(NAMES, rng.randint(2, 3))
-    facts = [(name, attr, rng.choice(attr.values))
-             for name in people for attr in rng.sample(ATTRIBUTES, rng.randint(1, 2))]
+    facts = [
+        (name, attr, rng.choice(attr.values)) for name in people for attr in rng.sample(ATTRIBUTES, rng.randint(1, 2))
+    ]
     rng.shuffle(facts)  # so the position of a person's facts says nothing about the answer
     name, attr, value = rng.choice(facts)
     return {
@@ -93,11 +209,11 @@ def synthetic_examples(n: int, seed: int) -> list[dict]:
 
 def synthetic_corpus_text(n: int = 2000, seed: int = 12345) -> list[str]:
     """Plain text lines (contexts, questions, answers) to train the tiny local tokenizers on."""
-    return [line for ex in synthetic_examples(n, seed)
-            for line in (ex["context"], ex["question"], answer_text(ex))]
+    return [line for ex in synthetic_examples(n, seed) for line in (ex["context"], ex["question"], answer_text(ex))]
 
 
 # --- loading and checking examples --------------------------------------------------------
+
 
 def load_examples(dataset: str, split: str, num_examples: int, seed: int, held_out_fraction: float = 0.0) -> list[dict]:
     """Examples of `dataset` ('synthetic', 'squad', 'hotpot_qa' or a local file path).
@@ -116,8 +232,10 @@ def load_examples(dataset: str, split: str, num_examples: int, seed: int, held_o
     elif Path(dataset).exists():
         raise UserError(f"dataset file {dataset} must end in {', '.join(LOCAL_SUFFIXES)}")
     else:
-        raise UserError(f"unknown dataset {dataset!r}; use synthetic, {', '.join(HUB_DATASETS)} "
-                        f"or a path to a {'/'.join(LOCAL_SUFFIXES)} file")
+        raise UserError(
+            f"unknown dataset {dataset!r}; use synthetic, {', '.join(HUB_DATASETS)} "
+            f"or a path to a {'/'.join(LOCAL_SUFFIXES)} file"
+        )
     if not records:
         raise UserError(f"dataset {source} has no examples")
     examples = [check_example(r, i, source) for i, r in enumerate(records)]
@@ -139,11 +257,14 @@ def held_out_count(n: int, fraction: float) -> int:
 def _file_split(examples: list[dict], split: str, fraction: float, seed: int, source: str) -> list[dict]:
     """The held-out part of a local file ('validation': a seeded sample, the same for every
     `num_examples`) or the rest ('train'), each in file order."""
-    held = set(random.Random(seed + HELD_OUT_SEED_OFFSET).sample(range(len(examples)),
-                                                                 held_out_count(len(examples), fraction)))
+    held = set(
+        random.Random(seed + HELD_OUT_SEED_OFFSET).sample(range(len(examples)), held_out_count(len(examples), fraction))
+    )
     if not held:
-        raise UserError(f"dataset {source} has {len(examples)} example, too few to hold any out: name held-out "
-                        "examples (train.py --eval-dataset, evaluate --dataset)")
+        raise UserError(
+            f"dataset {source} has {len(examples)} example, too few to hold any out: name held-out "
+            "examples (train.py --eval-dataset, evaluate --dataset)"
+        )
     return [ex for i, ex in enumerate(examples) if (i in held) == (split != "train")]
 
 
@@ -155,22 +276,34 @@ def same_dataset(a: str, b: str) -> bool:
 @dataclass(frozen=True)
 class DataConfig:
     """The profile's data fields: which examples, and how they are cut and padded."""
+
     dataset: str = setting("synthetic", "'synthetic', 'squad', 'hotpot_qa' or a local .json/.jsonl/.parquet")
-    eval_dataset: str | None = setting(None, "held-out examples: 'synthetic', 'squad', 'hotpot_qa' or a local file "
-                                             "(null: the dataset's own validation split; of a local file, a seeded "
-                                             "held_out_fraction of it)")
-    held_out_fraction: float = setting(0.1, "part of a local dataset file held out from training when no eval_dataset "
-                                            "is named", gt=0, lt=1)
-    drop_cut_answers: bool = setting(False, "drop training examples whose answer lies past max_prompt_bytes (the "
-                                            "encoder never sees it)")
-    num_examples: int = setting(100000, "size of the synthetic training set; of another, a seeded subset of at most "
-                                         "this many", gt=0)
+    eval_dataset: str | None = setting(
+        None,
+        "held-out examples: 'synthetic', 'squad', 'hotpot_qa' or a local file "
+        "(null: the dataset's own validation split; of a local file, a seeded "
+        "held_out_fraction of it)",
+    )
+    held_out_fraction: float = setting(
+        0.1, "part of a local dataset file held out from training when no eval_dataset is named", gt=0, lt=1
+    )
+    drop_cut_answers: bool = setting(
+        False, "drop training examples whose answer lies past max_prompt_bytes (the encoder never sees it)"
+    )
+    num_examples: int = setting(
+        100000, "size of the synthetic training set; of another, a seeded subset of at most this many", gt=0
+    )
     max_prompt_bytes: int = setting(4096, "prompts are cut to this many UTF-8 bytes", gt=0)
     max_answer_tokens: int = setting(32, "answers are cut to this many tokens", gt=0)
     pad_multiple: int = setting(256, "pad lengths to a multiple of this (few shapes for compile)", gt=0)
-    seed: int | None = setting(None, "seed of the examples: the synthetic set, a dataset's sample and a file's "
-                                     "held-out part (null: seed), so runs of several seeds can train and be evaluated "
-                                     "on the same examples", key="data_seed", ge=0)
+    seed: int | None = setting(
+        None,
+        "seed of the examples: the synthetic set, a dataset's sample and a file's "
+        "held-out part (null: seed), so runs of several seeds can train and be evaluated "
+        "on the same examples",
+        key="data_seed",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -179,6 +312,7 @@ class DataSources:
     datasets have a held-out split of their own. A local file has none: unless `eval_dataset`
     names the held-out examples, a seeded `held_out_fraction` of the file is held out, and
     training never sees it."""
+
     dataset: str
     eval_dataset: str | None
     held_out_fraction: float
@@ -186,8 +320,10 @@ class DataSources:
 
     def __post_init__(self):
         if self.eval_dataset is not None and is_local(self.dataset) and same_dataset(self.eval_dataset, self.dataset):
-            raise UserError(f"eval_dataset {self.eval_dataset} is the training file itself: leave it unset, and a "
-                            "seeded held_out_fraction of the file is held out from training")
+            raise UserError(
+                f"eval_dataset {self.eval_dataset} is the training file itself: leave it unset, and a "
+                "seeded held_out_fraction of the file is held out from training"
+            )
 
     @classmethod
     def of(cls, data: DataConfig, seed: int) -> DataSources:
@@ -216,8 +352,7 @@ class DataSources:
         if source in HUB_DATASETS:
             return f"{source}'s validation split"
         if self.fraction_held_out(source):
-            return (f"a seeded {self.held_out_fraction:.0%} of {source} (at least one example) that training "
-                    "never sees")
+            return f"a seeded {self.held_out_fraction:.0%} of {source} (at least one example) that training never sees"
         return f"{source}, which the run trained on" if same_dataset(source, self.dataset) else source
 
 
@@ -226,6 +361,7 @@ class TrainingSet:
     """The training examples as the sampler indexes them, where they come from (`source`, of which
     `held_out_fraction` is held out), and what loading them found: how many of the loaded ones
     have their answer past the prompt's cut, and how many of those were dropped."""
+
     examples: list[dict]
     source: str
     held_out_fraction: float
@@ -234,31 +370,51 @@ class TrainingSet:
     dropped: int
 
     @classmethod
-    def load(cls, sources: DataSources, num_examples: int, max_prompt_bytes: int, drop_cut_answers: bool
-             ) -> TrainingSet:
+    def load(
+        cls, sources: DataSources, num_examples: int, max_prompt_bytes: int, drop_cut_answers: bool
+    ) -> TrainingSet:
         examples = sources.train_examples(num_examples)
         past = answers_past_cut(examples, max_prompt_bytes)
         check_answers_reachable(past, sources.dataset, max_prompt_bytes)
         kept = [ex for ex, cut in zip(examples, past, strict=True) if not (drop_cut_answers and cut)]
-        return cls(kept, sources.dataset, sources.fraction_held_out(sources.dataset), len(examples), past.count(True),
-                   len(examples) - len(kept))
+        return cls(
+            kept,
+            sources.dataset,
+            sources.fraction_held_out(sources.dataset),
+            len(examples),
+            past.count(True),
+            len(examples) - len(kept),
+        )
 
     def summary(self, max_prompt_bytes: int) -> str:
         k, n = self.past_cut, self.loaded
-        line = (f"{k} of {n} training examples ({100 * k / n:.1f}%) have their answer past "
-                f"max_prompt_bytes={max_prompt_bytes}")
-        return line + (f"; dropped, {len(self.examples)} left" if self.dropped else
-                       "; --drop-cut-answers true drops them" if k else "")
+        line = (
+            f"{k} of {n} training examples ({100 * k / n:.1f}%) have their answer past "
+            f"max_prompt_bytes={max_prompt_bytes}"
+        )
+        return line + (
+            f"; dropped, {len(self.examples)} left"
+            if self.dropped
+            else "; --drop-cut-answers true drops them"
+            if k
+            else ""
+        )
 
     def facts(self) -> dict:
         """For the run's first metrics record."""
-        return {"train_examples": len(self.examples), "train_answers_past_cut": self.past_cut,
-                "train_examples_dropped": self.dropped}
+        return {
+            "train_examples": len(self.examples),
+            "train_answers_past_cut": self.past_cut,
+            "train_examples_dropped": self.dropped,
+        }
 
     def identity(self) -> dict:
         """What a checkpoint records of its training data (harness.resume compares two)."""
-        return data_identity(str(Path(self.source).resolve()) if is_local(self.source) else self.source,
-                             self.examples, held_out_fraction=self.held_out_fraction)
+        return data_identity(
+            str(Path(self.source).resolve()) if is_local(self.source) else self.source,
+            self.examples,
+            held_out_fraction=self.held_out_fraction,
+        )
 
 
 def _subset(examples: list[dict], n: int, seed: int) -> list[dict]:
@@ -286,9 +442,10 @@ def _load_hub(name: str, split: str) -> tuple[list[dict], str]:
             return datasets.load_dataset("rajpurkar/squad", split=hub_split).to_list(), f"squad ({hub_split})"
         ds = datasets.load_dataset("hotpotqa/hotpot_qa", "distractor", split=hub_split)
     except OSError as e:  # offline (ConnectionError), not cached, a vanished cache directory
-        raise UserError(f"cannot load dataset {name}: {str(e).splitlines()[0]}; it downloads once from the "
-                        "Hugging Face Hub, then reads the local cache (or pass a local .json/.jsonl/.parquet file)"
-                        ) from None
+        raise UserError(
+            f"cannot load dataset {name}: {str(e).splitlines()[0]}; it downloads once from the "
+            "Hugging Face Hub, then reads the local cache (or pass a local .json/.jsonl/.parquet file)"
+        ) from None
     return [hotpot_to_squad(r) for r in ds.to_list()], f"hotpot_qa ({hub_split})"
 
 
@@ -344,13 +501,23 @@ def _read_json_document(path: Path) -> list[dict] | None:
 def _flatten_nested_squad(doc: dict, path: Path) -> list[dict]:
     """One record per question of an original SQuAD v1.1 file (`{"data": [...]}`)."""
     try:
-        return [{"context": paragraph.get("context"), "question": qa.get("question"),
-                 "answers": {"text": [a.get("text") for a in qa.get("answers", [])],
-                             "answer_start": [a.get("answer_start") for a in qa.get("answers", [])]}}
-                for article in doc["data"] for paragraph in article["paragraphs"] for qa in paragraph["qas"]]
+        return [
+            {
+                "context": paragraph.get("context"),
+                "question": qa.get("question"),
+                "answers": {
+                    "text": [a.get("text") for a in qa.get("answers", [])],
+                    "answer_start": [a.get("answer_start") for a in qa.get("answers", [])],
+                },
+            }
+            for article in doc["data"]
+            for paragraph in article["paragraphs"]
+            for qa in paragraph["qas"]
+        ]
     except (KeyError, TypeError, AttributeError):
-        raise UserError(f"{path}: nested SQuAD JSON must be data[].paragraphs[].qas[] "
-                        "with context, question and answers[].text") from None
+        raise UserError(
+            f"{path}: nested SQuAD JSON must be data[].paragraphs[].qas[] with context, question and answers[].text"
+        ) from None
 
 
 def _has_no_rows(path: Path) -> bool:
@@ -391,6 +558,7 @@ def check_example(record: dict, index: int, source: str) -> dict:
 
 # --- answers the prompt limit cuts off ----------------------------------------------------------
 
+
 def answer_end_byte(example: dict) -> int | None:
     """Where the first answer (the training target) ends in the encoder's prompt, in UTF-8 bytes:
     from its `answer_start` where that points at the answer, else where it first occurs in the
@@ -398,7 +566,7 @@ def answer_end_byte(example: dict) -> int | None:
     context, answer = example["context"], example["answers"]["text"][0]
     starts = example["answers"].get("answer_start")
     start = starts[0] if starts else -1
-    if start < 0 or context[start:start + len(answer)] != answer:
+    if start < 0 or context[start : start + len(answer)] != answer:
         answer = answer.strip()
         found = re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", context)
         if found is None:
@@ -406,7 +574,7 @@ def answer_end_byte(example: dict) -> int | None:
         start = found.start()
     prompt = prompt_text(example)
     context_at = len(prompt) - len(context)  # the context ends the prompt
-    return len(prompt[:context_at + start + len(answer)].encode("utf-8"))
+    return len(prompt[: context_at + start + len(answer)].encode("utf-8"))
 
 
 def answers_past_cut(examples: list[dict], max_prompt_bytes: int) -> list[bool | None]:
@@ -419,12 +587,15 @@ def answers_past_cut(examples: list[dict], max_prompt_bytes: int) -> list[bool |
 def check_answers_reachable(past: list[bool | None], source: str, max_prompt_bytes: int) -> None:
     """Refuse a training set in which no located answer is within the prompt's cut."""
     if past.count(True) and not past.count(False):
-        raise UserError(f"every answer of {source} that can be located lies past max_prompt_bytes="
-                        f"{max_prompt_bytes} ({past.count(True)} of {len(past)}): the encoder would never see one; "
-                        "raise --max-prompt-bytes")
+        raise UserError(
+            f"every answer of {source} that can be located lies past max_prompt_bytes="
+            f"{max_prompt_bytes} ({past.count(True)} of {len(past)}): the encoder would never see one; "
+            "raise --max-prompt-bytes"
+        )
 
 
 # --- prompts and batches ------------------------------------------------------------------
+
 
 def prompt_text(example: dict) -> str:
     return f"question: {example['question']}\ncontext: {example['context']}"
@@ -454,6 +625,7 @@ def round_up(n: int, multiple: int) -> int:
 class SpecialIds:
     """The ids an LLM's rows are built from besides the answer: its prompt contract's lead and tail
     (latentwire.prompting), the EOS target and the padding."""
+
     lead: list[int]
     tail: list[int]
     eos: int
@@ -481,8 +653,17 @@ class Collator:
     same positions as the wire's.
     """
 
-    def __init__(self, tokenizers: dict, contracts: dict, max_prompt_bytes: int, max_answer_tokens: int,
-                 pad_multiple: int, teacher: bool = False, kd_targets: dict | None = None, word_patch: int = 0):
+    def __init__(
+        self,
+        tokenizers: dict,
+        contracts: dict,
+        max_prompt_bytes: int,
+        max_answer_tokens: int,
+        pad_multiple: int,
+        teacher: bool = False,
+        kd_targets: dict | None = None,
+        word_patch: int = 0,
+    ):
         for name, tok in tokenizers.items():
             if tok.eos_token_id is None:
                 raise UserError(f"the {name} tokenizer has no EOS token")
@@ -498,22 +679,39 @@ class Collator:
         self.word_patch = word_patch
 
     @classmethod
-    def for_llms(cls, llms: dict, max_prompt_bytes: int, max_answer_tokens: int, pad_multiple: int,
-                 teacher: bool = False, kd_targets: dict | None = None, word_patch: int = 0) -> Collator:
+    def for_llms(
+        cls,
+        llms: dict,
+        max_prompt_bytes: int,
+        max_answer_tokens: int,
+        pad_multiple: int,
+        teacher: bool = False,
+        kd_targets: dict | None = None,
+        word_patch: int = 0,
+    ) -> Collator:
         """Rows for each frozen LLM by its own tokenizer and prompt contract."""
-        return cls({name: llm.tokenizer for name, llm in llms.items()},
-                   {name: llm.contract for name, llm in llms.items()}, max_prompt_bytes, max_answer_tokens,
-                   pad_multiple, teacher, kd_targets, word_patch)
+        return cls(
+            {name: llm.tokenizer for name, llm in llms.items()},
+            {name: llm.contract for name, llm in llms.items()},
+            max_prompt_bytes,
+            max_answer_tokens,
+            pad_multiple,
+            teacher,
+            kd_targets,
+            word_patch,
+        )
 
     def __call__(self, items: list[dict]) -> dict:
-        prompts = [item["prompt"][:self.max_prompt_bytes] for item in items]
+        prompts = [item["prompt"][: self.max_prompt_bytes] for item in items]
         byte_ids, byte_mask = self._collate_bytes(prompts)
         # The teacher reads what the encoder reads: the prompt cut at the same byte.
         texts = [p.decode("utf-8", errors="ignore") for p in prompts] if self.teacher else None
         answers = [item["answer"] for item in items]
         index = torch.tensor([item["index"] for item in items], dtype=torch.long)
-        rows = {name: self._collate_llm(tok, self.special_ids[name], answers, texts)
-                for name, tok in self.tokenizers.items()}
+        rows = {
+            name: self._collate_llm(tok, self.special_ids[name], answers, texts)
+            for name, tok in self.tokenizers.items()
+        }
         for name, targets in (self.kd_targets or {}).items():  # distillation's, at the answer positions
             rows[name] |= targets.rows(index, len(self.special_ids[name].tail), rows[name]["labels"].shape[1])
         return {"bytes": byte_ids, "byte_mask": byte_mask, "answers": rows, "index": index}
@@ -539,25 +737,33 @@ class Collator:
         The padding inside a row is masked like the padding after it; every patch starts with a
         real byte, so the encoder's patch mask (a patch is real when its first byte is) holds."""
         words = [[w for w in re.split(rb"(?=[ \n])", prompt) if w] for prompt in prompts]
+
         def patched(row: list[bytes], real_only: bool) -> bytes:
-            return b"".join((b"\1" * len(w) if real_only else w).ljust(round_up(len(w), self.word_patch), b"\0")
-                            for w in row)
+            return b"".join(
+                (b"\1" * len(w) if real_only else w).ljust(round_up(len(w), self.word_patch), b"\0") for w in row
+            )
 
         ids, real = ([patched(row, real_only) for row in words] for real_only in (False, True))
         length = round_up(max(map(len, ids)), self.pad_multiple)
-        byte_ids, byte_mask = (torch.frombuffer(bytearray(b"".join(r.ljust(length, b"\0") for r in rows)),
-                                                dtype=torch.uint8).view(len(prompts), length) for rows in (ids, real))
+        byte_ids, byte_mask = (
+            torch.frombuffer(bytearray(b"".join(r.ljust(length, b"\0") for r in rows)), dtype=torch.uint8).view(
+                len(prompts), length
+            )
+            for rows in (ids, real)
+        )
         return byte_ids.long().masked_fill_(~byte_mask.bool(), PAD_BYTE), byte_mask.bool()
 
     def _collate_llm(self, tok, special: SpecialIds, answers: list[str], texts: list[str] | None) -> dict:
         tail, eos, pad = special.tail, [special.eos], special.pad
-        token_ids = [ids[:self.max_answer_tokens] for ids in answer_token_ids(tok, answers)]
+        token_ids = [ids[: self.max_answer_tokens] for ids in answer_token_ids(tok, answers)]
         length = round_up(max(len(tail) + len(ids) for ids in token_ids), ANSWER_PAD_MULTIPLE)
         inputs = [tail + ids for ids in token_ids]
         targets = [[IGNORE_INDEX] * len(tail) + ids + eos for ids in token_ids]
-        rows = {"lead_ids": torch.tensor([special.lead] * len(answers), dtype=torch.long).view(len(answers), -1),
-                "input_ids": torch.tensor([row + [pad] * (length - len(row)) for row in inputs]),
-                "labels": torch.tensor([row + [IGNORE_INDEX] * (length + 1 - len(row)) for row in targets])}
+        rows = {
+            "lead_ids": torch.tensor([special.lead] * len(answers), dtype=torch.long).view(len(answers), -1),
+            "input_ids": torch.tensor([row + [pad] * (length - len(row)) for row in inputs]),
+            "labels": torch.tensor([row + [IGNORE_INDEX] * (length + 1 - len(row)) for row in targets]),
+        }
         rows["label_positions"] = label_positions(rows["labels"])
         if texts is not None:
             prompts = [special.lead + ids for ids in tok(texts, add_special_tokens=False)["input_ids"]]

@@ -13,6 +13,7 @@ makes them too big to keep for a dataset: there each position keeps the teacher'
 likely tokens and one bucket for all the others, and the KL is taken over those top_k + 1
 outcomes (the student's own mass of the other tokens in the bucket). `target_width` says which.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class TeacherTargets:
     for full rows (K = the vocabulary, in its order); `rest` [N, k] the log-probability of every
     other token together, or None for full rows; `row` [dataset size] each example's row, -1 for
     the examples the run does not draw (None: every example, in order)."""
+
     logprobs: torch.Tensor
     ids: torch.Tensor | None
     rest: torch.Tensor | None
@@ -56,7 +58,7 @@ class TeacherTargets:
         for key, table in (("kd_logprobs", self.logprobs), ("kd_ids", self.ids), ("kd_rest", self.rest)):
             if table is not None:
                 placed = table.new_zeros((len(indices), width, *table.shape[2:]))
-                placed[:, span] = table[indices, :span.stop - span.start]
+                placed[:, span] = table[indices, : span.stop - span.start]
                 out[key] = placed
         return out
 
@@ -69,12 +71,16 @@ def targets_bytes(examples: int, k: int, width: int, vocab: int) -> int:
 
 
 def describe_targets(targets: dict[str, TeacherTargets], dataset_size: int, seconds: float) -> str:
-    parts = [f"{name} {'full rows' if t.ids is None else f'top {t.ids.shape[-1]} + rest'} "
-             f"({t.nbytes / 2 ** 20:.0f} MiB)" for name, t in targets.items()]
+    parts = [
+        f"{name} {'full rows' if t.ids is None else f'top {t.ids.shape[-1]} + rest'} ({t.nbytes / 2**20:.0f} MiB)"
+        for name, t in targets.items()
+    ]
     n, k = next(iter(targets.values())).logprobs.shape[:2]
     of = "" if n == dataset_size else f" (the {n} of {dataset_size} that this run's steps draw)"
-    return (f"distillation targets of {n} examples{of} x {k} answer positions, computed once in {seconds:.1f} s: "
-            f"{', '.join(parts)}")
+    return (
+        f"distillation targets of {n} examples{of} x {k} answer positions, computed once in {seconds:.1f} s: "
+        f"{', '.join(parts)}"
+    )
 
 
 def target_width(examples: int, k: int, vocab: int, top_k: int) -> int:
@@ -98,9 +104,21 @@ def top_k_buckets(logprobs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, tor
 
 
 @torch.no_grad()
-def teacher_targets(llms: dict, dataset, collate, examples: list[int], *, k: int, temperature: float, top_k: int,
-                    batch_size: int, device: torch.device, rank: int, world: int,
-                    stop=lambda: None) -> dict[str, TeacherTargets] | None:
+def teacher_targets(
+    llms: dict,
+    dataset,
+    collate,
+    examples: list[int],
+    *,
+    k: int,
+    temperature: float,
+    top_k: int,
+    batch_size: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+    stop=lambda: None,
+) -> dict[str, TeacherTargets] | None:
     """The targets of `examples` (dataset indices, increasing) for each LLM. `collate` must give
     the teacher's rows (a data.Collator with teacher=True); the caller sets autocast and the
     attention kernels as the step does. Rank r computes examples[r], examples[r + world], ...; the
@@ -123,12 +141,12 @@ def teacher_targets(llms: dict, dataset, collate, examples: list[int], *, k: int
     for start in range(0, per_rank, batch_size):
         if stop():
             return None
-        batch = to_device(collate([dataset[i] for i in mine[start:start + batch_size]]), device)
+        batch = to_device(collate([dataset[i] for i in mine[start : start + batch_size]]), device)
         for name, llm in llms.items():
             rows = batch["answers"][name]
             logits = llm.teacher_logits(rows["text_ids"], rows["text_mask"], rows["input_ids"])
             tail = len(llm.contract.tail)
-            window = softened(logits[:, tail:tail + k], temperature)
+            window = softened(logits[:, tail : tail + k], temperature)
             window = F.pad(window, (0, 0, 0, k - window.shape[1]))  # rows shorter than k: never targets
             shares[name].append((window,) if width[name] == vocab[name] else top_k_buckets(window, width[name]))
     targets = {}

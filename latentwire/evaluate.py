@@ -28,6 +28,7 @@ This module is the command: checkpoint loading and the run. `latentwire.eval` ho
 `evaluation.py` the wire and its controls, chunks and sharding; `generation.py` the prompts,
 scoring and greedy decoding; `report.py` the summary, the margins and the JSON / Markdown report.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ from .settings import read_meta
 
 # --- loading a checkpoint ---------------------------------------------------------------------
 
+
 def load_wire_encoder(ckpt: Path, cfg, llms: dict, device: torch.device) -> WireEncoder:
     model = WireEncoder.for_llms(cfg.wire, llms)
     load_weights(ckpt, model, "the model of its meta.json")
@@ -63,9 +65,12 @@ def load_wire_encoder(ckpt: Path, cfg, llms: dict, device: torch.device) -> Wire
 
 # --- the command line -------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m latentwire.evaluate",
-                description="EM/F1 and answer NLL from a LatentWire checkpoint's wire, with text baselines.")
+    p = Parser(
+        prog="python -m latentwire.evaluate",
+        description="EM/F1 and answer NLL from a LatentWire checkpoint's wire, with text baselines.",
+    )
     p.add_argument("--ckpt", required=True, help="RUN/checkpoints/step_N, or RUN for its newest checkpoint")
     p.add_argument("--dataset", help="held-out data: synthetic, squad, hotpot_qa or a local file (default: the run's)")
     # Not `--n`: torchrun's own parser reads it as an ambiguous abbreviation of its flags
@@ -109,16 +114,26 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     mesh = init_device_mesh(di.device.type, (di.world_size,)) if sharded else None
     llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, di.device, mesh=mesh)
     if sharded and di.is_main:
-        print(f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})", file=sys.stderr,
-              flush=True)
+        print(
+            f"LLMs sharded over {di.world_size} ranks as in training ({held_per_rank(llms)})",
+            file=sys.stderr,
+            flush=True,
+        )
     model = load_wire_encoder(ckpt, cfg, llms, di.device)
-    settings = EvalSettings.of(cfg, text_baselines=True, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                           progress=report_progress(di.world_size) if di.is_main else None, lockstep=sharded)
+    settings = EvalSettings.of(
+        cfg,
+        text_baselines=True,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        progress=report_progress(di.world_size) if di.is_main else None,
+        lockstep=sharded,
+    )
     records = evaluate_examples(model, llms, examples, settings, di.device, di.rank, di.world_size)
     if not di.is_main:
         return
-    report = build_report(ckpt, step, cfg, dataset, sources.describe_held_out(dataset), examples, records, llms,
-                          settings, di.world_size)
+    report = build_report(
+        ckpt, step, cfg, dataset, sources.describe_held_out(dataset), examples, records, llms, settings, di.world_size
+    )
     paths = write_report(report, out_dir, f"{ckpt.name}_{Path(dataset).stem}_n{len(examples)}")
     print(markdown(report), flush=True)
     print("wrote " + " and ".join(map(str, paths)), flush=True)

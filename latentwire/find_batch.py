@@ -36,6 +36,7 @@ would leave the other ranks waiting in it; DDP's gradient buckets and NCCL's buf
 plan's reserve instead. Under torchrun every rank runs every trial and a trial fits only if it
 fits on all ranks (an all-reduce of the minimum), so all ranks agree on the search and its result.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,13 +74,14 @@ CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
 class Trial:
     micro_batch: int
     fits: bool
-    peak_allocated: int | None   # bytes; None when it ran out of memory before its steps were done
-    peak_reserved: int | None    # CUDA only
+    peak_allocated: int | None  # bytes; None when it ran out of memory before its steps were done
+    peak_reserved: int | None  # CUDA only
     seconds: float
     error: str = ""
 
 
 # --- measuring one trial ----------------------------------------------------------------------
+
 
 def cpu_allocation_peak(events) -> int:
     """Largest running sum of CPU allocations (positive bytes) and frees (negative), in time order."""
@@ -105,8 +107,11 @@ class CpuPeak:
 
     def __exit__(self, *exc) -> None:
         self._profile.__exit__(*exc)
-        events = [e for e in self._profile.profiler.kineto_results.events()
-                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        events = [
+            e
+            for e in self._profile.profiler.kineto_results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        ]
         self.bytes = cpu_allocation_peak(events)
 
 
@@ -134,8 +139,10 @@ class Probe:
     def __init__(self, cfg, llms: dict, step: TrainingStep, device: torch.device, steps: int, cap_bytes: int):
         self.cfg, self.llms, self.step, self.device, self.steps = cfg, llms, step, device, steps
         self.cap_bytes = cap_bytes
-        self.answers = {name: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)
-                        for name, llm in llms.items()}
+        self.answers = {
+            name: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)
+            for name, llm in llms.items()
+        }
         # train.py's attention kernels for this card and dtype
         self.attention_backends, _ = sdpa_backends(cuda_capability(device), frozen_weight_dtype(cfg.numerics.precision))
         self.resident = resident_bytes(llm.model for llm in llms.values())
@@ -168,8 +175,9 @@ class Probe:
         model = WireEncoder.for_llms(self.cfg.wire, self.llms)
         model.to(self.device).train()
         optimizer = self.step.adamw(model, self.cfg.optimizer, self.device.type)
-        batch = planning_batch(self.cfg.data, self.cfg.objectives, self.answers, micro_batch, self.device,
-                               self.cfg.wire.word_patch)
+        batch = planning_batch(
+            self.cfg.data, self.cfg.objectives, self.answers, micro_batch, self.device, self.cfg.wire.word_patch
+        )
         for _ in range(self.steps):
             run_step(self.step, self.cfg, model, self.llms, optimizer, batch, self.attention_backends)
 
@@ -209,6 +217,7 @@ def run_trial(probe, micro_batch: int, device: torch.device) -> Trial:
 
 # --- the search -------------------------------------------------------------------------------
 
+
 def search(try_micro_batch, start: int, limit: int | None = None, report=lambda trial: None) -> tuple[int, list[Trial]]:
     """Largest micro-batch for which `try_micro_batch(m).fits`, assuming that fitting is monotone:
     double from `start` while trials fit (up to `limit`), then bisect. 0 if not even 1 fits."""
@@ -246,12 +255,15 @@ def fit_trials(trials: list[Trial]) -> Fit | None:
 
 # --- output -----------------------------------------------------------------------------------
 
+
 def format_trial(t: Trial) -> str:
     if not t.fits:
         return f"trial micro-batch {t.micro_batch:>5}: out of memory: {t.error}  {t.seconds:.1f} s"
     reserved = "" if t.peak_reserved is None else f", {t.peak_reserved / GIB:.3f} GiB reserved"
-    return (f"trial micro-batch {t.micro_batch:>5}: peak {t.peak_allocated / GIB:.3f} GiB allocated{reserved}, "
-            f"fits  {t.seconds:.1f} s")
+    return (
+        f"trial micro-batch {t.micro_batch:>5}: peak {t.peak_allocated / GIB:.3f} GiB allocated{reserved}, "
+        f"fits  {t.seconds:.1f} s"
+    )
 
 
 def write_tensorboard(tb_dir: str, trials: list[Trial], fit: Fit | None) -> None:
@@ -271,9 +283,13 @@ def write_tensorboard(tb_dir: str, trials: list[Trial], fit: Fit | None) -> None
 
 # --- the command line -------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=PROG, description="Find the largest micro-batch that fits, by running it "
-                                       "(every train.py flag applies; --micro-batch-size is where the search starts).")
+    p = Parser(
+        prog=PROG,
+        description="Find the largest micro-batch that fits, by running it "
+        "(every train.py flag applies; --micro-batch-size is where the search starts).",
+    )
     p.add_argument("--cap-gb", type=positive(float), help="memory cap in GiB (default: target_util x memory_gb)")
     p.add_argument("--steps", type=positive(int), default=3, help="training steps per trial")
     p.add_argument("--max-micro-batch", type=positive(int), help="stop growing here")
@@ -291,8 +307,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def find(cfg, args, di, step: TrainingStep) -> None:
     if cfg.frozen.sharding == "fsdp":
-        raise UserError("find_batch measures with whole frozen LLMs on each rank; for --frozen-sharding fsdp, "
-                        f"plan the micro-batch with python -m latentwire.plan --profile {cfg.invocation.profile}")
+        raise UserError(
+            "find_batch measures with whole frozen LLMs on each rank; for --frozen-sharding fsdp, "
+            f"plan the micro-batch with python -m latentwire.plan --profile {cfg.invocation.profile}"
+        )
     if cfg.frozen.fp8 != "none":
         check_fp8(di.device, cfg.numerics.precision, eager_backward=not cfg.compile.enabled)
     out = Path(cfg.output.out_dir)
@@ -301,18 +319,30 @@ def find(cfg, args, di, step: TrainingStep) -> None:
     check_can_create(tb_dir, "TensorBoard directory")
     cap = round((args.cap_gb or cfg.planning.target_util * cfg.card.memory_gb) * GIB)
     # Built and wrapped as train.py builds them: the run's prompt contract, its checkpointing.
-    llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, di.device,
-                       checkpointing=checkpoint_options(cfg.recompute.policy))
+    llms = frozen_llms(
+        cfg.frozen,
+        cfg.prompt,
+        cfg.numerics.precision,
+        di.device,
+        checkpointing=checkpoint_options(cfg.recompute.policy),
+    )
     probe = Probe(cfg, llms, step, di.device, args.steps, cap)
     say = print if di.is_main else (lambda *a, **k: None)
-    say(f"find_batch {cfg.invocation.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "
-        f"{args.steps} steps per trial, starting at micro-batch {cfg.training.micro_batch_size}", flush=True)
+    say(
+        f"find_batch {cfg.invocation.profile}: {di.world_size} x {di.device.type}, cap {cap / GIB:.2f} GiB, "
+        f"{args.steps} steps per trial, starting at micro-batch {cfg.training.micro_batch_size}",
+        flush=True,
+    )
     # On request (--memory-snapshot true), the allocator's history over the trials: every block
     # live at a trial's peak and the line that allocated it (bench/peak_allocations.py, memory_viz).
     snapshots = MemorySnapshots(cfg.profiler.memory_snapshot, di.device, out, di.rank)
     snapshots.start()
-    best, trials = search(lambda m: run_trial(probe, m, di.device), cfg.training.micro_batch_size, args.max_micro_batch,
-                          report=lambda t: say(format_trial(t), flush=True))
+    best, trials = search(
+        lambda m: run_trial(probe, m, di.device),
+        cfg.training.micro_batch_size,
+        args.max_micro_batch,
+        report=lambda t: say(format_trial(t), flush=True),
+    )
     snapshot = snapshots.finish()
     if snapshot is not None:
         say(f"memory snapshot: {snapshot}")
@@ -321,10 +351,19 @@ def find(cfg, args, di, step: TrainingStep) -> None:
         say(f"fit: peak = {fit.fixed / GIB:.3f} GiB + {fit.per_sample / GIB:.4f} GiB x micro-batch, R^2 = {fit.r2:.5f}")
     say(f"largest micro-batch that fits: {best}" if best else "not even micro-batch 1 fits", flush=True)
     if di.is_main:
-        write_json(str(json_path),
-                   {"profile": cfg.invocation.profile, "world_size": di.world_size, "device": di.device.type,
-                    "cap_bytes": cap, "steps": args.steps, "max_micro_batch": best,
-                    "fit": None if fit is None else asdict(fit), "trials": [asdict(t) for t in trials]})
+        write_json(
+            str(json_path),
+            {
+                "profile": cfg.invocation.profile,
+                "world_size": di.world_size,
+                "device": di.device.type,
+                "cap_bytes": cap,
+                "steps": args.steps,
+                "max_micro_batch": best,
+                "fit": None if fit is None else asdict(fit),
+                "trials": [asdict(t) for t in trials],
+            },
+        )
         write_tensorboard(str(tb_dir), trials, fit)
 
 

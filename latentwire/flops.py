@@ -19,6 +19,7 @@ policy did not keep, and no attention (kept). The head is outside the wrapped la
 Embedding lookups, norms and elementwise ops are not matmuls and are left out, as in the usual
 6ND accounting; `tests/test_flops.py` checks the total against FlopCounterMode within 5%.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,8 +50,8 @@ class LLMShape:
     layers: int
     heads: int
     head_dim: int
-    matmul_params: int   # decoder layers' Linear weights
-    head_params: int     # LM head
+    matmul_params: int  # decoder layers' Linear weights
+    head_params: int  # LM head
     # Per policy, the Linear weights a checkpointed layer's recompute runs: full, all but its last;
     # selective, those whose outputs the policy does not keep.
     recomputed_params: dict[str, int] = field(default_factory=dict)
@@ -60,12 +61,20 @@ class LLMShape:
         c = model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         # Each layer's Linear weights in the order its forward runs them (the order they are registered).
-        sizes = [[m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear)]
-                 for layer in model.get_decoder().layers]
+        sizes = [
+            [m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear)]
+            for layer in model.get_decoder().layers
+        ]
         matmul = linear_params(model.get_decoder())
         recomputed = {"full": sum(sum(s[:-1]) for s in sizes), "selective": sum(map(recomputed_matmuls, sizes))}
-        return cls(c.num_hidden_layers, c.num_attention_heads, head_dim, matmul,
-                   model.get_output_embeddings().weight.numel(), recomputed)
+        return cls(
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            head_dim,
+            matmul,
+            model.get_output_embeddings().weight.numel(),
+            recomputed,
+        )
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ class Sizes:
     reads and their squares, summed over the rows; per LLM the positions its decoder reads, summed
     and their squares summed, and the positions its head runs at; whether a distillation term
     takes a second gradient through each head (latentwire.head_losses)."""
+
     rows: int
     patches: int | torch.Tensor
     patches_squared: int | torch.Tensor
@@ -85,7 +95,7 @@ class Sizes:
 @dataclass(frozen=True)
 class FlopModel(StepFlops):
     encoder_token_params: int  # applied to every byte patch: encoder + the pooler's key/value maps
-    latent_params: int         # applied to every wire token: the rest of the pooler, the adapters
+    latent_params: int  # applied to every wire token: the rest of the pooler, the adapters
     encoder_layers: int
     encoder_heads: int
     encoder_dim: int
@@ -98,19 +108,27 @@ class FlopModel(StepFlops):
     row_params: int = 0  # applied once per row: the pooler's question projection
 
     @classmethod
-    def of(cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], wire,
-           recompute: str = "none") -> "FlopModel":
+    def of(
+        cls, wire_encoder: nn.Module, llm_models: dict[str, nn.Module], wire, recompute: str = "none"
+    ) -> "FlopModel":
         """`wire`: the WireConfig the encoder was built from; `recompute`: the activation
         checkpointing policy of the frozen decoder layers (counted by step_hardware_flops only)."""
         kv = sum(linear_params(c.attn.k) + linear_params(c.attn.v) for c in wire_encoder.pooler.cross)
         question = linear_params(wire_encoder.pooler.question) if wire_encoder.pooler.question is not None else 0
-        return cls(encoder_token_params=linear_params(wire_encoder.encoder) + kv,
-                   latent_params=linear_params(wire_encoder.pooler) - kv - question
-                   + linear_params(wire_encoder.adapters), row_params=question,
-                   encoder_layers=wire.encoder_layers, encoder_heads=wire.encoder_heads, encoder_dim=wire.encoder_dim,
-                   patch_bytes=wire.patch_bytes, d_z=wire.d_z, num_latents=wire.num_latents,
-                   pooler_rounds=len(wire_encoder.pooler.cross),
-                   llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()), recompute=recompute)
+        return cls(
+            encoder_token_params=linear_params(wire_encoder.encoder) + kv,
+            latent_params=linear_params(wire_encoder.pooler) - kv - question + linear_params(wire_encoder.adapters),
+            row_params=question,
+            encoder_layers=wire.encoder_layers,
+            encoder_heads=wire.encoder_heads,
+            encoder_dim=wire.encoder_dim,
+            patch_bytes=wire.patch_bytes,
+            d_z=wire.d_z,
+            num_latents=wire.num_latents,
+            pooler_rounds=len(wire_encoder.pooler.cross),
+            llms=tuple((n, LLMShape.of(m)) for n, m in llm_models.items()),
+            recompute=recompute,
+        )
 
     def flops(self, s: Sizes) -> int | torch.Tensor:
         """One forward + backward of a micro-batch of these sizes. Every count is a sum over the
@@ -163,7 +181,7 @@ class FlopModel(StepFlops):
 
     def real_sizes(self, batch: dict) -> Sizes:
         # A patch is real when its first byte is (model.ByteEncoder), with word patches too.
-        patches = batch["byte_mask"][:, ::self.patch_bytes].sum(-1)
+        patches = batch["byte_mask"][:, :: self.patch_bytes].sum(-1)
         llms = []
         for name, _ in self.llms:
             answers = batch["answers"][name]
@@ -195,6 +213,7 @@ def attention_forward_flops_per_pair(heads: int, head_dim: int) -> int:
 # torch 2.13 counts the CUDA SDPA kernels but not the CPU flash kernel the cpu profile runs;
 # register the same formulas for it so FlopCounterMode sees attention on CPU too.
 
+
 def _as_query_heads(query_shape, *shapes) -> list[tuple]:
     """Grouped K/V shapes with the query's head count: the LLMs' calls pass fewer K/V heads
     (enable_gqa); torch 2.12+'s formulas count them so, 2.11's assert equal head counts."""
@@ -205,8 +224,7 @@ def _cpu_flash_forward(query_shape, key_shape, value_shape, *args, out_shape=Non
     return sdpa_flop_count(query_shape, *_as_query_heads(query_shape, key_shape, value_shape))
 
 
-def _cpu_flash_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                        **kwargs) -> int:
+def _cpu_flash_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
     return sdpa_backward_flop_count(grad_out_shape, query_shape, *_as_query_heads(query_shape, key_shape, value_shape))
 
 

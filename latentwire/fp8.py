@@ -50,6 +50,7 @@ step, which is neither the one cast nor the halved weights that pay here.
 On the CPU torch._scaled_mm emulates float8 (dequantised operands, an fp32 product): the numerics,
 none of the speed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -78,9 +79,15 @@ def torchao_float8() -> SimpleNamespace:
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
     except ImportError as e:
         raise UserError(f"--frozen-fp8 needs torchao: pip install -r requirements-fp8.txt ({e})") from None
-    return SimpleNamespace(Config=Float8LinearConfig, Linear=Float8Linear, to_float8=hp_tensor_to_float8_dynamic,
-                           Tensor=Float8TrainingTensor, Role=GemmInputRole, AXISWISE=ScalingGranularity.AXISWISE,
-                           ops=float8_ops)
+    return SimpleNamespace(
+        Config=Float8LinearConfig,
+        Linear=Float8Linear,
+        to_float8=hp_tensor_to_float8_dynamic,
+        Tensor=Float8TrainingTensor,
+        Role=GemmInputRole,
+        AXISWISE=ScalingGranularity.AXISWISE,
+        ops=float8_ops,
+    )
 
 
 def recipe_config(recipe: str):
@@ -103,9 +110,14 @@ def fp8_linears(llm: FrozenLLM) -> list[tuple[nn.Module, str, nn.Linear]]:
 def convertible_linears(layer: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) of each plain linear in `layer` whose widths are both multiples
     of FP8_ALIGNMENT."""
-    return [(parent, name, child) for parent in layer.modules() for name, child in parent.named_children()
-            if type(child) is nn.Linear and child.in_features % FP8_ALIGNMENT == 0
-            and child.out_features % FP8_ALIGNMENT == 0]
+    return [
+        (parent, name, child)
+        for parent in layer.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+        and child.in_features % FP8_ALIGNMENT == 0
+        and child.out_features % FP8_ALIGNMENT == 0
+    ]
 
 
 def convert_frozen_linears(llm: FrozenLLM, recipe: str) -> None:
@@ -127,8 +139,14 @@ def tensorwise_linear(linear: nn.Linear, config) -> nn.Linear:
     ao = torchao_float8()
     converted = ao.Linear.from_float(linear, config)
     with torch.no_grad():
-        converted.weight = frozen(ao.to_float8(linear.weight, config.cast_config_weight.target_dtype,
-                                               converted.linear_mm_config, gemm_input_role=ao.Role.WEIGHT))
+        converted.weight = frozen(
+            ao.to_float8(
+                linear.weight,
+                config.cast_config_weight.target_dtype,
+                converted.linear_mm_config,
+                gemm_input_role=ao.Role.WEIGHT,
+            )
+        )
     return converted
 
 
@@ -136,8 +154,14 @@ def rowwise_cast(tensor: torch.Tensor, cast, config):
     """`tensor` (2-D) in float8 with one scale per row (its last axis reduced), as torchao's recipe
     casts each operand of a rowwise GEMM."""
     ao = torchao_float8()
-    return ao.to_float8(tensor, cast.target_dtype, None, scaling_granularity=ao.AXISWISE, axiswise_dim=-1,
-                        round_scales_to_power_of_2=config.round_scales_to_power_of_2)
+    return ao.to_float8(
+        tensor,
+        cast.target_dtype,
+        None,
+        scaling_granularity=ao.AXISWISE,
+        axiswise_dim=-1,
+        round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+    )
 
 
 class RowwiseFloat8Linear(nn.Linear):
@@ -152,8 +176,9 @@ class RowwiseFloat8Linear(nn.Linear):
         self.config = config
         with torch.no_grad():
             self.weight = frozen(rowwise_cast(linear.weight, config.cast_config_weight, config))
-            self.weight_for_grad_input = frozen(rowwise_cast(linear.weight.t().contiguous(),
-                                                             config.cast_config_weight_for_grad_input, config))
+            self.weight_for_grad_input = frozen(
+                rowwise_cast(linear.weight.t().contiguous(), config.cast_config_weight_for_grad_input, config)
+            )
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,8 +190,9 @@ def rowwise_gemm(x: torch.Tensor, weight, cast, config, fast_accum: bool) -> tor
     """x [..., K] cast per row, times `weight` [N, K] (cast per row): [..., N] in x's dtype,
     through torchao's scaled GEMM (looked up on its module, where tests/test_fp8.py watches it)."""
     rows = rowwise_cast(x.reshape(-1, x.shape[-1]), cast, config)
-    y = torchao_float8().ops.addmm_float8_unwrapped(rows._data, rows._scale, weight._data.t(), weight._scale.t(),
-                                                     x.dtype, use_fast_accum=fast_accum)
+    y = torchao_float8().ops.addmm_float8_unwrapped(
+        rows._data, rows._scale, weight._data.t(), weight._scale.t(), x.dtype, use_fast_accum=fast_accum
+    )
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -185,21 +211,28 @@ class RowwiseFrozenMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         (weight_for_grad_input,) = ctx.saved_tensors
         c = ctx.config
-        return (rowwise_gemm(grad, weight_for_grad_input, c.cast_config_grad_output, c,
-                             c.gemm_config_grad_input.use_fast_accum), None, None, None)
+        return (
+            rowwise_gemm(
+                grad, weight_for_grad_input, c.cast_config_grad_output, c, c.gemm_config_grad_input.use_fast_accum
+            ),
+            None,
+            None,
+            None,
+        )
 
 
 def parameter_count(model: nn.Module) -> int:
     """The model's parameters, each weight counted once (a rowwise linear holds two casts of one)."""
-    return (sum(p.numel() for p in model.parameters())
-            - sum(m.weight_for_grad_input.numel() for m in model.modules() if isinstance(m, RowwiseFloat8Linear)))
+    return sum(p.numel() for p in model.parameters()) - sum(
+        m.weight_for_grad_input.numel() for m in model.modules() if isinstance(m, RowwiseFloat8Linear)
+    )
 
 
 RECIPE_NOTES = {
     "tensorwise": "tensorwise: e4m3 activations and weights, e5m2 gradients, a scale per tensor; each weight "
-                  "cast once, 1 byte",
+    "cast once, 1 byte",
     "rowwise": "rowwise: e4m3, a power-of-two scale per row; each weight cast once per GEMM (per output "
-               "channel, per input channel), 2 bytes",
+    "channel, per input channel), 2 bytes",
 }
 
 
@@ -210,7 +243,12 @@ def describe_fp8(llms: dict[str, FrozenLLM], recipe: str, device_type: str) -> s
         linears = [m for layer in decoder_layers(llm) for m in layer.modules() if isinstance(m, nn.Linear)]
         fp8 = sum(isinstance(m.weight, torchao_float8().Tensor) for m in linears)
         counts.append(f"{fp8} of {name}'s {len(linears)}")
-    where = ("emulated by the CPU's torch._scaled_mm: float8's numerics, none of its speed" if device_type == "cpu"
-             else "on the FP8 tensor cores")
-    return (f"fp8: {', '.join(counts)} decoder-layer linears in float8 (torchao, {RECIPE_NOTES[recipe]}), "
-            f"{where}; MFU stays counted against the bf16 peak")
+    where = (
+        "emulated by the CPU's torch._scaled_mm: float8's numerics, none of its speed"
+        if device_type == "cpu"
+        else "on the FP8 tensor cores"
+    )
+    return (
+        f"fp8: {', '.join(counts)} decoder-layer linears in float8 (torchao, {RECIPE_NOTES[recipe]}), "
+        f"{where}; MFU stays counted against the bf16 peak"
+    )

@@ -15,6 +15,7 @@ The head's weight is frozen: the vjp is taken with respect to the hidden states 
 gradient is ever computed, and backward needs no weight (under FSDP2 it is gathered once, for the
 forward: latentwire.llm.FrozenLLM.head_weight).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 # logits, their log-softmax and gradients) does not grow with the batch; a chunk needs a few
 # hundred rows for its GEMMs to be bound by arithmetic on an H100, not by reading the head's weight
 # (docs/performance.md).
-HEAD_CHUNK_ELEMENTS = 2 ** 26
+HEAD_CHUNK_ELEMENTS = 2**26
 
 
 def chunk_rows(vocab: int) -> int:
@@ -43,9 +44,10 @@ class _HeadLosses(torch.autograd.Function):
     def forward(ctx, hidden, weight, losses, rows, *inputs):
         values, grads = [], []
         for start in range(0, hidden.shape[0], rows):
-            part = [x[start:start + rows] for x in inputs]
-            out, vjp = torch.func.vjp(lambda h, part=part: losses(F.linear(h, weight), *part),
-                                      hidden[start:start + rows])
+            part = [x[start : start + rows] for x in inputs]
+            out, vjp = torch.func.vjp(
+                lambda h, part=part: losses(F.linear(h, weight), *part), hidden[start : start + rows]
+            )
             values.append(out)
             grads.append(torch.stack([vjp(one_output(out, j))[0] for j in range(out.shape[1])]))
         ctx.save_for_backward(torch.cat(grads, dim=1))
@@ -65,8 +67,9 @@ def one_output(values: torch.Tensor, j: int) -> torch.Tensor:
     return F.one_hot(torch.full(values.shape[:1], j, device=values.device), values.shape[1]).to(values.dtype)
 
 
-def head_losses(hidden: torch.Tensor, weight: torch.Tensor, losses: Callable[..., torch.Tensor],
-                *inputs: torch.Tensor) -> torch.Tensor:
+def head_losses(
+    hidden: torch.Tensor, weight: torch.Tensor, losses: Callable[..., torch.Tensor], *inputs: torch.Tensor
+) -> torch.Tensor:
     """[positions, outputs]: `losses(logits, *inputs)` of each position's logits `hidden @ weight.T`,
     where `losses` maps [n, vocab] logits and the inputs' matching n rows to [n, outputs] values, each
     of a position's outputs depending on that position alone (a per-position cross-entropy, a

@@ -4,29 +4,76 @@
 `llm_parameter_count` counts parameters from a configuration by formula: the analytic side of the
 planner's cross-check, and a check of the table against the published counts.
 """
+
 from __future__ import annotations
 
 from .harness.errors import UserError
 
 # The config.json values of the released checkpoints (only the fields that shape the model).
 LLAMA_3_1_8B = dict(
-    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu", attention_bias=False,
-    mlp_bias=False, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-    tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    hidden_act="silu",
+    attention_bias=False,
+    mlp_bias=False,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
 QWEN_2_5_7B = dict(
-    model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-    num_attention_heads=28, num_key_value_heads=4, hidden_act="silu", max_position_embeddings=131072,
-    max_window_layers=28, use_sliding_window=False, sliding_window=131072, rms_norm_eps=1e-6,
-    rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643)
+    model_type="qwen2",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    hidden_act="silu",
+    max_position_embeddings=131072,
+    max_window_layers=28,
+    use_sliding_window=False,
+    sliding_window=131072,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
 LLAMA_3_1_70B = dict(
-    LLAMA_3_1_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-    num_key_value_heads=8, head_dim=128)
+    LLAMA_3_1_8B,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+)
 QWEN_2_5_72B = dict(
-    QWEN_2_5_7B, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-    num_key_value_heads=8, max_window_layers=80, rms_norm_eps=1e-5)
+    QWEN_2_5_7B,
+    hidden_size=8192,
+    intermediate_size=29568,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    max_window_layers=80,
+    rms_norm_eps=1e-5,
+)
 
 # hub id -> (config values, whether its tokenizer has a BOS token). Instruct variants share the
 # base model's architecture; Qwen2.5's tokenizer has no BOS (its config's bos_token_id is unused).

@@ -3,6 +3,7 @@
 so that FSDP2 can shard them in between and a rank reads only its shards. Which layers activation
 checkpointing wraps and which units FSDP2 shards: train.py makes the calls, this module decides.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,25 +24,41 @@ from .prompting import PromptContract, PromptFormat
 @dataclass(frozen=True)
 class FrozenConfig:
     """Where the two frozen LLMs come from (a source each, see llm_sources) and how a rank holds them."""
-    llama: str = setting("tiny", "Llama-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), "
-                                 "'tiny-random', or 'random:HUB_ID_OR_CONFIG_JSON'", weights=True)
-    qwen: str = setting("tiny", "Qwen-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), "
-                                "'tiny-random', or 'random:HUB_ID_OR_CONFIG_JSON'", weights=True)
+
+    llama: str = setting(
+        "tiny",
+        "Llama-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), "
+        "'tiny-random', or 'random:HUB_ID_OR_CONFIG_JSON'",
+        weights=True,
+    )
+    qwen: str = setting(
+        "tiny",
+        "Qwen-family LLM: hub id, local directory, 'tiny' (the shipped tiny reader), "
+        "'tiny-random', or 'random:HUB_ID_OR_CONFIG_JSON'",
+        weights=True,
+    )
     sharding: Literal["none", "fsdp"] = setting(
-        "none", "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded over the ranks by "
-                "FSDP2, a decoder layer gathered only while it runs)", key="frozen_sharding")
+        "none",
+        "how a rank holds the frozen LLMs: none (whole, on every rank) or fsdp (sharded over the ranks by "
+        "FSDP2, a decoder layer gathered only while it runs)",
+        key="frozen_sharding",
+    )
     fp8: Literal["none", "tensorwise", "rowwise"] = setting(
-        "none", "run the frozen LLMs' decoder-layer linears in float8, scaled by torchao's recipe: none, "
-                "tensorwise (a scale per tensor, each weight 1 byte) or rowwise (a scale per row, each weight cast "
-                "for each of its two GEMMs, 2 bytes); forward and input gradients, bf16, compiled, a card with FP8 "
-                "tensor cores or the CPU's emulation; MFU stays counted against the bf16 peak", key="frozen_fp8")
+        "none",
+        "run the frozen LLMs' decoder-layer linears in float8, scaled by torchao's recipe: none, "
+        "tensorwise (a scale per tensor, each weight 1 byte) or rowwise (a scale per row, each weight cast "
+        "for each of its two GEMMs, 2 bytes); forward and input gradients, bf16, compiled, a card with FP8 "
+        "tensor cores or the CPU's emulation; MFU stays counted against the bf16 peak",
+        key="frozen_fp8",
+    )
 
     def source(self, name: str) -> str:
         return getattr(self, name)
 
 
 # Rows of the embedding table squared in fp32 at a time: the table itself is up to 2 GiB in bf16.
-EMBED_RMS_CHUNK_ELEMENTS = 2 ** 20
+EMBED_RMS_CHUNK_ELEMENTS = 2**20
+
 
 @dataclass
 class FrozenLLM:
@@ -50,6 +67,7 @@ class FrozenLLM:
     Not an nn.Module on purpose: it stays outside the DDP wrapper, so DDP neither broadcasts nor
     buckets its (possibly 16 GB of) weights; only the trainable encoder and adapters are DDP's.
     """
+
     name: str
     model: nn.Module
     tokenizer: object
@@ -72,8 +90,10 @@ class FrozenLLM:
         w = self.model.get_input_embeddings().weight.detach()
         local = w.to_local() if isinstance(w, DTensor) else w
         rows = max(1, EMBED_RMS_CHUNK_ELEMENTS // w.shape[-1])
-        squares = sum((chunk.float().square().sum(dtype=torch.float64) for chunk in local.split(rows)),
-                      torch.zeros((), dtype=torch.float64, device=local.device))
+        squares = sum(
+            (chunk.float().square().sum(dtype=torch.float64) for chunk in local.split(rows)),
+            torch.zeros((), dtype=torch.float64, device=local.device),
+        )
         if isinstance(w, DTensor):
             torch.distributed.all_reduce(squares, group=w.device_mesh.get_group())
         return math.sqrt(squares.item() / w.numel())
@@ -94,7 +114,7 @@ class FrozenLLM:
         for the label layout). The decoder alone: the head runs where the labels are, in the loss
         (latentwire.objectives, `head_weight`)."""
         out = self.model.get_decoder()(inputs_embeds=self.wire_embeds(soft, lead_ids, input_ids), use_cache=False)
-        return out.last_hidden_state[:, -(input_ids.shape[1] + 1):]
+        return out.last_hidden_state[:, -(input_ids.shape[1] + 1) :]
 
     @contextmanager
     def head_weight(self):
@@ -120,8 +140,13 @@ class FrozenLLM:
         prompt ends where its input_ids begin and the kept logits line up with the wire's."""
         ids = torch.cat([text_ids, input_ids], dim=1)
         real = torch.cat([text_mask, torch.ones_like(input_ids)], dim=1).bool()
-        out = self.model(input_ids=ids, attention_mask=padded_causal_mask(real), position_ids=positions(real),
-                         use_cache=False, logits_to_keep=input_ids.shape[1] + 1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=padded_causal_mask(real),
+            position_ids=positions(real),
+            use_cache=False,
+            logits_to_keep=input_ids.shape[1] + 1,
+        )
         return out.logits
 
 
@@ -140,6 +165,7 @@ def freeze(model: nn.Module) -> nn.Module:
 # and shard them with FSDP2: a sharded parameter is then allocated and read only for the rows this
 # rank holds, so no rank ever holds a 70B model whole, in host or device memory.
 
+
 def build_model(config, dtype: torch.dtype) -> nn.Module:
     """The model of a configuration, on the device of the caller's context: `torch.device("meta")`
     (structure, no memory), or a FakeTensorMode for the memory plan."""
@@ -148,8 +174,7 @@ def build_model(config, dtype: torch.dtype) -> nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation=causal_attention(), dtype=dtype)
 
 
-def build_frozen_llm(name: str, source: str, dtype: torch.dtype,
-                     prompt: PromptFormat = PromptFormat()) -> FrozenLLM:  # noqa: B008 (a frozen dataclass)
+def build_frozen_llm(name: str, source: str, dtype: torch.dtype, prompt: PromptFormat = PromptFormat()) -> FrozenLLM:  # noqa: B008 (a frozen dataclass)
     """`name` is 'llama' or 'qwen'; `source` is what `llm_sources.read_source` reads; `prompt` makes
     its tokenizer's prompt contract. Built under `torch.device("meta")`, the model is frozen
     structure until `to_empty` and `read_weights`."""
@@ -175,8 +200,10 @@ def check_buffers_computable(model: nn.Module, source: str) -> None:
     saved = model.state_dict().keys()
     for key, buffer in model.named_buffers():
         if key not in saved and id(buffer) not in computed:
-            raise UserError(f"model {source!r}: its buffer {key} is in no checkpoint and not one latentwire can "
-                            "compute again (it recomputes RoPE's: Llama, Qwen, Mistral and their like load)")
+            raise UserError(
+                f"model {source!r}: its buffer {key} is in no checkpoint and not one latentwire can "
+                "compute again (it recomputes RoPE's: Llama, Qwen, Mistral and their like load)"
+            )
 
 
 def held_rows(target: torch.Tensor) -> tuple[torch.Tensor, slice]:
@@ -211,15 +238,22 @@ def read_weights(llm: FrozenLLM) -> None:
             if key not in weights.shapes or local.data_ptr() in filled or local.numel() == 0:
                 continue
             if weights.shapes[key] != tuple(target.shape):
-                raise UserError(f"model {source!r}: tensor {key} has shape {weights.shapes[key]} in its checkpoint, "
-                                f"{tuple(target.shape)} in its configuration")
+                raise UserError(
+                    f"model {source!r}: tensor {key} has shape {weights.shapes[key]} in its checkpoint, "
+                    f"{tuple(target.shape)} in its configuration"
+                )
             local.copy_(weights.read(key, rows, local))
             filled.add(local.data_ptr())
-    missing = [key for key, target in model.state_dict().items()
-               if (local := held_rows(target)[0]).numel() and local.data_ptr() not in filled]
+    missing = [
+        key
+        for key, target in model.state_dict().items()
+        if (local := held_rows(target)[0]).numel() and local.data_ptr() not in filled
+    ]
     if missing:
-        raise UserError(f"model {source!r}: its checkpoint has no tensor for {missing[0]}"
-                        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise UserError(
+            f"model {source!r}: its checkpoint has no tensor for {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     device = next(model.parameters()).device
     if (rotary := rotary_embedding(model)) is not None:
         with torch.device(device):
@@ -280,7 +314,7 @@ def held_bytes(model: nn.Module) -> int:
 def held_per_rank(llms: dict[str, FrozenLLM]) -> str:
     """'1.79 MiB held per rank': the frozen weights one rank holds, as the opening lines say it."""
     held = sum(held_bytes(llm.model) for llm in llms.values())
-    return (f"{held / 2 ** 30:.2f} GiB" if held >= 2 ** 30 else f"{held / 2 ** 20:.2f} MiB") + " held per rank"
+    return (f"{held / 2**30:.2f} GiB" if held >= 2**30 else f"{held / 2**20:.2f} MiB") + " held per rank"
 
 
 def fsdp_units(llm: FrozenLLM) -> list[nn.Module]:
@@ -292,16 +326,22 @@ def fsdp_units(llm: FrozenLLM) -> list[nn.Module]:
     is 2.5 GB): the model itself then holds nothing. An LLM that ties its table and head is refused
     (`check_untied`)."""
     check_untied(llm)
-    return [*decoder_layers(llm), llm.model.get_input_embeddings(), llm.model.get_decoder().norm,
-            llm.model.get_output_embeddings()]
+    return [
+        *decoder_layers(llm),
+        llm.model.get_input_embeddings(),
+        llm.model.get_decoder().norm,
+        llm.model.get_output_embeddings(),
+    ]
 
 
 def check_untied(llm: FrozenLLM) -> None:
     """--frozen-sharding fsdp shards the embedding table and the head as separate units; an LLM that
     ties them (Qwen2.5 up to 3B, Llama-3.2) would put one parameter in two."""
     if llm.model.get_output_embeddings().weight is llm.model.get_input_embeddings().weight:
-        raise UserError(f"--frozen-sharding fsdp: the {llm.name} LLM ties its input and output embeddings, "
-                        "which are sharded separately; use --frozen-sharding none")
+        raise UserError(
+            f"--frozen-sharding fsdp: the {llm.name} LLM ties its input and output embeddings, "
+            "which are sharded separately; use --frozen-sharding none"
+        )
 
 
 def skip_unused_backward_gathers(llm: FrozenLLM) -> None:

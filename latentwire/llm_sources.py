@@ -16,6 +16,7 @@ For each: its configuration and tokenizer, and where its tensors are read from (
 `latentwire.llm` builds and loads), or, for the memory planner, what its configuration is without
 any weights (`llm_spec`).
 """
+
 from __future__ import annotations
 
 import glob
@@ -47,10 +48,22 @@ RANDOM_SEED = 4321
 # Small but structurally faithful: grouped-query attention, RoPE, SwiGLU, RMSNorm, untied heads,
 # and different widths and vocabularies so the two adapters really differ.
 TINY_SPECS = {
-    "llama": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1024),
-    "qwen": dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=768),
+    "llama": dict(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
+    "qwen": dict(
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=768,
+    ),
 }
 
 
@@ -58,6 +71,7 @@ TINY_SPECS = {
 class Source:
     """An LLM's configuration and tokenizer, and where its tensors are read from once its model is
     built (`weights(model)`: the random ones are drawn per tensor of the model)."""
+
     config: object
     tokenizer: object
     weights: Callable[[nn.Module], object]
@@ -74,12 +88,14 @@ def read_source(name: str, source: str) -> Source:
         config, tokenizer = random_architecture(name, source)
         seed = RANDOM_SEED + LLM_NAMES.index(name)
         return Source(config, tokenizer, lambda model: SeededWeights(model, seed, config.initializer_range, source))
-    config, tokenizer, weights = pretrained_config(tiny_reader(name) if source == TINY else source,
-                                                   plain_tokenizer=source == TINY)
+    config, tokenizer, weights = pretrained_config(
+        tiny_reader(name) if source == TINY else source, plain_tokenizer=source == TINY
+    )
     return Source(config, tokenizer, lambda model: weights)
 
 
 # --- tiny, offline models ---------------------------------------------------------------------
+
 
 def tiny_reader(name: str) -> str:
     """The directory of the shipped tiny reader of the `name` slot."""
@@ -102,9 +118,12 @@ def tiny_tokenizer(family: str):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_SPECS[family]["vocab_size"],
-                                  special_tokens=list(dict.fromkeys(specials.values())),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_SPECS[family]["vocab_size"],
+        special_tokens=list(dict.fromkeys(specials.values())),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(synthetic_corpus_text(), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
 
@@ -114,10 +133,15 @@ def tiny_model(family: str, tokenizer) -> nn.Module:
 
     spec = dict(TINY_SPECS[family], vocab_size=len(tokenizer))
     cls = LlamaConfig if family == "llama" else Qwen2Config
-    config = cls(**spec, max_position_embeddings=512, tie_word_embeddings=False,
-                 initializer_range=0.1,
-                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id)
+    config = cls(
+        **spec,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     # On the CPU whatever device the caller builds under: these are the weights themselves.
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(TINY_SEED + (family == "qwen"))
@@ -125,6 +149,7 @@ def tiny_model(family: str, tokenizer) -> nn.Module:
 
 
 # --- where the tensors are read from --------------------------------------------------------
+
 
 class CheckpointWeights:
     """The tensors of a model's .safetensors files, read a row range at a time from the memory map."""
@@ -190,7 +215,7 @@ class SeededWeights:
         kind = self.kinds[key]
         if kind != "normal":
             return (torch.zeros if kind == "zeros" else torch.ones)(like.shape, dtype=like.dtype, device=like.device)
-        generator = torch.Generator(like.device).manual_seed(self.seed * 2 ** 32 + zlib.crc32(key.encode()))
+        generator = torch.Generator(like.device).manual_seed(self.seed * 2**32 + zlib.crc32(key.encode()))
         full = torch.empty(self.shapes[key], dtype=like.dtype, device=like.device)
         return full.normal_(0.0, self.std, generator=generator)[rows]
 
@@ -200,8 +225,10 @@ def random_architecture(name: str, source: str):
     config = random_config(source)
     tokenizer = tiny_tokenizer(name)
     if len(tokenizer) > config.vocab_size:
-        raise UserError(f"{source}: vocabulary of {config.vocab_size} is smaller than the {len(tokenizer)} ids "
-                        "of the tokenizer that reads it")
+        raise UserError(
+            f"{source}: vocabulary of {config.vocab_size} is smaller than the {len(tokenizer)} ids "
+            "of the tokenizer that reads it"
+        )
     return config, tokenizer
 
 
@@ -258,14 +285,16 @@ def weight_files(source: str) -> list[str]:
 
 # --- configurations without weights: the memory planner's -------------------------------------
 
+
 @dataclass(frozen=True)
 class LLMSpec:
     """What the planner needs of one frozen LLM."""
-    source: str          # as the profile names it
-    config: object       # a transformers PretrainedConfig
-    has_bos: bool        # a BOS leads every prompt (latentwire.prompting)
+
+    source: str  # as the profile names it
+    config: object  # a transformers PretrainedConfig
+    has_bos: bool  # a BOS leads every prompt (latentwire.prompting)
     chat_template: bool  # its tokenizer ships a chat template (latentwire.prompting)
-    origin: str          # where the configuration came from, for the report
+    origin: str  # where the configuration came from, for the report
 
 
 def llm_spec(name: str, source: str) -> LLMSpec:
@@ -277,23 +306,27 @@ def llm_spec(name: str, source: str) -> LLMSpec:
         return _local_spec(tiny_reader(name))
     if source.startswith(RANDOM):
         has_bos = tiny_tokenizer(name).bos_token_id is not None  # the tokenizer random_architecture reads it with
-        return LLMSpec(source, random_config(source), has_bos, False,
-                       "random weights, configuration of " + source[len(RANDOM):])
+        return LLMSpec(
+            source, random_config(source), has_bos, False, "random weights, configuration of " + source[len(RANDOM) :]
+        )
     if os.path.isdir(os.path.expanduser(source)):
         return _local_spec(source)
     if source in KNOWN_LLMS:
         values, has_bos = KNOWN_LLMS[source]
         # Their hub tokenizers, base and instruct alike, ship a chat template.
-        return LLMSpec(source, _config_from_values(values), has_bos, True,
-                       "configuration shipped in latentwire.known_llms")
-    raise UserError(f"no configuration for {source!r}: name a local model directory (with config.json) "
-                    f"or one of {', '.join(KNOWN_LLMS)}")
+        return LLMSpec(
+            source, _config_from_values(values), has_bos, True, "configuration shipped in latentwire.known_llms"
+        )
+    raise UserError(
+        f"no configuration for {source!r}: name a local model directory (with config.json) "
+        f"or one of {', '.join(KNOWN_LLMS)}"
+    )
 
 
 def random_config(source: str):
     """The configuration behind `random:SOURCE`: a hub id of `KNOWN_LLMS`, a model directory
     (its config.json) or the path of a config.json."""
-    target = source[len(RANDOM):]
+    target = source[len(RANDOM) :]
     if target in KNOWN_LLMS:
         return _config_from_values(KNOWN_LLMS[target][0])
     path = os.path.expanduser(target)
@@ -329,8 +362,13 @@ def _tiny_spec(name: str) -> LLMSpec:
     tokenizer = tiny_tokenizer(name)
     with FakeTensorMode():  # its configuration is built with it; the weights are never allocated
         config = tiny_model(name, tokenizer).config
-    return LLMSpec("tiny-random", config, tokenizer.bos_token_id is not None, False,
-                   "configuration built offline by latentwire.llm_sources")
+    return LLMSpec(
+        "tiny-random",
+        config,
+        tokenizer.bos_token_id is not None,
+        False,
+        "configuration built offline by latentwire.llm_sources",
+    )
 
 
 def _local_spec(directory: str) -> LLMSpec:

@@ -4,6 +4,7 @@ Every attention here goes through `F.scaled_dot_product_attention`, which picks 
 memory-efficient kernel on CUDA and a fused kernel on CPU. Padding is masked out of every
 attention (as keys), so a prompt padded to any length gives the same wire.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,8 +51,13 @@ class Attention(nn.Module):
         self.v = nn.Linear(kv_dim or dim, dim)
         self.out = nn.Linear(dim, dim)
 
-    def forward(self, q_in: torch.Tensor, kv_in: torch.Tensor, key_mask: torch.Tensor | None,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q_in: torch.Tensor,
+        kv_in: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         b, lq, d = q_in.shape
         q = self.q(q_in).view(b, lq, self.heads, -1).transpose(1, 2)
         k = self.k(kv_in).view(b, kv_in.shape[1], self.heads, -1).transpose(1, 2)
@@ -63,8 +69,7 @@ class Attention(nn.Module):
         # take only a mask whose last dimension has stride 1, which a mask sliced every patch_bytes
         # has not: without the copy no kernel is left (seen on an H100), while the CPU runs anyway.
         mask = None if key_mask is None else key_mask.contiguous()[:, None, None, :]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(b, lq, d))
 
 
@@ -87,8 +92,13 @@ class Block(nn.Module):
         self.mlp = MLP(dim, dropout)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None, kv: torch.Tensor | None = None,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        kv: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         h = self.norm_q(x)
         kv = h if kv is None else self.norm_kv(kv)
         x = x + self.drop(self.attn(h, kv, key_mask, rotary))
@@ -113,15 +123,26 @@ class ByteEncoder(nn.Module):
     either alone did not.
     """
 
-    def __init__(self, dim: int, layers: int, heads: int, patch: int, dropout: float, patch_mlp: bool = False,
-                 hash_buckets: int = 0):
+    def __init__(
+        self,
+        dim: int,
+        layers: int,
+        heads: int,
+        patch: int,
+        dropout: float,
+        patch_mlp: bool = False,
+        hash_buckets: int = 0,
+    ):
         super().__init__()
         self.patch, self.head_dim = patch, dim // heads
         self.byte_embed = nn.Embedding(NUM_BYTE_IDS, dim)
         # Linear, a patch's code is a sum of one code per (slot, byte): " 23" and " 24" differ by one
         # summand. The MLP reads the bytes jointly (see the docstring).
-        self.patch_embed = (nn.Sequential(nn.Linear(patch * dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-                            if patch_mlp else nn.Linear(patch * dim, dim))
+        self.patch_embed = (
+            nn.Sequential(nn.Linear(patch * dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            if patch_mlp
+            else nn.Linear(patch * dim, dim)
+        )
         # A code per patch as a whole, looked up by its bytes' hash (BLT's hash n-gram embeddings): a
         # lookup, no matmul, and " 23" and " 24" land in rows of their own.
         self.patch_hash = nn.Embedding(hash_buckets, dim) if hash_buckets else None
@@ -150,7 +171,7 @@ class ByteEncoder(nn.Module):
 
     def patch_mask(self, byte_mask: torch.Tensor) -> torch.Tensor:
         """Whether each patch's first byte is in `byte_mask` (rows padded to whole patches)."""
-        return F.pad(byte_mask, (0, -byte_mask.shape[1] % self.patch), value=False)[:, ::self.patch]
+        return F.pad(byte_mask, (0, -byte_mask.shape[1] % self.patch), value=False)[:, :: self.patch]
 
 
 def patch_hashes(patches: torch.Tensor, buckets: int) -> torch.Tensor:
@@ -158,7 +179,7 @@ def patch_hashes(patches: torch.Tensor, buckets: int) -> torch.Tensor:
     NUM_BYTE_IDS (exact in int64 up to 7 bytes), then a Lehmer step modulo the prime 2^31 - 1 so that
     patches differing in one byte scatter over the buckets instead of landing a fixed stride apart."""
     weights = NUM_BYTE_IDS ** torch.arange(patches.shape[-1], device=patches.device, dtype=torch.long)
-    prime = 2 ** 31 - 1
+    prime = 2**31 - 1
     return ((patches * weights).sum(-1) % prime * 48271 % prime) % buckets
 
 
@@ -171,10 +192,18 @@ class LatentPooler(nn.Module):
     person the question names) instead of an average of all bytes.
     """
 
-    def __init__(self, num_latents: int, d_z: int, enc_dim: int, heads: int, dropout: float, rounds: int = 2,
-                 question_queries: bool = False):
+    def __init__(
+        self,
+        num_latents: int,
+        d_z: int,
+        enc_dim: int,
+        heads: int,
+        dropout: float,
+        rounds: int = 2,
+        question_queries: bool = False,
+    ):
         super().__init__()
-        self.queries = nn.Parameter(torch.randn(num_latents, d_z) * d_z ** -0.5)
+        self.queries = nn.Parameter(torch.randn(num_latents, d_z) * d_z**-0.5)
         # Queries that read the question: the first round already knows whose fact it looks for. Zero
         # at first, so training starts from the plain queries.
         self.question = nn.Linear(enc_dim, d_z) if question_queries else None
@@ -185,8 +214,9 @@ class LatentPooler(nn.Module):
         self.self_attn = nn.ModuleList(Block(d_z, heads, dropout) for _ in range(rounds))
         self.norm = nn.LayerNorm(d_z)
 
-    def forward(self, feats: torch.Tensor, feat_mask: torch.Tensor, question_mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self, feats: torch.Tensor, feat_mask: torch.Tensor, question_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         z = self.queries.expand(feats.shape[0], -1, -1)
         if self.question is not None:  # the mean of the question's features, projected onto every query
             weights = question_mask.to(feats.dtype)[..., None]
@@ -215,27 +245,49 @@ class Adapter(nn.Module):
 @dataclass(frozen=True)
 class WireConfig:
     """The shape of the trainable model: what a checkpoint's weights need to load."""
+
     num_latents: int = setting(64, "M, the number of soft tokens on the wire", gt=0, restored=True, weights=True)
     d_z: int = setting(256, "width of one wire token", gt=0, restored=True, weights=True)
     encoder_dim: int = setting(512, "width of the byte encoder", gt=0, restored=True, weights=True)
     encoder_layers: int = setting(6, "transformer layers of the byte encoder", gt=0, restored=True, weights=True)
     encoder_heads: int = setting(8, "attention heads of the byte encoder", gt=0, restored=True, weights=True)
-    patch_bytes: int = setting(4, "bytes per position of the byte encoder (its attention is patch_bytes^2 cheaper)",
-                               gt=0, restored=True, weights=True)
+    patch_bytes: int = setting(
+        4,
+        "bytes per position of the byte encoder (its attention is patch_bytes^2 cheaper)",
+        gt=0,
+        restored=True,
+        weights=True,
+    )
     dropout: float = setting(0.1, "dropout in the encoder and adapters", ge=0, lt=1)
     # Each word starts a patch (data.Collator pads the patch before it): a word's bytes fill the
     # same slots of the same patches wherever it sits in the prompt.
-    word_patches: bool = setting(False, "start every word (a space or newline and the bytes up to the next) at a patch "
-                                        "of the byte encoder, padding the patch before it, so a word is patched the "
-                                        "same wherever it sits")
-    patch_mlp: bool = setting(False, "the byte encoder reads a patch's bytes jointly (a GELU MLP) instead of as a sum "
-                                     "of per-slot codes (linear)", restored=True, weights=True)
-    patch_hash_buckets: int = setting(0, "rows of a code per byte-encoder patch as a whole, looked up by a hash of "
-                                         "its bytes and added to the patch embedding (0: none)", ge=0, restored=True,
-                                      weights=True)
-    question_queries: bool = setting(False, "the latent pooler's queries start from a projection of the prompt's "
-                                            "question (its first line) as the byte encoder reads it", restored=True,
-                                     weights=True)
+    word_patches: bool = setting(
+        False,
+        "start every word (a space or newline and the bytes up to the next) at a patch "
+        "of the byte encoder, padding the patch before it, so a word is patched the "
+        "same wherever it sits",
+    )
+    patch_mlp: bool = setting(
+        False,
+        "the byte encoder reads a patch's bytes jointly (a GELU MLP) instead of as a sum of per-slot codes (linear)",
+        restored=True,
+        weights=True,
+    )
+    patch_hash_buckets: int = setting(
+        0,
+        "rows of a code per byte-encoder patch as a whole, looked up by a hash of "
+        "its bytes and added to the patch embedding (0: none)",
+        ge=0,
+        restored=True,
+        weights=True,
+    )
+    question_queries: bool = setting(
+        False,
+        "the latent pooler's queries start from a projection of the prompt's "
+        "question (its first line) as the byte encoder reads it",
+        restored=True,
+        weights=True,
+    )
 
     @property
     def word_patch(self) -> int:
@@ -249,12 +301,26 @@ class WireEncoder(nn.Module):
     def __init__(self, wire: WireConfig, llm_dims: dict[str, tuple[int, float]]):
         """`llm_dims` maps an LLM's name to (hidden size, input-embedding RMS)."""
         super().__init__()
-        self.encoder = ByteEncoder(wire.encoder_dim, wire.encoder_layers, wire.encoder_heads, wire.patch_bytes,
-                                   wire.dropout, wire.patch_mlp, wire.patch_hash_buckets)
-        self.pooler = LatentPooler(wire.num_latents, wire.d_z, wire.encoder_dim, wire.encoder_heads, wire.dropout,
-                                   question_queries=wire.question_queries)
-        self.adapters = nn.ModuleDict({name: Adapter(wire.d_z, hidden, rms, wire.dropout)
-                                       for name, (hidden, rms) in llm_dims.items()})
+        self.encoder = ByteEncoder(
+            wire.encoder_dim,
+            wire.encoder_layers,
+            wire.encoder_heads,
+            wire.patch_bytes,
+            wire.dropout,
+            wire.patch_mlp,
+            wire.patch_hash_buckets,
+        )
+        self.pooler = LatentPooler(
+            wire.num_latents,
+            wire.d_z,
+            wire.encoder_dim,
+            wire.encoder_heads,
+            wire.dropout,
+            question_queries=wire.question_queries,
+        )
+        self.adapters = nn.ModuleDict(
+            {name: Adapter(wire.d_z, hidden, rms, wire.dropout) for name, (hidden, rms) in llm_dims.items()}
+        )
 
     @classmethod
     def for_llms(cls, wire: WireConfig, llms: dict) -> WireEncoder:

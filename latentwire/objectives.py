@@ -15,6 +15,7 @@ by that term's count in the whole global batch, so every term is exact under acc
 
 With every weight 0 only `answer_ce` is computed, the arithmetic of a loop that has no other term.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,16 +35,26 @@ TERMS = ("answer_ce", "first_token_ce", "k_token_ce", "kd")
 @dataclass(frozen=True)
 class Objectives:
     """The terms' weights beside the answer cross-entropy, which always has weight 1."""
+
     first_token_weight: float = setting(0.0, "weight of the cross-entropy of the first answer token (0: off)", ge=0)
-    k_token_weight: float = setting(0.0, "weight of the cross-entropy of the first k_tokens answer targets (0: off)",
-                                    ge=0)
-    kd_weight: float = setting(0.0, "weight of distillation from the LLM reading the text prompt, over the first "
-                                    "k_tokens answer positions (0: off, and no teacher pass)", ge=0)
+    k_token_weight: float = setting(
+        0.0, "weight of the cross-entropy of the first k_tokens answer targets (0: off)", ge=0
+    )
+    kd_weight: float = setting(
+        0.0,
+        "weight of distillation from the LLM reading the text prompt, over the first "
+        "k_tokens answer positions (0: off, and no teacher pass)",
+        ge=0,
+    )
     k_tokens: int = setting(4, "answer positions of k_token_weight and kd_weight", gt=0)
     kd_temperature: float = setting(2.0, "softmax temperature of distillation", gt=0)
-    kd_top_k: int = setting(64, "distillation targets kept per answer position where the teacher's full "
-                                "distributions do not fit in 1 GiB per LLM: its k most likely tokens and one bucket "
-                                "for the rest", gt=0)
+    kd_top_k: int = setting(
+        64,
+        "distillation targets kept per answer position where the teacher's full "
+        "distributions do not fit in 1 GiB per LLM: its k most likely tokens and one bucket "
+        "for the rest",
+        gt=0,
+    )
 
     @property
     def weighted(self) -> dict[str, float]:
@@ -81,15 +92,20 @@ def first_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
 def target_counts(batch: dict, objectives: Objectives) -> torch.Tensor:
     """[LLMs, terms] int64: what each term of each LLM sums over in this micro-batch, its
     normaliser once summed over the global batch. On the batch's device: counting needs no sync."""
-    return torch.stack([torch.stack([objectives.targets(answers["labels"], term).sum() for term in objectives.terms])
-                        for answers in batch["answers"].values()])
+    return torch.stack(
+        [
+            torch.stack([objectives.targets(answers["labels"], term).sum() for term in objectives.terms])
+            for answers in batch["answers"].values()
+        ]
+    )
 
 
 KD_TARGETS = ("kd_logprobs", "kd_ids", "kd_rest")  # a batch's distillation targets: full rows, or top k and the rest
 
 
-def position_losses(logits: torch.Tensor, labels: torch.Tensor, *kd_targets: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
+def position_losses(
+    logits: torch.Tensor, labels: torch.Tensor, *kd_targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """[positions, 1 or 2]: each position's next-token cross-entropy (0 where its label is
     IGNORE_INDEX) and, given the teacher's targets there, its `kd_divergence`: what every term sums
     over its positions, from the logits of a chunk of positions (latentwire.head_losses)."""
@@ -100,8 +116,14 @@ def position_losses(logits: torch.Tensor, labels: torch.Tensor, *kd_targets: tor
     return torch.stack([ce, kd_divergence(logits, *kd_targets, temperature=temperature)], dim=1)
 
 
-def kd_divergence(logits: torch.Tensor, kd_logprobs: torch.Tensor, kd_ids: torch.Tensor | None = None,
-                  kd_rest: torch.Tensor | None = None, *, temperature: float) -> torch.Tensor:
+def kd_divergence(
+    logits: torch.Tensor,
+    kd_logprobs: torch.Tensor,
+    kd_ids: torch.Tensor | None = None,
+    kd_rest: torch.Tensor | None = None,
+    *,
+    temperature: float,
+) -> torch.Tensor:
     """KL(teacher || student) of the tau-softened distributions at each position, against the
     teacher's targets there (latentwire.distillation): full log-prob rows, or the top k
     (`kd_ids`) with one bucket for the rest (`kd_rest`), where the student's distribution is folded
@@ -125,13 +147,18 @@ def llm_term_sums(hidden: torch.Tensor, head: torch.Tensor, rows: dict, objectiv
     labels, (row, col) = rows["labels"], rows["label_positions"]
     real = torch.arange(row.shape[0], device=row.device) < (labels != IGNORE_INDEX).sum()
     kd_targets = [rows[key][row, col] for key in KD_TARGETS if key in rows] if objectives.teacher else []
-    values = head_losses(hidden[row, col], head, partial(position_losses, temperature=objectives.kd_temperature),
-                         labels[row, col].masked_fill(~real, IGNORE_INDEX), *kd_targets)
+    values = head_losses(
+        hidden[row, col],
+        head,
+        partial(position_losses, temperature=objectives.kd_temperature),
+        labels[row, col].masked_fill(~real, IGNORE_INDEX),
+        *kd_targets,
+    )
 
     def term_sum(term: str) -> torch.Tensor:
         mask = objectives.targets(labels, term)[row, col] & real
         if term == "kd":
-            return (values[:, 1] * mask).sum() * objectives.kd_temperature ** 2
+            return (values[:, 1] * mask).sum() * objectives.kd_temperature**2
         return (values[:, 0] * mask).sum()
 
     return torch.stack([term_sum(term) for term in objectives.terms])
@@ -181,8 +208,10 @@ class WireTask:
         """What peers call tokens: the positions the LLMs read, without the padding. Each row's lead,
         wire and input tokens (the tail and the answer), summed over the rows and the LLMs, on the
         device: no sync."""
-        return sum(input_lengths(rows["labels"]).sum() + rows["lead_ids"].numel()
-                   + len(rows["labels"]) * self.num_latents for rows in batch["answers"].values())
+        return sum(
+            input_lengths(rows["labels"]).sum() + rows["lead_ids"].numel() + len(rows["labels"]) * self.num_latents
+            for rows in batch["answers"].values()
+        )
 
     def target_tokens(self, counts: torch.Tensor) -> torch.Tensor:
         """The positions the loss reads: answer_ce's targets (every answer token and the EOS after
@@ -195,7 +224,12 @@ class WireTask:
         weighted = torch.cat([terms, self.objectives.weighted_sum(terms)[:, None]], dim=1)
         rows = weighted.tolist()
         per_llm = [row[-1] for row in rows]
-        return {"loss": sum(per_llm) / len(per_llm),
-                **{f"loss_{n}": v for n, v in zip(self.llms, per_llm, strict=True)},
-                **{f"{term}_{n}": row[j] for n, row in zip(self.llms, rows, strict=True)
-                   for j, term in enumerate(self.objectives.terms)}}
+        return {
+            "loss": sum(per_llm) / len(per_llm),
+            **{f"loss_{n}": v for n, v in zip(self.llms, per_llm, strict=True)},
+            **{
+                f"{term}_{n}": row[j]
+                for n, row in zip(self.llms, rows, strict=True)
+                for j, term in enumerate(self.objectives.terms)
+            },
+        }

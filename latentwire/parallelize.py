@@ -38,6 +38,7 @@ The LLMs are built on the meta device (the planner's under FakeTensorMode), wher
 nothing; `to_empty` then allocates what the rank holds, and each tensor, or this rank's rows of it,
 is read from the checkpoint's memory map.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -70,21 +71,31 @@ from .prompting import PromptFormat
 DECODER_LAYER_VARIANTS = 2 * 2
 
 
-def frozen_llms(frozen: FrozenConfig, prompt: PromptFormat, precision: str, device, *,
-                checkpointing: dict | None = None, compile_options: dict | None = None, mesh=None) -> dict:
+def frozen_llms(
+    frozen: FrozenConfig,
+    prompt: PromptFormat,
+    precision: str,
+    device,
+    *,
+    checkpointing: dict | None = None,
+    compile_options: dict | None = None,
+    mesh=None,
+) -> dict:
     """A run's two frozen readers as a rank holds them: built on the meta device in the dtype of
     `precision`, then wrapped, sharded, placed and read, and cast to float8, in one order
     (`prepare_frozen_llms`). Training, find_batch, evaluation and the benches all take them from
     here, so what is planned and measured is what trains."""
     with torch.device("meta"):
         llms = build_frozen_llms(frozen, prompt, frozen_weight_dtype(precision))
-    prepare_frozen_llms(llms, checkpointing=checkpointing, compile_options=compile_options, mesh=mesh,
-                        device=device, fp8=frozen.fp8)
+    prepare_frozen_llms(
+        llms, checkpointing=checkpointing, compile_options=compile_options, mesh=mesh, device=device, fp8=frozen.fp8
+    )
     return llms
 
 
-def prepare_frozen_llms(llms: dict, *, checkpointing: dict | None, compile_options: dict | None, mesh, device,
-                        fp8: str = "none") -> None:
+def prepare_frozen_llms(
+    llms: dict, *, checkpointing: dict | None, compile_options: dict | None, mesh, device, fp8: str = "none"
+) -> None:
     """Each LLM, built on the meta device, its decoder layers wrapped for activation checkpointing
     with `checkpointing` (checkpoint_wrapper's arguments, `harness.recompute.checkpoint_options`;
     None: not wrapped), compiled with `compile_options` (torch.compile's arguments; None: eager),
@@ -111,8 +122,9 @@ def prepare_frozen_llms(llms: dict, *, checkpointing: dict | None, compile_optio
 def checkpoint_decoder_layers(llm, checkpointing: dict) -> None:
     """Each decoder layer of `llm` in torch's non-reentrant checkpoint_wrapper, with `checkpointing`
     as its arguments (`harness.recompute.checkpoint_options`)."""
-    apply_activation_checkpointing(llm.model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **checkpointing),
-                                   check_fn=is_decoder_layer(llm))
+    apply_activation_checkpointing(
+        llm.model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **checkpointing), check_fn=is_decoder_layer(llm)
+    )
 
 
 def wire_regions(wire_encoder: nn.Module) -> list[nn.Module]:

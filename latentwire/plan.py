@@ -23,6 +23,7 @@ CUDA step allocates less the kernels' workspaces (in the reserve), and what a CP
 
 This module is the command; `latentwire.planner` holds the plan itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +48,10 @@ PROG = "python -m latentwire.plan"
 
 # --- the report -------------------------------------------------------------------------------
 
+
 def _unit(plan: Plan) -> tuple[int, str]:
     """GiB for real cards, MiB where the whole step is smaller than a GiB (the cpu profile)."""
-    return (GIB, "GiB") if plan.traces[0].peak["total"] >= GIB else (2 ** 20, "MiB")
+    return (GIB, "GiB") if plan.traces[0].peak["total"] >= GIB else (2**20, "MiB")
 
 
 def _row(label: str, values, size: int) -> str:
@@ -73,8 +75,10 @@ def distillation_note(plan: Plan) -> str:
         width = target_width(data.num_examples, obj.k_tokens, vocab, obj.kd_top_k)
         kind = "full rows" if width == vocab else f"top {width} + rest"
         parts.append(f"{name} {kind}, {targets_bytes(data.num_examples, obj.k_tokens, width, vocab) / GIB:.2f} GiB")
-    return (f", with the distillation targets of its first {obj.k_tokens} answer positions (computed once; "
-            f"host memory per rank: {'; '.join(parts)})")
+    return (
+        f", with the distillation targets of its first {obj.k_tokens} answer positions (computed once; "
+        f"host memory per rank: {'; '.join(parts)})"
+    )
 
 
 def format_plan(plan: Plan) -> str:
@@ -83,70 +87,105 @@ def format_plan(plan: Plan) -> str:
     compile_note = "torch.compile usually keeps less" if cfg.compile.enabled else "no torch.compile"
     prompt = round_up(cfg.data.max_prompt_bytes, cfg.data.pad_multiple)
     fp8 = f", their decoder layers' linears in float8 ({cfg.frozen.fp8})" if cfg.frozen.fp8 != "none" else ""
-    lines = [f"memory plan for profile {cfg.invocation.profile}: {cfg.card.description}",
-             f"{plan.world_size} rank(s) x {cfg.card.device}, {cfg.numerics.precision} autocast, frozen LLMs in "
-             f"{cfg.numerics.precision}{fp8}"
-             f"{' sharded by FSDP2 (the all-gathered units computed, not traced)' if plan.gathered_bytes else ''}, "
-             f"activation checkpointing {cfg.recompute.policy}, "
-             f"eager step ({compile_note})"]
-    lines += [f"  {name}: {spec.source}, {plan.frozen_params[name]:,} parameters ({spec.origin})"
-              for name, spec in plan.specs.items()]
-    lines += [f"  trainable: byte encoder + pooler + adapters, {a.trainable_params:,} parameters (fp32)",
-              f"  per sample: {prompt} prompt bytes -> {cfg.wire.num_latents} soft tokens per LLM, after a BOS "
-              f"where the tokenizer has one; then the anchor and answers of {cfg.data.max_answer_tokens} tokens + EOS"
-              f"{distillation_note(plan) if cfg.objectives.teacher else ''} (the longest batch the collator emits)",
-              "",
-              "traced under FakeTensorMode + MemTracker, nothing allocated: 2 training steps at micro-batch "
-              f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at each other size",
-              f"  {'steady state':<40}{'traced ' + unit:>10}{'analytic':>10}{'diff':>10}"]
+    lines = [
+        f"memory plan for profile {cfg.invocation.profile}: {cfg.card.description}",
+        f"{plan.world_size} rank(s) x {cfg.card.device}, {cfg.numerics.precision} autocast, frozen LLMs in "
+        f"{cfg.numerics.precision}{fp8}"
+        f"{' sharded by FSDP2 (the all-gathered units computed, not traced)' if plan.gathered_bytes else ''}, "
+        f"activation checkpointing {cfg.recompute.policy}, "
+        f"eager step ({compile_note})",
+    ]
+    lines += [
+        f"  {name}: {spec.source}, {plan.frozen_params[name]:,} parameters ({spec.origin})"
+        for name, spec in plan.specs.items()
+    ]
+    lines += [
+        f"  trainable: byte encoder + pooler + adapters, {a.trainable_params:,} parameters (fp32)",
+        f"  per sample: {prompt} prompt bytes -> {cfg.wire.num_latents} soft tokens per LLM, after a BOS "
+        f"where the tokenizer has one; then the anchor and answers of {cfg.data.max_answer_tokens} tokens + EOS"
+        f"{distillation_note(plan) if cfg.objectives.teacher else ''} (the longest batch the collator emits)",
+        "",
+        "traced under FakeTensorMode + MemTracker, nothing allocated: 2 training steps at micro-batch "
+        f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at each other size",
+        f"  {'steady state':<40}{'traced ' + unit:>10}{'analytic':>10}{'diff':>10}",
+    ]
     for label, traced, analytic in (
-            (f"parameters, frozen ({cfg.numerics.precision}{', fp8 linears' if cfg.frozen.fp8 != 'none' else ''}"
-             f"{frozen_share(plan)})", plan.params_frozen_bytes, a.frozen),
-            ("parameters, trainable (fp32)", plan.params_trainable_bytes, a.trainable),
-            ("gradients (trainable only)", plan.gradients, a.gradients),
-            ("optimizer state (AdamW)", plan.optimizer, a.optimizer_state)):
+        (
+            f"parameters, frozen ({cfg.numerics.precision}{', fp8 linears' if cfg.frozen.fp8 != 'none' else ''}"
+            f"{frozen_share(plan)})",
+            plan.params_frozen_bytes,
+            a.frozen,
+        ),
+        ("parameters, trainable (fp32)", plan.params_trainable_bytes, a.trainable),
+        ("gradients (trainable only)", plan.gradients, a.gradients),
+        ("optimizer state (AdamW)", plan.optimizer, a.optimizer_state),
+    ):
         lines.append(_row(label, (traced, analytic), size) + _diff(traced, analytic))
     if cfg.frozen.fp8 != "none":
         held = "1 byte per weight" if cfg.frozen.fp8 == "tensorwise" else "2 bytes per weight, a cast for each GEMM"
-        lines.append(f"  (--frozen-fp8 {cfg.frozen.fp8}: the decoder layers' linears hold {held}, the analytic "
-                     "column 2)")
-    lines += ["", f"  {'at the peak (' + unit + '), micro-batch':<40}"
-              + "".join(f"{t.micro_batch:>10}" for t in plan.traces)]
-    for key in ("parameters", "buffers", "gradients", "optimizer", "activations", "temporaries", "other",
-                *(["gathered"] if plan.gathered_bytes else []), "total"):
+        lines.append(
+            f"  (--frozen-fp8 {cfg.frozen.fp8}: the decoder layers' linears hold {held}, the analytic column 2)"
+        )
+    lines += [
+        "",
+        f"  {'at the peak (' + unit + '), micro-batch':<40}" + "".join(f"{t.micro_batch:>10}" for t in plan.traces),
+    ]
+    for key in (
+        "parameters",
+        "buffers",
+        "gradients",
+        "optimizer",
+        "activations",
+        "temporaries",
+        "other",
+        *(["gathered"] if plan.gathered_bytes else []),
+        "total",
+    ):
         label = {"total": "peak (total)", "gathered": "fsdp: two units all-gathered"}.get(key, key)
         lines.append(_row(label, (t.peak[key] for t in plan.traces), size))
-    lines += [f"  fit: peak = {fit.fixed / size:.2f} {unit} + {fit.per_sample / size:.3f} {unit} x micro-batch",
-              "  (activations: made in forward, or recomputed for backward by activation checkpointing; "
-              "temporaries: made in backward)",
-              ""]
+    lines += [
+        f"  fit: peak = {fit.fixed / size:.2f} {unit} + {fit.per_sample / size:.3f} {unit} x micro-batch",
+        "  (activations: made in forward, or recomputed for backward by activation checkpointing; "
+        "temporaries: made in backward)",
+        "",
+    ]
     lines += budget.lines()
     lines.append(f"  -> the step's tensors may peak at {budget.allowed_peak(plan.weight_bytes) / GIB:.2f} GiB")
     asked = next(t for t in plan.traces if t.micro_batch == cfg.training.micro_batch_size)
     needed = budget.needed(asked.peak["total"], plan.weight_bytes)
     verdict = "fits" if needed <= budget.target_bytes else "does NOT fit"
-    lines.append(f"micro-batch {asked.micro_batch}: traced peak {asked.peak['total'] / GIB:.2f} GiB, "
-                 f"{needed / GIB:.2f} GiB with the reserve: {verdict}")
+    lines.append(
+        f"micro-batch {asked.micro_batch}: traced peak {asked.peak['total'] / GIB:.2f} GiB, "
+        f"{needed / GIB:.2f} GiB with the reserve: {verdict}"
+    )
     best = plan.max_micro_batch
-    lines.append("largest micro-batch: none fits, not even 1" if best == 0 else
-                 f"largest micro-batch: {best} (fitted peak {fit(best) / GIB:.2f} GiB, "
-                 f"{budget.needed(fit(best), plan.weight_bytes) / GIB:.2f} GiB with the reserve)")
+    lines.append(
+        "largest micro-batch: none fits, not even 1"
+        if best == 0
+        else f"largest micro-batch: {best} (fitted peak {fit(best) / GIB:.2f} GiB, "
+        f"{budget.needed(fit(best), plan.weight_bytes) / GIB:.2f} GiB with the reserve)"
+    )
     lines.append(f"planned in {plan.seconds:.0f} s")
     return "\n".join(lines)
 
 
 def format_analytic(m: StaticMemory, budget: Budget, num_gpus: int) -> str:
-    lines = [f"analytic static memory per GPU ({num_gpus} GPU(s); each holds all of it, or 1/{num_gpus} of the "
-             "frozen weights under --frozen-sharding fsdp)"]
+    lines = [
+        f"analytic static memory per GPU ({num_gpus} GPU(s); each holds all of it, or 1/{num_gpus} of the "
+        "frozen weights under --frozen-sharding fsdp)"
+    ]
     lines += format_static(m)
     lines += budget.lines()
     left = budget.target_bytes - budget.fixed_reserve - m.total
-    lines.append(f"left for activations and temporaries (before fragmentation): {left / GIB:.2f} GiB"
-                 + ("" if left > 0 else "  -> the static memory alone does not fit"))
+    lines.append(
+        f"left for activations and temporaries (before fragmentation): {left / GIB:.2f} GiB"
+        + ("" if left > 0 else "  -> the static memory alone does not fit")
+    )
     return "\n".join(lines)
 
 
 # --- the command line -------------------------------------------------------------------------
+
 
 def _count(text: str) -> int:
     """A parameter count: 8030261248, 8.03e9."""
@@ -163,20 +202,28 @@ CALCULATOR_FLAGS = ("params", "model_size_gb", "trainable_params", "gpu_memory_g
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=PROG, description="Memory plan of a profile (every train.py flag applies), or the "
-                                       "analytic calculator (--analytic).")
+    p = Parser(
+        prog=PROG,
+        description="Memory plan of a profile (every train.py flag applies), or the analytic calculator (--analytic).",
+    )
     p.add_argument("--profile", help="a key of hw_profiles.json")
     p.add_argument("--json", help="also write the plan to this JSON file")
-    p.add_argument("--num-gpus", type=positive(int),
-                   help="ranks (adds NCCL and DDP buckets; divides the frozen weights under fsdp); default: the "
-                        "profile's num_gpus, 1 without a profile")
+    p.add_argument(
+        "--num-gpus",
+        type=positive(int),
+        help="ranks (adds NCCL and DDP buckets; divides the frozen weights under fsdp); default: the "
+        "profile's num_gpus, 1 without a profile",
+    )
     p.add_argument("--analytic", action="store_true", help="the quick calculator: static memory from parameter counts")
-    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS),
-                   help="(--analytic) the optimizer (default: adamw, as train.py)")
+    p.add_argument(
+        "--optimizer", choices=tuple(OPTIMIZERS), help="(--analytic) the optimizer (default: adamw, as train.py)"
+    )
     p.add_argument("--params", type=_count, help="(--analytic without --profile) frozen parameters, e.g. 8.03e9")
-    p.add_argument("--model-size-gb", type=positive(float),
-                   help="(--analytic without --profile) instead of --params: frozen weights in GB (1e9 bytes) at "
-                        "--precision")
+    p.add_argument(
+        "--model-size-gb",
+        type=positive(float),
+        help="(--analytic without --profile) instead of --params: frozen weights in GB (1e9 bytes) at --precision",
+    )
     p.add_argument("--trainable-params", type=_count, help="(--analytic without --profile) trainable parameters")
     p.add_argument("--gpu-memory-gb", type=positive(float), help="(--analytic without --profile) card memory in GiB")
     return p
@@ -193,8 +240,11 @@ def _calculator(args, rest: list[str]) -> tuple[StaticMemory, Budget]:
         raise UserError("--analytic without --profile needs --gpu-memory-gb")
     if more.target_util > 1:
         raise UserError(f"--target-util must be at most 1, got {more.target_util}")
-    frozen = (args.params if args.params is not None
-              else round(args.model_size_gb * GB / frozen_bytes_per_param(more.precision)))
+    frozen = (
+        args.params
+        if args.params is not None
+        else round(args.model_size_gb * GB / frozen_bytes_per_param(more.precision))
+    )
     memory = static_memory(frozen, args.trainable_params or 0, more.precision, args.optimizer or "adamw")
     return memory, budget_for("cuda", args.gpu_memory_gb, more.target_util, args.num_gpus, memory.trainable_params)
 
@@ -206,13 +256,19 @@ def _profile_analytic(cfg, args) -> tuple[StaticMemory, Budget]:
     if cfg.frozen.sharding == "fsdp":
         frozen = math.ceil(frozen / args.num_gpus)
     memory = static_memory(frozen, shapes, cfg.numerics.precision, args.optimizer or "adamw")
-    return memory, budget_for(cfg.card.device, cfg.card.memory_gb, cfg.planning.target_util, args.num_gpus,
-                              memory.trainable_params)
+    return memory, budget_for(
+        cfg.card.device, cfg.card.memory_gb, cfg.planning.target_util, args.num_gpus, memory.trainable_params
+    )
 
 
 def analytic_json(memory: StaticMemory, budget: Budget, num_gpus: int) -> dict:
-    return {**memory.to_json(), "num_gpus": num_gpus, "ddp_bucket_bytes": budget.ddp_buckets,
-            "card_bytes": budget.card_bytes, "target_util": budget.target_util}
+    return {
+        **memory.to_json(),
+        "num_gpus": num_gpus,
+        "ddp_bucket_bytes": budget.ddp_buckets,
+        "card_bytes": budget.card_bytes,
+        "target_util": budget.target_util,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,7 @@ reading text is what the wire is trained to trigger. LatentWire's authors list t
 closes: a BOS or an anchor present in training and absent in evaluation (or the reverse) leaves
 the wire trained for a context it never meets.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,21 +46,33 @@ MIDDLE = "\u241fLATENTWIRE_PROMPT\u241f"
 class PromptFormat:
     """The run's choice: the anchor text, when to wrap the middle in a reader's chat template
     (auto, true or false) and the instruction that follows the middle inside it."""
-    anchor: str = setting(DEFAULT_ANCHOR, "text after the wire and after a text prompt, before the answer (training, "
-                                          "teacher and evaluation alike; '' for none)", key="anchor_text")
+
+    anchor: str = setting(
+        DEFAULT_ANCHOR,
+        "text after the wire and after a text prompt, before the answer (training, "
+        "teacher and evaluation alike; '' for none)",
+        key="anchor_text",
+    )
     chat_template: Literal["auto", "true", "false"] = setting(
-        "auto", "wrap the wire and text prompts in a reader's chat template: auto (each reader whose tokenizer has "
-                "one: instruct models), true (both, or an error), false (neither)")
-    instruction: str = setting(DEFAULT_INSTRUCTION, "inside a chat template, after the prompt: the instruction asking "
-                                                    "for the short answer ('' for none)", key="answer_instruction")
+        "auto",
+        "wrap the wire and text prompts in a reader's chat template: auto (each reader whose tokenizer has "
+        "one: instruct models), true (both, or an error), false (neither)",
+    )
+    instruction: str = setting(
+        DEFAULT_INSTRUCTION,
+        "inside a chat template, after the prompt: the instruction asking for the short answer ('' for none)",
+        key="answer_instruction",
+    )
 
 
 def uses_chat_template(choice: str, has_template: bool, who: str = "the") -> bool:
     """Whether a reader whose tokenizer has (or lacks) a chat template reads chat, under the run's
     --chat-template `choice`; `true` for a reader without one is the user's error."""
     if choice == "true" and not has_template:
-        raise UserError(f"--chat-template true: {who} tokenizer has no chat template "
-                        "(--chat-template auto wraps only the readers that have one)")
+        raise UserError(
+            f"--chat-template true: {who} tokenizer has no chat template "
+            "(--chat-template auto wraps only the readers that have one)"
+        )
     return choice == "true" or (choice == "auto" and has_template)
 
 
@@ -76,6 +89,7 @@ def own_tail_text(prompt: PromptFormat) -> str:
 @dataclass(frozen=True)
 class PromptContract:
     """One tokenizer's token ids before and after the middle, and whether its chat template frames them."""
+
     lead: tuple[int, ...]
     tail: tuple[int, ...]
     chat: bool = False
@@ -88,8 +102,9 @@ class PromptContract:
         if not uses_chat_template(prompt.chat_template, bool(getattr(tokenizer, "chat_template", None)), who):
             bos = tokenizer.bos_token_id
             return cls(() if bos is None else (bos,), ids(prompt.anchor))
-        text = tokenizer.apply_chat_template([{"role": "user", "content": user_turn(prompt.instruction)}],
-                                             tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_turn(prompt.instruction)}], tokenize=False, add_generation_prompt=True
+        )
         before, _, after = text.partition(MIDDLE)
         # The template writes its own BOS as text, which the tokenizer reads back as the special token.
         return cls(ids(before), ids(after + prompt.anchor), chat=True)

@@ -11,6 +11,7 @@ the same torch and thread count it gives the shipped weights bit for bit. Each r
 directory (safetensors, config, tokenizer) that `--llama tiny` / `--qwen tiny` load, the tokenizer
 as the plain BPE file it is (see llm.pretrained_config).
 """
+
 from __future__ import annotations
 
 import math
@@ -57,10 +58,10 @@ def lm_batch(llm: FrozenLLM, examples: list[dict]) -> tuple[torch.Tensor, torch.
     weights = torch.zeros((len(rows), length))
     for r, (prompt, answer) in enumerate(rows):
         row = torch.tensor(prompt + answer)
-        ids[r, :len(row)] = row
-        targets[r, :len(row) - 1] = row[1:]
-        weights[r, :len(prompt) - 1] = 1.0
-        weights[r, len(prompt) - 1:len(row) - 1] = ANSWER_WEIGHT
+        ids[r, : len(row)] = row
+        targets[r, : len(row) - 1] = row[1:]
+        weights[r, : len(prompt) - 1] = 1.0
+        weights[r, len(prompt) - 1 : len(row) - 1] = ANSWER_WEIGHT
     return ids, targets, weights
 
 
@@ -71,9 +72,10 @@ def pretrain(llm: FrozenLLM, steps: int, batch_size: int, lr: float, seed: int, 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / steps))))
+        optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / steps)))
+    )
     for step in range(steps):
-        ids, targets, weights = lm_batch(llm, examples[step * batch_size:(step + 1) * batch_size])
+        ids, targets, weights = lm_batch(llm, examples[step * batch_size : (step + 1) * batch_size])
         logits = model(input_ids=ids, use_cache=False).logits
         ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
         loss = (ce * weights.flatten()).sum() / weights.sum()
@@ -94,10 +96,12 @@ def held_out_em(llm: FrozenLLM, n: int = HELD_OUT_EXAMPLES, seed: int = 0, batch
     examples = load_examples("synthetic", "validation", n, seed)
     total = 0.0
     for start in range(0, n, batch_size):
-        chunk = examples[start:start + batch_size]
+        chunk = examples[start : start + batch_size]
         generated = greedy_generate(llm, text_prompts(llm, chunk, None), MAX_NEW_TOKENS)
-        total += sum(best_em_f1(decode_answer(llm.tokenizer, ids), ex["answers"]["text"])[0]
-                     for ids, ex in zip(generated, chunk, strict=True))
+        total += sum(
+            best_em_f1(decode_answer(llm.tokenizer, ids), ex["answers"]["text"])[0]
+            for ids, ex in zip(generated, chunk, strict=True)
+        )
     return 100 * total / n
 
 
@@ -111,8 +115,9 @@ def build_reader(name: str, steps: int, batch_size: int, lr: float, seed: int, l
 
 def main(argv: list[str] | None = None) -> None:
     p = Parser(prog="python -m latentwire.readers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(TINY_READERS),
-                   help="directory that gets llama/ and qwen/ (default: the shipped ones)")
+    p.add_argument(
+        "--out", default=str(TINY_READERS), help="directory that gets llama/ and qwen/ (default: the shipped ones)"
+    )
     p.add_argument("--steps", type=positive(int), help="optimizer steps (default: STEPS, per reader)")
     p.add_argument("--batch-size", type=positive(int), default=32)
     p.add_argument("--lr", type=positive(float), default=3e-3)
@@ -129,8 +134,11 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out) / name
         llm.model.save_pretrained(out)
         llm.tokenizer.save_pretrained(out)
-        print(f"{name}: held-out EM {held_out_em(llm):.1f}% on {HELD_OUT_EXAMPLES} examples, "
-              f"{time.perf_counter() - start:.0f} s; saved {out}", flush=True)
+        print(
+            f"{name}: held-out EM {held_out_em(llm):.1f}% on {HELD_OUT_EXAMPLES} examples, "
+            f"{time.perf_counter() - start:.0f} s; saved {out}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ latentwire.parallelize), the trainable encoder and adapters (latentwire.model), 
 the step's task (latentwire.objectives), the distillation targets (latentwire.distillation), the
 periodic evaluation (latentwire.eval) and the FLOP model (latentwire.flops).
 """
+
 from __future__ import annotations
 
 import time
@@ -38,6 +39,7 @@ from .settings import Config
 class LatentWire(Recipe):
     """A byte encoder and one adapter per frozen reader (a Llama and a Qwen), which read the wire's
     soft tokens in place of the prompt's text."""
+
     Config = Config
 
     @classmethod
@@ -58,13 +60,15 @@ class LatentWire(Recipe):
         sources = DataSources.of(data, seed=cfg.training.seed)
         self.training = TrainingSet.load(sources, data.num_examples, data.max_prompt_bytes, data.drop_cut_answers)
         held_out = sources.held_out_source()
-        self.eval_examples = (sources.held_out_examples(cfg.evaluation.examples, held_out) if cfg.output.eval_every
-                              else [])
+        self.eval_examples = (
+            sources.held_out_examples(cfg.evaluation.examples, held_out) if cfg.output.eval_every else []
+        )
         self.dataset = PromptDataset(self.training.examples)
         self.data_identity, self.data_facts = self.training.identity(), self.training.facts()
         self.sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
-        self.di.say(f"data: {self.training.summary(data.max_prompt_bytes)}; "
-                    f"held out: {sources.describe_held_out(held_out)}")
+        self.di.say(
+            f"data: {self.training.summary(data.max_prompt_bytes)}; held out: {sources.describe_held_out(held_out)}"
+        )
 
     def build_model(self, compile_options: dict | None, checkpointing: dict | None) -> tuple[nn.Module, WireTask]:
         """The frozen readers, stored in the autocast dtype (no gradients and no optimizer state,
@@ -78,15 +82,23 @@ class LatentWire(Recipe):
             self.di.warn("note: --frozen-sharding fsdp in one process: nothing to shard over, the LLMs stay whole")
         mesh = init_device_mesh(device.type, (self.di.world_size,)) if self.sharded else None
         started = time.perf_counter()
-        self.llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, device, checkpointing=checkpointing,
-                                compile_options=compile_options, mesh=mesh)
+        self.llms = frozen_llms(
+            cfg.frozen,
+            cfg.prompt,
+            cfg.numerics.precision,
+            device,
+            checkpointing=checkpointing,
+            compile_options=compile_options,
+            mesh=mesh,
+        )
         self.di.say(f"loaded the frozen LLMs in {time.perf_counter() - started:.1f} s")  # minutes for two 8B models
         self.di.say(f"prompt: {describe_prompts(self.llms)}")  # what each reader reads around the wire
         if cfg.frozen.fp8 != "none":
             self.di.say(describe_fp8(self.llms, cfg.frozen.fp8, device.type))
         model = WireEncoder.for_llms(cfg.wire, self.llms).to(device)
-        self.flops = FlopModel.of(model, {n: llm.model for n, llm in self.llms.items()}, cfg.wire,
-                                  recompute=cfg.recompute.policy)
+        self.flops = FlopModel.of(
+            model, {n: llm.model for n, llm in self.llms.items()}, cfg.wire, recompute=cfg.recompute.policy
+        )
         forward = stable_shapes()(forward_loss_sums) if compile_options is not None else forward_loss_sums
         return model, WireTask(self.llms, cfg.objectives, cfg.wire.num_latents, forward)
 
@@ -98,8 +110,14 @@ class LatentWire(Recipe):
         of each `visited` example too, computed first (once per example, not once per step)."""
         cfg, data = self.cfg, self.cfg.data
         kd_targets = self.teacher_targets(visited) if cfg.objectives.teacher else None  # None: a signal stopped it
-        return Collator.for_llms(self.llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
-                                 kd_targets=kd_targets, word_patch=cfg.wire.word_patch)
+        return Collator.for_llms(
+            self.llms,
+            data.max_prompt_bytes,
+            data.max_answer_tokens,
+            data.pad_multiple,
+            kd_targets=kd_targets,
+            word_patch=cfg.wire.word_patch,
+        )
 
     def teacher_targets(self, visited: list[int]) -> dict | None:
         """The teacher's targets (latentwire.distillation): each rank computes a share, gathered to
@@ -108,16 +126,30 @@ class LatentWire(Recipe):
         stands and leaves, as a signal while loading does."""
         cfg, di, data = self.cfg, self.di, self.cfg.data
         started = time.perf_counter()
-        rows = Collator.for_llms(self.llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple,
-                                 teacher=True)
+        rows = Collator.for_llms(
+            self.llms, data.max_prompt_bytes, data.max_answer_tokens, data.pad_multiple, teacher=True
+        )
         with torch.compiler.set_stance("force_eager"):
-            targets = teacher_targets(self.llms, self.dataset, rows, visited, k=cfg.objectives.k_tokens,
-                                      temperature=cfg.objectives.kd_temperature, top_k=cfg.objectives.kd_top_k,
-                                      batch_size=cfg.training.micro_batch_size, device=di.device, rank=di.rank,
-                                      world=di.world_size, stop=self.stop)
+            targets = teacher_targets(
+                self.llms,
+                self.dataset,
+                rows,
+                visited,
+                k=cfg.objectives.k_tokens,
+                temperature=cfg.objectives.kd_temperature,
+                top_k=cfg.objectives.kd_top_k,
+                batch_size=cfg.training.micro_batch_size,
+                device=di.device,
+                rank=di.rank,
+                world=di.world_size,
+                stop=self.stop,
+            )
         seconds = time.perf_counter() - started
-        self.di.say(f"a signal stopped the distillation teacher's pass after {seconds:.1f} s" if targets is None
-                    else describe_targets(targets, len(self.dataset), seconds))
+        self.di.say(
+            f"a signal stopped the distillation teacher's pass after {seconds:.1f} s"
+            if targets is None
+            else describe_targets(targets, len(self.dataset), seconds)
+        )
         return targets
 
     def evaluate(self, model: nn.Module) -> dict | None:
@@ -126,21 +158,26 @@ class LatentWire(Recipe):
         region). A signal during it (minutes with 8B readers) is heard between its chunks."""
         settings = EvalSettings.of(self.cfg, text_baselines=False, lockstep=self.sharded, stop=self.stop)
         with torch.compiler.set_stance("force_eager"):
-            return evaluate_wire(model, self.llms, self.eval_examples, settings, self.di.device, self.di.rank,
-                                 self.di.world_size)
+            return evaluate_wire(
+                model, self.llms, self.eval_examples, settings, self.di.device, self.di.rank, self.di.world_size
+            )
 
     def describe(self, model: nn.Module) -> str:
         frozen = sum(parameter_count(llm.model) for llm in self.llms.values())
-        return (f"trainable {count_parameters(model, True) / 1e6:.2f}M, frozen {frozen / 1e6:.1f}M "
-                f"({held_per_rank(self.llms)})")
+        return (
+            f"trainable {count_parameters(model, True) / 1e6:.2f}M, frozen {frozen / 1e6:.1f}M "
+            f"({held_per_rank(self.llms)})"
+        )
 
     def meta(self) -> dict:
         return {"wire": asdict(self.cfg.wire), "versions": {"transformers": transformers.__version__}}
 
     @staticmethod
     def memory_advice(profile: str) -> str:
-        return (f"python -m latentwire.plan --profile {profile} says what a rank holds (--frozen-sharding fsdp "
-                "holds 1/world of the frozen LLMs)")
+        return (
+            f"python -m latentwire.plan --profile {profile} says what a rank holds (--frozen-sharding fsdp "
+            "holds 1/world of the frozen LLMs)"
+        )
 
     def next_step(self, out_dir: Path) -> str:
         """A run that sharded its readers over N ranks is evaluated on N ranks, which shard them the

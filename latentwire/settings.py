@@ -3,6 +3,7 @@
 the rules that tie them together, and the resolved `Config`. The machinery (settings declared
 once, profiles, `extends`, flags, --help) is `harness.config`'s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ DEFAULT_PROFILES = REPO_ROOT / "hw_profiles.json"
 @dataclass(frozen=True)
 class Planning:
     """The memory plan's budget, and whether --elastic-batch takes the micro-batch from it."""
+
     target_util: float = setting(0.9, "fraction of the card's memory the plan may fill", gt=0, le=1)
     elastic_batch: bool = setting(False, "take the micro-batch from the memory plan, keep the global batch")
 
@@ -37,6 +39,7 @@ class Planning:
 @dataclass(frozen=True)
 class Evaluation:
     """What the periodic evaluation answers (how often: the loop's `output.eval_every`)."""
+
     examples: int = setting(1000, "held-out examples per evaluation", key="eval_examples", gt=0)
     max_new_tokens: int = setting(32, "greedy generation length limit in evaluation", gt=0)
 
@@ -45,11 +48,14 @@ def check_consistency(v: dict, where: str) -> None:
     """The rules that tie LatentWire's fields together (and to the loop's card and precision)."""
     for dim in ("encoder_dim", "d_z"):
         if v[dim] % v["encoder_heads"]:
-            raise UserError(f"{where}: field {dim!r} ({v[dim]}) must be divisible by encoder_heads "
-                            f"({v['encoder_heads']})")
+            raise UserError(
+                f"{where}: field {dim!r} ({v[dim]}) must be divisible by encoder_heads ({v['encoder_heads']})"
+            )
     if v["encoder_dim"] // v["encoder_heads"] % 2:
-        raise UserError(f"{where}: the byte encoder's head width, encoder_dim / encoder_heads = "
-                        f"{v['encoder_dim'] // v['encoder_heads']}, must be even (rotary positions rotate pairs)")
+        raise UserError(
+            f"{where}: the byte encoder's head width, encoder_dim / encoder_heads = "
+            f"{v['encoder_dim'] // v['encoder_heads']}, must be even (rotary positions rotate pairs)"
+        )
     if v["frozen_fp8"] != "none":
         check_fp8_profile(v, where)
     if fused_attention_only(v["device"], v["precision"], v["supports_bf16"]):
@@ -63,10 +69,12 @@ def check_fp8_profile(v: dict, where: str) -> None:
     if why:
         raise UserError(f"{where}: frozen_fp8: {why}")
     if v["frozen_sharding"] == "fsdp":
-        raise UserError(f"{where}: frozen_fp8 with frozen_sharding fsdp: the float8 weights are cast once after they "
-                        "are read, and FSDP2 shards them before (torchao's float8 FSDP keeps bf16 shards and casts "
-                        "them every step); use frozen_sharding none, where float8 holds the decoder layers' weights "
-                        "in half the bytes")
+        raise UserError(
+            f"{where}: frozen_fp8 with frozen_sharding fsdp: the float8 weights are cast once after they "
+            "are read, and FSDP2 shards them before (torchao's float8 FSDP keeps bf16 shards and casts "
+            "them every step); use frozen_sharding none, where float8 holds the decoder layers' weights "
+            "in half the bytes"
+        )
 
 
 def fused_attention_only(device: str, precision: str, sm80: bool) -> bool:
@@ -87,17 +95,23 @@ def check_fused_head_widths(encoder_dim: int, d_z: int, heads: int, where: str) 
     for name, dim in (("encoder_dim", encoder_dim), ("d_z", d_z)):
         if dim // heads % 8:
             fitting = [h for h in range(1, heads * 4 + 1) if encoder_dim % (8 * h) == 0 and d_z % (8 * h) == 0]
-            works = (f"encoder_heads {', '.join(map(str, fitting))} would work" if fitting
-                     else f"make encoder_dim and d_z multiples of 8 x encoder_heads ({8 * heads})")
-            raise UserError(f"{where}: head width {name} / encoder_heads = {dim // heads} is not a multiple of 8, "
-                            f"which the fused attention kernels of a cuda bf16/fp16 run need; {works}, "
-                            "or train this width on the cpu")
+            works = (
+                f"encoder_heads {', '.join(map(str, fitting))} would work"
+                if fitting
+                else f"make encoder_dim and d_z multiples of 8 x encoder_heads ({8 * heads})"
+            )
+            raise UserError(
+                f"{where}: head width {name} / encoder_heads = {dim // heads} is not a multiple of 8, "
+                f"which the fused attention kernels of a cuda bf16/fp16 run need; {works}, "
+                "or train this width on the cpu"
+            )
 
 
 @dataclass(frozen=True)
 class Config(LoopConfig):
     """The loop's sections (harness.loop_config) and LatentWire's, each defined by the module that
     reads it."""
+
     frozen: FrozenConfig
     wire: WireConfig
     prompt: PromptFormat

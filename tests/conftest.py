@@ -1,5 +1,6 @@
 """Shared helpers: run train.py (one process or a real 2-process torchrun on gloo) and read what
 it wrote."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -34,8 +35,10 @@ ALL_TERMS_FLAGS = ["--first-token-weight", "0.5", "--k-token-weight", "0.5", "--
 ALL_TERMS = Objectives(first_token_weight=0.5, k_token_weight=0.5, kd_weight=1.0, k_tokens=2)
 # A minimal chat template, as an instruct model's tokenizer ships one: BOS, a user turn, the
 # assistant's header.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def instruct_reader(tmp_path: Path) -> Path:
@@ -51,21 +54,38 @@ def instruct_reader(tmp_path: Path) -> Path:
     return reader
 
 
-def distilled_collator(llms: dict, dataset, objectives: Objectives, max_prompt_bytes: int = 512,
-                       max_answer_tokens: int = 16, pad_multiple: int = 32, batch_size: int | None = None,
-                       word_patch: int = 0):
+def distilled_collator(
+    llms: dict,
+    dataset,
+    objectives: Objectives,
+    max_prompt_bytes: int = 512,
+    max_answer_tokens: int = 16,
+    pad_multiple: int = 32,
+    batch_size: int | None = None,
+    word_patch: int = 0,
+):
     """A collator whose batches carry the distillation teacher's targets for every example of
     `dataset`, computed as train.py computes them (one process, teacher batches of `batch_size`)."""
     from latentwire.dataset import Collator
     from latentwire.distillation import teacher_targets
 
     teacher = Collator.for_llms(llms, max_prompt_bytes, max_answer_tokens, pad_multiple, teacher=True)
-    targets = teacher_targets(llms, dataset, teacher, list(range(len(dataset))), k=objectives.k_tokens,
-                              temperature=objectives.kd_temperature,
-                              top_k=objectives.kd_top_k, batch_size=batch_size or len(dataset),
-                              device=torch.device("cpu"), rank=0, world=1)
-    return Collator.for_llms(llms, max_prompt_bytes, max_answer_tokens, pad_multiple, kd_targets=targets,
-                             word_patch=word_patch)
+    targets = teacher_targets(
+        llms,
+        dataset,
+        teacher,
+        list(range(len(dataset))),
+        k=objectives.k_tokens,
+        temperature=objectives.kd_temperature,
+        top_k=objectives.kd_top_k,
+        batch_size=batch_size or len(dataset),
+        device=torch.device("cpu"),
+        rank=0,
+        world=1,
+    )
+    return Collator.for_llms(
+        llms, max_prompt_bytes, max_answer_tokens, pad_multiple, kd_targets=targets, word_patch=word_patch
+    )
 
 
 def full_logits_sums(model, llms, batch, objectives):
@@ -78,15 +98,18 @@ def full_logits_sums(model, llms, batch, objectives):
     soft, tau, sums = model(batch["bytes"], batch["byte_mask"]), objectives.kd_temperature, []
     for name, llm in llms.items():
         rows = batch["answers"][name]
-        logits = llm.model(inputs_embeds=llm.wire_embeds(soft[name], rows["lead_ids"], rows["input_ids"]),
-                           use_cache=False, logits_to_keep=rows["input_ids"].shape[1] + 1).logits.float()
+        logits = llm.model(
+            inputs_embeds=llm.wire_embeds(soft[name], rows["lead_ids"], rows["input_ids"]),
+            use_cache=False,
+            logits_to_keep=rows["input_ids"].shape[1] + 1,
+        ).logits.float()
         terms = []
         for term in objectives.terms:
             mask = objectives.targets(rows["labels"], term)
             if term == "kd":
                 target = rows["kd_logprobs"]
                 kl = (target.exp() * (target - F.log_softmax(logits / tau, -1))).sum(-1)
-                terms.append((kl * mask).sum() * tau ** 2)
+                terms.append((kl * mask).sum() * tau**2)
             else:
                 labels = rows["labels"].masked_fill(~mask, IGNORE_INDEX)
                 terms.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
@@ -95,8 +118,16 @@ def full_logits_sums(model, llms, batch, objectives):
 
 
 # A Llama architecture small enough to draw in a test, for `random:`.
-SMALL_LLAMA = dict(model_type="llama", vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+SMALL_LLAMA = dict(
+    model_type="llama",
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -181,8 +212,10 @@ def exit_and_leftovers(proc: subprocess.Popen, marker: str, timeout: int = 120) 
     import threading
 
     output = {}
-    readers = [threading.Thread(target=lambda name, pipe: output.__setitem__(name, pipe.read()), args=item)
-               for item in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    readers = [
+        threading.Thread(target=lambda name, pipe: output.__setitem__(name, pipe.read()), args=item)
+        for item in (("stdout", proc.stdout), ("stderr", proc.stderr))
+    ]
     for reader in readers:
         reader.start()
     proc.wait(timeout=timeout)
@@ -204,21 +237,28 @@ def child_env(**extra) -> dict:
     return env
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: int = 600, torchrun: bool | None = None,
-              **env) -> subprocess.CompletedProcess:
+def run_train(
+    args: list[str], nproc: int = 1, timeout: int = 600, torchrun: bool | None = None, **env
+) -> subprocess.CompletedProcess:
     """train.py as users run it: `python train.py` for one process, `torchrun` for more (or for one,
     with `torchrun`)."""
     if not (nproc > 1 if torchrun is None else torchrun):
         cmd = [sys.executable, str(REPO / "train.py")]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "train.py")]
-    return subprocess.run(cmd + args, cwd=REPO, env=child_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(REPO / "train.py"),
+        ]
+    return subprocess.run(cmd + args, cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
-def run_module(module: str, args: list[str], timeout: int = 300, elsewhere: Path | None = None
-               ) -> subprocess.CompletedProcess:
+def run_module(
+    module: str, args: list[str], timeout: int = 300, elsewhere: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python -m module` from the repository, or from the directory `elsewhere` with the checkout
     on PYTHONPATH and a train.py there that is not the project's (a command that imported `train`
     would take it, and stop)."""
@@ -226,23 +266,38 @@ def run_module(module: str, args: list[str], timeout: int = 300, elsewhere: Path
     if elsewhere is not None:
         (elsewhere / "train.py").write_text('raise SystemExit("error: the train.py of the working directory")\n')
         env, cwd = child_env(PYTHONPATH=str(REPO)), elsewhere
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
     """`python -m latentwire.evaluate`, or under torchrun with `nproc` ranks."""
-    args = ["--ckpt", str(ckpt), "--eval-examples", str(n), "--batch-size", "8", "--max-new-tokens", "6",
-            "--out-dir", str(out_dir)]
+    args = [
+        "--ckpt",
+        str(ckpt),
+        "--eval-examples",
+        str(n),
+        "--batch-size",
+        "8",
+        "--max-new-tokens",
+        "6",
+        "--out-dir",
+        str(out_dir),
+    ]
     if nproc == 1:
         return ok(run_module("latentwire.evaluate", args))
-    return ok(run_module("torch.distributed.run", ["--standalone", f"--nproc_per_node={nproc}",
-                                                   "-m", "latentwire.evaluate", *args]))
+    return ok(
+        run_module(
+            "torch.distributed.run", ["--standalone", f"--nproc_per_node={nproc}", "-m", "latentwire.evaluate", *args]
+        )
+    )
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n"
-                                  f"stderr:\n{proc.stderr[-5000:]}")
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    )
     return proc
 
 
@@ -252,6 +307,7 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
+
     ckpts = sorted((Path(out_dir) / "checkpoints").glob("step_*"))
     return load_file(str(ckpts[-1] / "trainable.safetensors"))
 
@@ -286,6 +342,7 @@ def straight(tmp_path_factory):
             runs[nproc] = tmp_path_factory.mktemp(f"straight{nproc}") / "run"
             ok(run_train([*TWENTY[nproc], "--out-dir", str(runs[nproc])], nproc=nproc))
         return runs[nproc]
+
     return get
 
 
@@ -323,8 +380,23 @@ def torchao_site(tmp_path_factory) -> str:
     if importlib.util.find_spec("torchao"):
         return ""
     site = tmp_path_factory.mktemp("torchao")
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), "-r",
-                           str(REPO / "requirements-fp8.txt")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(site),
+            "-r",
+            str(REPO / "requirements-fp8.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         pytest.skip(f"torchao could not be installed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     sys.path.insert(0, str(site))

@@ -9,6 +9,7 @@ Requests on stdin, one JSON object a line: {"target": "train.py" or a module ("l
 "args": [...], "cwd": DIR, "stdout": FILE, "stderr": FILE, "timeout": SECONDS}. The reply is a
 line with the child's exit code (negative: the signal that ended it, SIGALRM past its timeout).
 """
+
 from __future__ import annotations
 
 import json

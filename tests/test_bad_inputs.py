@@ -12,6 +12,7 @@ forks from an interpreter that has already imported torch and the package (tests
 rest start from nothing, as users run them. Commands that would replace a run are given --overwrite,
 so that a bad input that slips through shows up as a changed run, not as "already holds a run".
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,20 @@ from conftest import NOBODY, REPO, assert_one_line_error, child_env, ok, run_tra
 pytestmark = pytest.mark.slow
 
 # The reference run: the fewest steps that leave metrics, TensorBoard events and a checkpoint.
-REF_ARGS = ["--profile", "cpu", "--num-examples", "64", "--max-steps", "2", "--micro-batch-size", "4",
-            "--grad-accum-steps", "1", "--num-workers", "0"]
+REF_ARGS = [
+    "--profile",
+    "cpu",
+    "--num-examples",
+    "64",
+    "--max-steps",
+    "2",
+    "--micro-batch-size",
+    "4",
+    "--grad-accum-steps",
+    "1",
+    "--num-workers",
+    "0",
+]
 CKPT = "checkpoints/step_00000002"
 GOOD = {"context": "Ada lives in Paris.", "question": "Where does Ada live?", "answers": {"text": ["Paris"]}}
 NO_QUESTION = {"context": GOOD["context"], "answers": GOOD["answers"]}
@@ -69,8 +82,9 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     for path in dirs.values():
         path.mkdir()
     llama_config = json.dumps({"model_type": "llama", **TINY_SPECS["llama"]})
-    (dirs["unknown_type"] / "config.json").write_text(json.dumps({"model_type": "no_such_architecture",
-                                                                   "hidden_size": 64, "vocab_size": 1000}))
+    (dirs["unknown_type"] / "config.json").write_text(
+        json.dumps({"model_type": "no_such_architecture", "hidden_size": 64, "vocab_size": 1000})
+    )
     (dirs["config_not_json"] / "config.json").write_text('{"model_type": "llama",')
     for name in ("no_weights", "garbage_weights"):
         (dirs[name] / "config.json").write_text(llama_config)
@@ -80,6 +94,7 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 # --- one case -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Ctx:
@@ -147,8 +162,11 @@ class Ctx:
 
 def snapshot(roots: list[Path]) -> dict[str, bytes | None]:
     """Every path under the roots (directories as None) and every file's bytes."""
-    return {str(p.relative_to(root.parent)): None if p.is_dir() else p.read_bytes()
-            for root in roots for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root.parent)): None if p.is_dir() else p.read_bytes()
+        for root in roots
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def unwatched(args: list[str], watched: list[Path]) -> list[str]:
@@ -161,8 +179,11 @@ def unwatched(args: list[str], watched: list[Path]) -> list[str]:
 def changes(before: dict, after: dict) -> str:
     added, removed = sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys())
     changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
-    return "; ".join(f"{what} {paths[:4]}{' ...' if len(paths) > 4 else ''}"
-                     for what, paths in (("added", added), ("removed", removed), ("changed", changed)) if paths)
+    return "; ".join(
+        f"{what} {paths[:4]}{' ...' if len(paths) > 4 else ''}"
+        for what, paths in (("added", added), ("removed", removed), ("changed", changed))
+        if paths
+    )
 
 
 def base_args(entry: str, run: Path) -> list[str]:
@@ -172,8 +193,18 @@ def base_args(entry: str, run: Path) -> list[str]:
     if entry == "plan":
         return ["--profile", "cpu", "--out-dir", str(run), "--json", str(run / "plan.json")]
     if entry == "find_batch":  # one trial of one step, should a bad input get through
-        return ["--profile", "cpu", "--out-dir", str(run), "--micro-batch-size", "1", "--max-micro-batch", "1",
-                "--steps", "1"]
+        return [
+            "--profile",
+            "cpu",
+            "--out-dir",
+            str(run),
+            "--micro-batch-size",
+            "1",
+            "--max-micro-batch",
+            "1",
+            "--steps",
+            "1",
+        ]
     if entry == "evaluate":  # the report would go to RUN/eval
         return ["--ckpt", str(run), "--eval-examples", "8", "--batch-size", "8", "--max-new-tokens", "4"]
     raise ValueError(entry)
@@ -184,13 +215,30 @@ class Preloaded:
     a time, all in the environment it was started with."""
 
     def __init__(self, env: dict):
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "preloaded.py")], cwd=REPO,
-                                     env=child_env(**env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "preloaded.py")],
+            cwd=REPO,
+            env=child_env(**env),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def run(self, target: str, args: list[str], outputs: Path) -> subprocess.CompletedProcess:
         out, err = outputs / "stdout", outputs / "stderr"
-        self.proc.stdin.write(json.dumps({"target": target, "args": args, "cwd": str(REPO), "stdout": str(out),
-                                          "stderr": str(err), "timeout": TIMEOUT_S}) + "\n")
+        self.proc.stdin.write(
+            json.dumps(
+                {
+                    "target": target,
+                    "args": args,
+                    "cwd": str(REPO),
+                    "stdout": str(out),
+                    "stderr": str(err),
+                    "timeout": TIMEOUT_S,
+                }
+            )
+            + "\n"
+        )
         self.proc.stdin.flush()
         said = self.proc.stdout.readline()
         assert said, f"tests/preloaded.py exited with code {self.proc.wait()}"
@@ -209,13 +257,19 @@ def python_target(entry: str) -> str:
 def invoke(entry: str, args: list[str], cwd: Path, env: dict, prefix: list[str]) -> subprocess.CompletedProcess:
     if entry.startswith("launch"):
         cmd = [str(REPO / "launch.sh")]
-        env = {"PYTHON": sys.executable, "NPROC_PER_NODE": entry[len("launch"):], **env}
+        env = {"PYTHON": sys.executable, "NPROC_PER_NODE": entry[len("launch") :], **env}
     elif entry == "train":
         cmd = [sys.executable, str(REPO / python_target(entry))]
     else:
         cmd = [sys.executable, "-m", python_target(entry)]
-    return subprocess.run([*prefix, *cmd, *args], cwd=cwd if entry.startswith("launch") else REPO,
-                          env=child_env(**env), capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        [*prefix, *cmd, *args],
+        cwd=cwd if entry.startswith("launch") else REPO,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
 
 
 # --- the cases ------------------------------------------------------------------------------------
@@ -234,6 +288,7 @@ def locked_parent(searchable: bool, holds: str = "out_dir") -> Callable[[Ctx], d
     nobody below a directory root owns, of mode 555 or 700; as another user the directory is its
     own, of mode 555 or 000. It is locked after the run's snapshot is taken and unlocked before
     the snapshot is compared."""
+
     def build(c: Ctx) -> dict:
         root = os.geteuid() == 0
         top = Path(tempfile.mkdtemp(prefix="latentwire-locked-"))
@@ -245,12 +300,16 @@ def locked_parent(searchable: bool, holds: str = "out_dir") -> Callable[[Ctx], d
         c.lock = lambda: locked.chmod(0o555 if searchable else 0o700 if root else 0o000)
         c.watched.append(top)
         c.cleanup += [lambda: locked.chmod(0o755), lambda: shutil.rmtree(top, ignore_errors=True)]
-        spec = {"args": ["--out-dir", str(locked / "deeper" / "run")] if holds == "out_dir" else [],
-                "says": "cannot be created" if holds == "out_dir" else "cannot be read"}
+        spec = {
+            "args": ["--out-dir", str(locked / "deeper" / "run")] if holds == "out_dir" else [],
+            "says": "cannot be created" if holds == "out_dir" else "cannot be read",
+        }
         if root:
-            spec.update(env={"HOME": str(top)},
-                        prefix=["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"])
+            spec.update(
+                env={"HOME": str(top)}, prefix=["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+            )
         return spec
+
     return build
 
 
@@ -279,10 +338,11 @@ CASES = {
     "train-profiles-lr-Infinity": ("train", profiles(lambda p: p["cpu"].update(lr=float("inf")))),
     "train-profiles-extends-cycle": ("train", profiles(lambda p: p["cpu"].update(extends="cpu"))),
     "plan-profiles-not-json": ("plan", lambda c: ["--hw-profiles", c.write("p.json", "not json at all")]),
-    "find_batch-profiles-field-wrong-type": ("find_batch", lambda c: [
-        "--hw-profiles", c.profiles(lambda p: p["cpu"].update(compile="yes"))]),
+    "find_batch-profiles-field-wrong-type": (
+        "find_batch",
+        lambda c: ["--hw-profiles", c.profiles(lambda p: p["cpu"].update(compile="yes"))],
+    ),
     "launch2-profiles-not-json": ("launch2", lambda c: [OW, "--hw-profiles", c.write("p.json", '{"cpu": ')]),
-
     # --- flag values -----------------------------------------------------------------------------
     "train-max-steps-negative": ("train", lambda c: [OW, "--max-steps", "-5"]),
     "train-lr-nan": ("train", lambda c: [OW, "--lr", "nan"]),
@@ -291,26 +351,70 @@ CASES = {
     "train-micro-batch-size-not-int": ("train", lambda c: [OW, "--micro-batch-size", "2.5"]),
     "train-unknown-flag": ("train", lambda c: [OW, "--learning-rate", "0.001"]),
     "train-frozen-sharding-unknown": ("train", lambda c: [OW, "--frozen-sharding", "zero3"]),
-    "launch2-frozen-sharding-tied-embeddings": ("launch2", lambda c: {"says": "ties its input and output embeddings",
-        "args": [OW, "--frozen-sharding", "fsdp", "--llama", "random:" + c.write("tied.json", json.dumps(
-            {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-             "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 1024, "tie_word_embeddings": True}))]}),
+    "launch2-frozen-sharding-tied-embeddings": (
+        "launch2",
+        lambda c: {
+            "says": "ties its input and output embeddings",
+            "args": [
+                OW,
+                "--frozen-sharding",
+                "fsdp",
+                "--llama",
+                "random:"
+                + c.write(
+                    "tied.json",
+                    json.dumps(
+                        {
+                            "model_type": "llama",
+                            "hidden_size": 64,
+                            "intermediate_size": 128,
+                            "num_hidden_layers": 1,
+                            "num_attention_heads": 2,
+                            "num_key_value_heads": 1,
+                            "vocab_size": 1024,
+                            "tie_word_embeddings": True,
+                        }
+                    ),
+                ),
+            ],
+        },
+    ),
     "plan-num-gpus-zero": ("plan", lambda c: ["--num-gpus", "0"]),
     "plan-lr-inf": ("plan", lambda c: ["--lr", "inf"]),
     "find_batch-cap-gb-inf": ("find_batch", lambda c: ["--cap-gb", "inf"]),
     "find_batch-steps-negative": ("find_batch", lambda c: ["--steps", "-1"]),
     "find_batch-frozen-sharding-fsdp": ("find_batch", lambda c: ["--frozen-sharding", "fsdp"]),
-    "train-frozen-fp8-eager": ("train", lambda c: {"says": "third GEMM", "args": [
-        OW, "--frozen-fp8", "tensorwise", "--precision", "bf16", "--compile", "false"]}),
-    "plan-frozen-fp8-with-fsdp": ("plan", lambda c: {"says": "frozen_fp8 with frozen_sharding fsdp", "args": [
-        "--frozen-fp8", "rowwise", "--precision", "bf16", "--compile", "true", "--frozen-sharding", "fsdp"]}),
-    "evaluate-meta-frozen-fp8-in-fp32": ("evaluate", lambda c: c.meta(frozen_fp8="rowwise")
-                                         or {"says": "--precision bf16", "args": []}),
+    "train-frozen-fp8-eager": (
+        "train",
+        lambda c: {
+            "says": "third GEMM",
+            "args": [OW, "--frozen-fp8", "tensorwise", "--precision", "bf16", "--compile", "false"],
+        },
+    ),
+    "plan-frozen-fp8-with-fsdp": (
+        "plan",
+        lambda c: {
+            "says": "frozen_fp8 with frozen_sharding fsdp",
+            "args": [
+                "--frozen-fp8",
+                "rowwise",
+                "--precision",
+                "bf16",
+                "--compile",
+                "true",
+                "--frozen-sharding",
+                "fsdp",
+            ],
+        },
+    ),
+    "evaluate-meta-frozen-fp8-in-fp32": (
+        "evaluate",
+        lambda c: c.meta(frozen_fp8="rowwise") or {"says": "--precision bf16", "args": []},
+    ),
     "evaluate-eval-examples-zero": ("evaluate", lambda c: ["--eval-examples", "0"]),
     "evaluate-device-unknown": ("evaluate", lambda c: ["--device", "tpu"]),
     "launch2-micro-batch-size-zero": ("launch2", lambda c: [OW, "--micro-batch-size", "0"]),
     "launch-nproc-per-node-not-a-number": ("launch1", lambda c: {"args": [OW], "env": {"NPROC_PER_NODE": "x"}}),
-
     # --- dataset files (--dataset PATH) ----------------------------------------------------------
     "train-data-empty-json": ("train", dataset("d.json", "")),
     "train-data-empty-parquet": ("train", dataset("d.parquet", b"")),
@@ -318,38 +422,70 @@ CASES = {
     "train-data-json-number": ("train", dataset("d.json", "42")),
     "train-data-json-list-of-strings": ("train", dataset("d.json", json.dumps(["a", "b"] * 40))),
     "train-data-jsonl-numbers": ("train", dataset("d.jsonl", "1\n2\n3\n")),
-    "train-data-parquet-missing-answers": ("train", lambda c: [
-        OW, "--dataset", c.parquet("d.parquet", [NO_ANSWERS] * 40)]),
+    "train-data-parquet-missing-answers": (
+        "train",
+        lambda c: [OW, "--dataset", c.parquet("d.parquet", [NO_ANSWERS] * 40)],
+    ),
     "train-data-json-empty-answers": ("train", dataset("d.json", json.dumps([GOOD] * 40 + [EMPTY_ANSWERS]))),
     "train-data-wrong-suffix": ("train", dataset("d.csv", "context,question\n")),
     "evaluate-data-missing-context": ("evaluate", lambda c: ["--dataset", c.jsonl("d.jsonl", [NO_CONTEXT] * 8)]),
     "launch2-data-smaller-than-global-batch-overwrite": ("launch2", dataset("d.jsonl", [GOOD] * 6)),
     # Fewer examples than ranks: refused before distillation's teacher pass deals them out.
-    "launch2-data-fewer-examples-than-ranks": ("launch2", lambda c: {"says": "smaller than one global batch",
-                                                                     "args": [OW, "--num-examples", "1",
-                                                                              "--kd-weight", "1"]}),
-    "train-data-every-answer-past-the-cut": ("train", lambda c: {"says": "lies past max_prompt_bytes=512 (36 of 36)",
-                                                                 "args": dataset("d.jsonl", [CUT_ANSWER] * 40)(c)}),
-    "train-eval-dataset-is-the-training-file": ("train", lambda c: {"says": "is the training file itself", "args": [
-        OW, "--dataset", c.jsonl("d.jsonl", [GOOD] * 40), "--eval-dataset", str(c.tmp / "." / "d.jsonl")]}),
+    "launch2-data-fewer-examples-than-ranks": (
+        "launch2",
+        lambda c: {"says": "smaller than one global batch", "args": [OW, "--num-examples", "1", "--kd-weight", "1"]},
+    ),
+    "train-data-every-answer-past-the-cut": (
+        "train",
+        lambda c: {
+            "says": "lies past max_prompt_bytes=512 (36 of 36)",
+            "args": dataset("d.jsonl", [CUT_ANSWER] * 40)(c),
+        },
+    ),
+    "train-eval-dataset-is-the-training-file": (
+        "train",
+        lambda c: {
+            "says": "is the training file itself",
+            "args": [OW, "--dataset", c.jsonl("d.jsonl", [GOOD] * 40), "--eval-dataset", str(c.tmp / "." / "d.jsonl")],
+        },
+    ),
     "train-held-out-fraction-one": ("train", lambda c: [OW, "--held-out-fraction", "1"]),
     "train-new-data-without-resume": ("train", lambda c: {"says": "needs --resume", "args": [OW, "--new-data"]}),
-
     # --- model directories (--llama / --qwen DIR) -------------------------------------------------
     "train-llama-config-not-json": ("train", llm("llama", "config_not_json")),
     "train-llama-tokenizer-but-no-weights": ("train", llm("llama", "no_weights")),
     "train-llama-garbage-weights": ("train", llm("llama", "garbage_weights")),
     "train-llama-random-unknown-model-type": ("train", llm("llama", "unknown_type", prefix="random:")),
-    "train-llama-random-buffer-not-computable": ("train", lambda c: {
-        "says": "embed_tokens.embed_scale is in no checkpoint",
-        "args": [OW, "--llama", "random:" + c.write("gemma3.json", json.dumps(
-            {"model_type": "gemma3_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-             "head_dim": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
-             "pad_token_id": 0}))]}),
+    "train-llama-random-buffer-not-computable": (
+        "train",
+        lambda c: {
+            "says": "embed_tokens.embed_scale is in no checkpoint",
+            "args": [
+                OW,
+                "--llama",
+                "random:"
+                + c.write(
+                    "gemma3.json",
+                    json.dumps(
+                        {
+                            "model_type": "gemma3_text",
+                            "hidden_size": 64,
+                            "intermediate_size": 128,
+                            "num_hidden_layers": 1,
+                            "head_dim": 16,
+                            "num_attention_heads": 4,
+                            "num_key_value_heads": 2,
+                            "vocab_size": 2048,
+                            "pad_token_id": 0,
+                        }
+                    ),
+                ),
+            ],
+        },
+    ),
     "plan-llama-unknown-model-type": ("plan", lambda c: ["--llama", str(c.models["unknown_type"])]),
     "find_batch-llama-empty-dir": ("find_batch", lambda c: ["--llama", str(c.models["empty"])]),
     "evaluate-meta-llama-unknown-model-type": ("evaluate", lambda c: c.meta(llama=str(c.models["unknown_type"])) or []),
-
     # --- checkpoints (--resume, evaluate --ckpt) ---------------------------------------------------
     "train-resume-truncated-weights": ("train", lambda c: c.truncate("trainable.safetensors") or ["--resume"]),
     "train-resume-truncated-train-state": ("train", lambda c: c.truncate("train_state.pt") or ["--resume"]),
@@ -361,24 +497,36 @@ CASES = {
     "evaluate-ckpt-meta-field-wrong-type": ("evaluate", lambda c: c.meta(d_z="64") or []),
     "evaluate-ckpt-no-complete-checkpoint": ("evaluate", lambda c: c.leave_only_a_partial_checkpoint() or []),
     "launch2-resume-garbage-weights": ("launch2", lambda c: c.garbage("trainable.safetensors") or ["--resume"]),
-
     # --- out_dir ---------------------------------------------------------------------------------
     "train-out-dir-is-a-file": ("train", lambda c: [OW, "--out-dir", str(c.run / "metrics.jsonl")]),
-    "train-init-from-another-shape": ("train", lambda c: {"args": [OW, "--init-from", str(c.run), "--num-latents", "8"],
-                                                          "says": "num_latents 16 (this run: 8)"}),
-    "train-init-from-other-readers": ("train", lambda c: {"args": [OW, "--init-from", str(c.run), "--qwen",
-                                                                   "tiny-random"],
-                                                          "says": "qwen tiny (this run: tiny-random)"}),
-    "train-compile-cache-is-a-file": ("train", lambda c: [OW, "--compile", "true", "--compile-cache",
-                                                          str(c.run / "metrics.jsonl" / "cache")]),
+    "train-init-from-another-shape": (
+        "train",
+        lambda c: {
+            "args": [OW, "--init-from", str(c.run), "--num-latents", "8"],
+            "says": "num_latents 16 (this run: 8)",
+        },
+    ),
+    "train-init-from-other-readers": (
+        "train",
+        lambda c: {
+            "args": [OW, "--init-from", str(c.run), "--qwen", "tiny-random"],
+            "says": "qwen tiny (this run: tiny-random)",
+        },
+    ),
+    "train-compile-cache-is-a-file": (
+        "train",
+        lambda c: [OW, "--compile", "true", "--compile-cache", str(c.run / "metrics.jsonl" / "cache")],
+    ),
     "train-out-dir-parent-not-writable": ("train", locked_parent(searchable=True)),
     "train-out-dir-parent-not-searchable": ("train", locked_parent(searchable=False)),
     "evaluate-out-dir-parent-not-searchable": ("evaluate", locked_parent(searchable=False)),
     "evaluate-ckpt-not-searchable": ("evaluate", locked_parent(searchable=False, holds="ckpt")),
     "train-overwrite-and-resume": ("train", lambda c: [OW, "--resume"]),
     "train-resume-fresh-out-dir": ("train", lambda c: ["--resume", "--out-dir", str(c.run / "fresh" / "run")]),
-    "train-resume-empty-out-dir": ("train", lambda c: (c.run / "empty").mkdir() or [
-        "--resume", "--out-dir", str(c.run / "empty")]),
+    "train-resume-empty-out-dir": (
+        "train",
+        lambda c: (c.run / "empty").mkdir() or ["--resume", "--out-dir", str(c.run / "empty")],
+    ),
     "find_batch-out-dir-is-a-file": ("find_batch", lambda c: ["--out-dir", str(c.run / "metrics.jsonl")]),
     "evaluate-out-dir-is-a-file": ("evaluate", lambda c: ["--out-dir", str(c.run / "metrics.jsonl")]),
 }
@@ -388,8 +536,9 @@ def offline_env(hf_cache: Path) -> dict:
     return {"HF_DATASETS_CACHE": str(hf_cache), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-def run_case(entry: str, build, root: Path, reference_run: Path, model_dirs: dict, hf_cache: Path,
-             servers: queue.Queue) -> str:
+def run_case(
+    entry: str, build, root: Path, reference_run: Path, model_dirs: dict, hf_cache: Path, servers: queue.Queue
+) -> str:
     """One case in its own directory `root`: what went wrong, or "" if nothing did. A plain command
     (no environment or prefix of its own, not the launcher) runs on one of the preloaded `servers`;
     what it prints goes beside `root`, out of the snapshot."""
@@ -446,8 +595,10 @@ def results(reference_run, model_dirs, hf_cache, tmp_path_factory) -> dict[str, 
         servers.put(Preloaded(offline_env(hf_cache)))
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = {name: pool.submit(run_case, entry, build, root / name, reference_run, model_dirs, hf_cache,
-                                         servers) for name, (entry, build) in CASES.items()}
+            futures = {
+                name: pool.submit(run_case, entry, build, root / name, reference_run, model_dirs, hf_cache, servers)
+                for name, (entry, build) in CASES.items()
+            }
             return {name: future.result() for name, future in futures.items()}
     finally:
         while not servers.empty():

@@ -2,6 +2,7 @@
 
 The ratios are timings on a shared machine, so only their form is checked, never their value.
 """
+
 import gzip
 import json
 import math
@@ -26,8 +27,16 @@ RATIO = re.compile(r"(?:^|\s)ratio=(\S+)$")
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["loop_overhead", "dataloader", "compile", "ddp_scaling", "distillation"])
 def test_quick_run_ends_in_a_ratio(script):
-    proc = ok(subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), "--quick"], cwd=REPO,
-                             env=child_env(), capture_output=True, text=True, timeout=600))
+    proc = ok(
+        subprocess.run(
+            [sys.executable, str(REPO / "bench" / f"{script}.py"), "--quick"],
+            cwd=REPO,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    )
     last = proc.stdout.strip().splitlines()[-1]
     match = RATIO.search(last)
     assert match, f"last line has no ratio=<number> field: {last!r}"
@@ -41,16 +50,35 @@ def test_seed_spread_evaluates_every_seed_on_the_same_examples_and_records_each_
     text answers), each run appended to the results file as it finished, and the ratio the smallest
     share of any run and reader."""
     results = tmp_path / "spread.jsonl"
-    proc = ok(subprocess.run([sys.executable, str(REPO / "bench" / "seed_spread.py"), "--quick", "--results",
-                              str(results), "--out-root", str(tmp_path / "runs")], cwd=REPO, env=child_env(),
-                             capture_output=True, text=True, timeout=600))
+    proc = ok(
+        subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "bench" / "seed_spread.py"),
+                "--quick",
+                "--results",
+                str(results),
+                "--out-root",
+                str(tmp_path / "runs"),
+            ],
+            cwd=REPO,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    )
     ratio = float(RATIO.search(proc.stdout.strip().splitlines()[-1]).group(1))
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [(r["seed"], r["data_seed"], r["settings"]) for r in rows] == [(0, 0, rows[0]["settings"]),
-                                                                          (1, 0, rows[0]["settings"])]
+    assert [(r["seed"], r["data_seed"], r["settings"]) for r in rows] == [
+        (0, 0, rows[0]["settings"]),
+        (1, 0, rows[0]["settings"]),
+    ]
     assert ratio == pytest.approx(min(r[who]["f1_share"] for r in rows for who in ("llama", "qwen")), abs=1e-4)
-    reports = [json.loads(next((tmp_path / "runs" / "default" / f"seed{s}" / "eval").glob("*.json")).read_text())
-               for s in (0, 1)]
+    reports = [
+        json.loads(next((tmp_path / "runs" / "default" / f"seed{s}" / "eval").glob("*.json")).read_text())
+        for s in (0, 1)
+    ]
     text = [[(a["question"], a["text_llama"], a["text_qwen"]) for a in r["answers"]] for r in reports]
     assert text[0] == text[1] and len(text[0]) == 8
 
@@ -59,9 +87,23 @@ def gpu_validation(out: Path, *flags: str, timeout: int = 600) -> tuple[subproce
     """bench/gpu_validation.py on the cpu profile (`--cpu-check`): the code path a lent GPU runs,
     its results file and how long it took."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_validation.py"), "--out", str(out / "out"),
-                           "--work", str(out / "work"), "--cpu-check", *flags], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "gpu_validation.py"),
+            "--out",
+            str(out / "out"),
+            "--work",
+            str(out / "work"),
+            "--cpu-check",
+            *flags,
+        ],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     results = out / "out" / ("cpu-levers.json" if "--levers" in flags else "cpu.json")
     return proc, json.loads(results.read_text()), time.monotonic() - started
 
@@ -85,27 +127,61 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
     ok(proc)
     assert seconds < deadline + GRACE_S + 5 and results["seconds"] < deadline
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["cpu-levers.json", "metrics.jsonl", "profile.txt",
-                                                     "validation.log"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "cpu-levers.json",
+        "metrics.jsonl",
+        "profile.txt",
+        "validation.log",
+    ]
     runs = {r["name"]: r for r in results["runs"]}
-    assert list(runs) == ["h200", "h100", "h100_selective", "fp8_tensorwise", "fp8_rowwise", "fails_at_first_step",
-                          "fp8_tensorwise_largest", "fp8_rowwise_largest"]
+    assert list(runs) == [
+        "h200",
+        "h100",
+        "h100_selective",
+        "fp8_tensorwise",
+        "fp8_rowwise",
+        "fails_at_first_step",
+        "fp8_tensorwise_largest",
+        "fp8_rowwise_largest",
+    ]
     assert results["baseline"].startswith("h200: ") and list(results["plans"]) == ["h200", "h100", "h100_selective"]
-    fields = {"status", "micro_batch_size", "grad_accum_steps", "step_time_s", "tokens_per_s", "mfu", "hfu",
-              "peak_mem_gb", "activation_checkpointing", "fp8", "ratio_to_baseline", "device", "torch", "memory_gb",
-              "cap_memory", "memory_capped", "memory_fraction", "alloc_retries", "first_step_s", "compile_cache"}
+    fields = {
+        "status",
+        "micro_batch_size",
+        "grad_accum_steps",
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+        "hfu",
+        "peak_mem_gb",
+        "activation_checkpointing",
+        "fp8",
+        "ratio_to_baseline",
+        "device",
+        "torch",
+        "memory_gb",
+        "cap_memory",
+        "memory_capped",
+        "memory_fraction",
+        "alloc_retries",
+        "first_step_s",
+        "compile_cache",
+    }
     fastest = max((runs[name] for name in ("h200", "h100", "h100_selective")), key=lambda r: r["samples_per_s"])
-    for name, policy, fp8 in (("h200", "none", "none"), ("h100", "full", "none"),
-                              ("h100_selective", "selective", "none"),
-                              ("fp8_tensorwise", fastest["activation_checkpointing"], "tensorwise"),
-                              ("fp8_rowwise", fastest["activation_checkpointing"], "rowwise")):
+    for name, policy, fp8 in (
+        ("h200", "none", "none"),
+        ("h100", "full", "none"),
+        ("h100_selective", "selective", "none"),
+        ("fp8_tensorwise", fastest["activation_checkpointing"], "tensorwise"),
+        ("fp8_rowwise", fastest["activation_checkpointing"], "rowwise"),
+    ):
         run = runs[name]
         assert (run["activation_checkpointing"], run["fp8"]) == (policy, fp8), name
         assert results["plans"].get(name, {"activation_checkpointing": policy})["activation_checkpointing"] == policy
         assert (run["env"].get("PYTHONPATH", "").split(os.pathsep)[0] == site) == (fp8 != "none"), run["env"]
         if fp8 != "none":
             assert run["env"] == {**fastest["env"], **TORCHAO_FOR_FP8, "PYTHONPATH": run["env"]["PYTHONPATH"]}
-            assert run["flags"][:len(fastest["flags"])] == fastest["flags"] and run["of"] == fastest["name"]
+            assert run["flags"][: len(fastest["flags"])] == fastest["flags"] and run["of"] == fastest["name"]
         else:
             assert run["env"] == {} and run["flags"][run["flags"].index("--profile") + 1] == "cpu"
         if fp8 != "none" and run["status"] == "refused":
@@ -113,14 +189,25 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
             continue
         assert run["status"] == "done" and fields <= run.keys(), (name, fields - run.keys())
         assert run["ratio_to_baseline"] > 0 and run["hfu"] is None  # no peak FLOP/s on a CPU: no MFU, no HFU
-        assert (run["memory_gb"], run["cap_memory"], run["memory_capped"], run["memory_fraction"],
-                run["memory_cap_line"], run["alloc_retries"]) == (8.0, True, False, None, None, None), name
+        assert (
+            run["memory_gb"],
+            run["cap_memory"],
+            run["memory_capped"],
+            run["memory_fraction"],
+            run["memory_cap_line"],
+            run["alloc_retries"],
+        ) == (8.0, True, False, None, None, None), name
         assert (run["compile_cache"], run["cache_hits"], run["cache_misses"]) == (None, 0, 0), name
         assert run["first_step_s"] > 0
     for recipe in ("tensorwise", "rowwise"):  # the cpu profile's fp32 refuses FP8 plans before a process
         assert runs[f"fp8_{recipe}_largest"]["why"].startswith("plan refused: error: "), runs
     assert runs["h200"]["ratio_to_baseline"] == 1.0 and set(results["levers"]) == {
-        "h200", "h100", "h100_selective", "fp8_tensorwise", "fp8_rowwise"}
+        "h200",
+        "h100",
+        "h100_selective",
+        "fp8_tensorwise",
+        "fp8_rowwise",
+    }
     assert runs["fails_at_first_step"]["status"] == "skipped"
     log = (out / "validation.log").read_text()
     assert not re.search(r"^memory: ", log, re.M)
@@ -154,8 +241,12 @@ def test_an_entry_reads_the_memory_cap_and_the_compile_cache_from_what_the_run_s
     assert memory_fraction(0, 0, 8.0, True, "cpu") == (None, None)
     assert memory_cap("step 1/3 | ...") == {"memory_capped": False, "memory_fraction": None, "memory_cap_line": None}
     hit, miss = "AOTAutograd cache hit for key a1", "AOTAutograd cache miss for key b2"
-    assert compile_cache_use(f"{hit}\n{hit}\n") == {"cache_hits": 2, "cache_misses": 0, "cache_bypassed": 0,
-                                                     "compile_cache": "warm"}
+    assert compile_cache_use(f"{hit}\n{hit}\n") == {
+        "cache_hits": 2,
+        "cache_misses": 0,
+        "cache_bypassed": 0,
+        "compile_cache": "warm",
+    }
     assert compile_cache_use(f"{hit}\n{miss}\n")["compile_cache"] == "partly warm"
     assert compile_cache_use(f"{miss}\nBypassing autograd cache due to: x\n")["compile_cache"] == "cold"
     assert compile_cache_use("step 1/3")["compile_cache"] is None
@@ -167,8 +258,11 @@ def test_the_plans_both_commands_compare_with_are_shipped():
     is in bench/results/ under the flags the driver looks it up by."""
     from gpu_validation import REAL_LLMS, lever_configs, plan_flags, plan_path, plans_to_ship
 
-    assert lever_configs(False) == [("h200", "h200", "none"), ("h100", "h100", "full"),
-                                    ("h100_selective", "h100", "selective")]
+    assert lever_configs(False) == [
+        ("h200", "h200", "none"),
+        ("h100", "h100", "full"),
+        ("h100_selective", "h100", "selective"),
+    ]
     assert [c[1:] for c in lever_configs(True)] == [("cpu", "none"), ("cpu", "full"), ("cpu", "selective")]
     for profile, policy, recipe in plans_to_ship("h100", fp8=True):
         path = plan_path(profile, policy, recipe)
@@ -188,11 +282,33 @@ def test_gpu_validation_runs_every_part_and_keeps_a_part_stopped_at_its_budget(t
     ok(proc)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["cpu.json", "validation.log"]
     assert {name: part["status"] for name, part in results["parts"].items()} == {
-        "preflight": "done", "main": "timed out", "evaluate": "done", "eager": "done", "find_batch": "done",
-        "no_recompute": "done", "plan_micro_batch": "done"}
-    fields = {"device", "torch", "profile", "micro_batch_size", "grad_accum_steps", "compile",
-              "activation_checkpointing", "tokens_per_s", "step_time_s", "mfu", "tflops_per_gpu", "peak_mem_gb",
-              "planned_peak_gb", "plan_max_micro_batch", "compile_s", "recompiles", "date"}
+        "preflight": "done",
+        "main": "timed out",
+        "evaluate": "done",
+        "eager": "done",
+        "find_batch": "done",
+        "no_recompute": "done",
+        "plan_micro_batch": "done",
+    }
+    fields = {
+        "device",
+        "torch",
+        "profile",
+        "micro_batch_size",
+        "grad_accum_steps",
+        "compile",
+        "activation_checkpointing",
+        "tokens_per_s",
+        "step_time_s",
+        "mfu",
+        "tflops_per_gpu",
+        "peak_mem_gb",
+        "planned_peak_gb",
+        "plan_max_micro_batch",
+        "compile_s",
+        "recompiles",
+        "date",
+    }
     assert all(fields <= run.keys() for run in results["runs"]), [fields - run.keys() for run in results["runs"]]
     main = results["runs"][0]
     assert main["exit"] == 75 and main["steps_logged"] >= 1 and main["find_batch_max"] == 32
@@ -222,9 +338,11 @@ def test_a_stopped_part_takes_its_whole_process_group_with_it(tmp_path):
     from gpu_validation import GRACE_S, Clock, Runner
 
     pid_file = tmp_path / "grandchild.pid"
-    stubborn = ("import os, signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                "child = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()']); "
-                f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('started', flush=True); signal.pause()")
+    stubborn = (
+        "import os, signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()']); "
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('started', flush=True); signal.pause()"
+    )
     run = Runner(tmp_path / "log", Clock(deadline_s=4, margin_s=1), child_env())
     child = run([sys.executable, "-c", stubborn], budget_s=60)
     assert (child.status, child.exit) == ("timed out", -signal.SIGKILL) and "started" in child.output
@@ -273,8 +391,11 @@ def test_the_failing_part_is_timed_from_the_loop_catching_the_failure(tmp_path):
     assert (child.status, child.exit) == ("failed", 5) and child.seen_s is not None, child.output
     started_at = re.search(CAUGHT, child.output, re.M).group(0)  # the log's first match is the clock's
     assert started_at.startswith("caught out of memory"), child.output
-    assert (child.output.index("caught out of memory at micro-batch 4") < child.output.index("loader stopped")
-            < child.output.index("error: out of memory"))
+    assert (
+        child.output.index("caught out of memory at micro-batch 4")
+        < child.output.index("loader stopped")
+        < child.output.index("error: out of memory")
+    )
     assert 0 <= child.seen_s <= child.seconds
     quiet = run([sys.executable, "-c", "print('fine')"], budget_s=30, watch=CAUGHT)
     assert (quiet.status, quiet.seen_s) == ("done", None)
@@ -304,8 +425,10 @@ def test_torchao_is_on_the_fp8_parts_path_alone():
 
     assert TORCHAO_FOR_FP8 == {"TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
     assert fp8_env(None) == TORCHAO_FOR_FP8
-    assert fp8_env("/opt/site") == {**TORCHAO_FOR_FP8, "PYTHONPATH": os.pathsep.join(
-        filter(None, ["/opt/site", os.environ.get("PYTHONPATH")]))}
+    assert fp8_env("/opt/site") == {
+        **TORCHAO_FOR_FP8,
+        "PYTHONPATH": os.pathsep.join(filter(None, ["/opt/site", os.environ.get("PYTHONPATH")])),
+    }
 
 
 def process_state(pid: int) -> str | None:
@@ -321,9 +444,27 @@ def test_instruct_reader_scores_the_text_under_each_contract(tmp_path):
     bare anchor's without the template, the other two inside it."""
     results = tmp_path / "instruct.json"
     script = REPO / "bench" / "instruct_reader.py"
-    ok(subprocess.run([sys.executable, str(script), "--model", str(instruct_reader(tmp_path)),
-                       "--examples", "4", "--threads", "1", "--results", str(results)],
-                      cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300))
+    ok(
+        subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--model",
+                str(instruct_reader(tmp_path)),
+                "--examples",
+                "4",
+                "--threads",
+                "1",
+                "--results",
+                str(results),
+            ],
+            cwd=REPO,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     contracts = json.loads(results.read_text())["contracts"]
     assert list(contracts) == ["bare anchor", "chat template", "chat template + instruction"]
     assert [c["contract"].startswith("its chat template") for c in contracts.values()] == [False, True, True]
@@ -334,17 +475,33 @@ def test_peak_allocations_lists_what_was_live_at_the_peak_and_refuses_other_file
     """The report the H100's snapshot was read with: the peak, then its blocks by size and site."""
     import pickle
 
-    where = [{"filename": "/venv/site-packages/torch/nn/functional.py", "line": 1, "name": "layer_norm"},
-             {"filename": "/repo/latentwire/model.py", "line": 90, "name": "forward"}]
-    trace = [{"action": "alloc", "addr": a, "size": 2 ** 27, "frames": where} for a in range(3)]
-    trace.append({"action": "free_requested", "addr": 0, "size": 2 ** 27})
+    where = [
+        {"filename": "/venv/site-packages/torch/nn/functional.py", "line": 1, "name": "layer_norm"},
+        {"filename": "/repo/latentwire/model.py", "line": 90, "name": "forward"},
+    ]
+    trace = [{"action": "alloc", "addr": a, "size": 2**27, "frames": where} for a in range(3)]
+    trace.append({"action": "free_requested", "addr": 0, "size": 2**27})
     (tmp_path / "snapshot.pickle").write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}))
     (tmp_path / "other.pickle").write_bytes(pickle.dumps([1, 2]))
     script = [sys.executable, str(REPO / "bench" / "peak_allocations.py")]
-    lines = ok(subprocess.run([*script, str(tmp_path / "snapshot.pickle")], cwd=REPO, env=child_env(),
-                              capture_output=True, text=True, timeout=120)).stdout.splitlines()
+    lines = ok(
+        subprocess.run(
+            [*script, str(tmp_path / "snapshot.pickle")],
+            cwd=REPO,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    ).stdout.splitlines()
     assert lines[0].startswith("device 0: 4 events recorded; at their peak 0.375 GiB in 3 blocks")
     assert lines[2].split() == ["0.375", "|", "3", "x", "128.00", "|", "/repo/latentwire/model.py:90", "forward"]
-    refused = subprocess.run([*script, str(tmp_path / "other.pickle")], cwd=REPO, env=child_env(),
-                             capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(
+        [*script, str(tmp_path / "other.pickle")],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == 2 and refused.stderr.strip().endswith("not a memory snapshot: no device_traces")

@@ -6,6 +6,7 @@ exactly what inductor is handed, without inductor's minutes of C++ compiling. tr
 `--compile true` run (tests/test_train.py::test_compiled_loss_equals_eager_under_ddp_with_checkpointing)
 goes through inductor.
 """
+
 import random
 
 import pytest
@@ -29,6 +30,7 @@ MICRO_BATCH = 32
 def graphs() -> int:
     """Graphs dynamo has compiled in this process (each compile or recompile of any region)."""
     from torch._dynamo.utils import counters
+
     return counters["stats"]["unique_graphs"]
 
 
@@ -55,9 +57,12 @@ def make_batch(llms: dict, rows: int, prompt_width: int, answer_widths: dict, se
         real[0] = width
         targets = torch.randint(0, vocab, (rows, width + 1), generator=g)
         labels = targets.masked_fill(torch.arange(width + 1) > real[:, None], IGNORE_INDEX)
-        answers[name] = {"lead_ids": torch.tensor([list(llm.contract.lead)] * rows, dtype=torch.long).view(rows, -1),
-                         "input_ids": torch.randint(0, vocab, (rows, width), generator=g), "labels": labels,
-                         "label_positions": label_positions(labels)}
+        answers[name] = {
+            "lead_ids": torch.tensor([list(llm.contract.lead)] * rows, dtype=torch.long).view(rows, -1),
+            "input_ids": torch.randint(0, vocab, (rows, width), generator=g),
+            "labels": labels,
+            "label_positions": label_positions(labels),
+        }
     return {"bytes": byte_ids, "byte_mask": byte_mask, "answers": answers}
 
 
@@ -107,9 +112,14 @@ def compiled_run():
         step(model, llms, batch, Objectives()).sum().backward()
         graphs_after.append(graphs())
     model.zero_grad(set_to_none=True)
-    yield {"model": model, "llms": llms, "step": step, "batches": batches,
-           "compiled_in": [i for i, (a, b) in enumerate(zip(graphs_before, graphs_after, strict=True)) if b > a],
-           "graphs": graphs_after[-1] - graphs_before[0]}
+    yield {
+        "model": model,
+        "llms": llms,
+        "step": step,
+        "batches": batches,
+        "compiled_in": [i for i, (a, b) in enumerate(zip(graphs_before, graphs_after, strict=True)) if b > a],
+        "graphs": graphs_after[-1] - graphs_before[0],
+    }
     torch._dynamo.reset()
 
 
@@ -142,8 +152,9 @@ def assert_compiled_equals_eager(model, llms, step, batch, objectives):
 
 @pytest.mark.slow
 def test_compiled_step_equals_eager(compiled_run):
-    assert_compiled_equals_eager(compiled_run["model"], compiled_run["llms"], compiled_run["step"],
-                                 compiled_run["batches"][-1], Objectives())
+    assert_compiled_equals_eager(
+        compiled_run["model"], compiled_run["llms"], compiled_run["step"], compiled_run["batches"][-1], Objectives()
+    )
 
 
 @pytest.mark.slow
@@ -200,8 +211,11 @@ def test_regions_are_the_checkpointed_decoder_layers_and_the_encoder_blocks():
     compile_as_train_py(model, llms)
     decoder_layers = [layer for llm in llms.values() for layer in llm.model.get_decoder().layers]
     assert all(isinstance(layer, CheckpointWrapper) for layer in decoder_layers)  # compiled with its recompute
-    compiled = [m for m in [*model.modules(), *(m for llm in llms.values() for m in llm.model.modules())]
-                if getattr(m, "_compiled_call_impl", None) is not None]
+    compiled = [
+        m
+        for m in [*model.modules(), *(m for llm in llms.values() for m in llm.model.modules())]
+        if getattr(m, "_compiled_call_impl", None) is not None
+    ]
     assert compiled == [*model.encoder.blocks, model.pooler, *decoder_layers]
     assert list(model.state_dict()) == names  # checkpoints keep their tensor names
 
@@ -216,7 +230,6 @@ def test_stable_shapes_is_scoped():
     with stable_shapes():
         assert settings() == (True, False)
     assert settings() == outside
-
 
 
 def test_the_compile_cache_outlives_tmp(monkeypatch, tmp_path):

@@ -1,4 +1,5 @@
 """hw_profiles.json and the command line: every profile validates, bad input is one clear line."""
+
 import dataclasses
 import json
 import typing
@@ -52,17 +53,20 @@ def broken(tmp_path, mutate) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("mutate, fragments", [
-    (lambda p: p["cpu"].pop("memory_gb"), ["'cpu'", "missing field 'memory_gb'"]),
-    (lambda p: p["cpu"].update(learning_rate=1.0), ["'cpu'", "unknown field 'learning_rate'"]),
-    (lambda p: p["cpu"].update(micro_batch_size="8"), ["'cpu'", "'micro_batch_size' must be int"]),
-    (lambda p: p["cpu"].update(micro_batch_size=0), ["'micro_batch_size' must be > 0"]),
-    (lambda p: p["cpu"].update(precision="fp8"), ["'precision' must be one of bf16, fp16, fp32"]),
-    (lambda p: p["cpu"].update(compile="yes"), ["'compile' must be bool"]),
-    (lambda p: p["cpu"].update(lr=float("inf")), ["'lr' must be a finite number, got inf"]),  # JSON Infinity
-    (lambda p: p["cpu"].update(extends="nowhere"), ["'extends' names unknown profile 'nowhere'"]),
-    (lambda p: p["cpu"].update(supports_bf16=False, precision="bf16"), ["bf16 on a card without bf16"]),
-])
+@pytest.mark.parametrize(
+    "mutate, fragments",
+    [
+        (lambda p: p["cpu"].pop("memory_gb"), ["'cpu'", "missing field 'memory_gb'"]),
+        (lambda p: p["cpu"].update(learning_rate=1.0), ["'cpu'", "unknown field 'learning_rate'"]),
+        (lambda p: p["cpu"].update(micro_batch_size="8"), ["'cpu'", "'micro_batch_size' must be int"]),
+        (lambda p: p["cpu"].update(micro_batch_size=0), ["'micro_batch_size' must be > 0"]),
+        (lambda p: p["cpu"].update(precision="fp8"), ["'precision' must be one of bf16, fp16, fp32"]),
+        (lambda p: p["cpu"].update(compile="yes"), ["'compile' must be bool"]),
+        (lambda p: p["cpu"].update(lr=float("inf")), ["'lr' must be a finite number, got inf"]),  # JSON Infinity
+        (lambda p: p["cpu"].update(extends="nowhere"), ["'extends' names unknown profile 'nowhere'"]),
+        (lambda p: p["cpu"].update(supports_bf16=False, precision="bf16"), ["bf16 on a card without bf16"]),
+    ],
+)
 def test_broken_profile_names_the_field(tmp_path, mutate, fragments):
     path = broken(tmp_path, mutate)
     with pytest.raises(UserError) as e:
@@ -78,14 +82,24 @@ def test_a_profile_names_its_card_and_what_differs_from_the_defaults(tmp_path):
     path = tmp_path / "hw_profiles.json"
     path.write_text(json.dumps({"mine": {"description": "a laptop", "device": "cpu", "memory_gb": 16}}))
     cfg = load_config(["--profile", "mine", "--hw-profiles", str(path)])
-    assert (cfg.numerics.precision, cfg.compile.enabled, cfg.frozen.llama, cfg.data.dataset) == \
-        ("fp32", False, "tiny", "synthetic")
+    assert (cfg.numerics.precision, cfg.compile.enabled, cfg.frozen.llama, cfg.data.dataset) == (
+        "fp32",
+        False,
+        "tiny",
+        "synthetic",
+    )
     assert (cfg.training.num_gpus, cfg.card.peak_tflops_tf32, cfg.output.out_dir) == (1, None, "runs/mine")
-    assert sorted(k for k, f in FIELDS.items() if f.default is dataclasses.MISSING) == \
-        ["description", "device", "memory_gb"]
+    assert sorted(k for k, f in FIELDS.items() if f.default is dataclasses.MISSING) == [
+        "description",
+        "device",
+        "memory_gb",
+    ]
     for key, profile in PROFILES.items():  # no profile restates a default or its parent's value
-        parent = SCHEMA.resolve_profile(PROFILES, profile["extends"], DEFAULT_PROFILES) if "extends" in profile \
+        parent = (
+            SCHEMA.resolve_profile(PROFILES, profile["extends"], DEFAULT_PROFILES)
+            if "extends" in profile
             else SCHEMA.defaults()
+        )
         assert not [k for k, v in profile.items() if k not in ("extends", "description") and parent.get(k) == v], key
 
 
@@ -95,12 +109,33 @@ def test_every_field_is_one_setting_of_one_section_and_meta_json_keeps_the_flat_
     for key, field in FIELDS.items():
         section = typing.get_type_hints(Config)[field.section]
         assert field.name in {f.name for f in dataclasses.fields(section)}, key
-    cfg = load_config(["--profile", "cpu", "--compile", "true", "--compile-mode", "max-autotune-no-cudagraphs",
-                       "--adam-beta1", "0.8", "--anchor-text", " A:", "--eval-every", "7", "--profiler", "true",
-                       "--frozen-sharding", "fsdp"])
+    cfg = load_config(
+        [
+            "--profile",
+            "cpu",
+            "--compile",
+            "true",
+            "--compile-mode",
+            "max-autotune-no-cudagraphs",
+            "--adam-beta1",
+            "0.8",
+            "--anchor-text",
+            " A:",
+            "--eval-every",
+            "7",
+            "--profiler",
+            "true",
+            "--frozen-sharding",
+            "fsdp",
+        ]
+    )
     assert (cfg.compile.enabled, cfg.compile.mode, cfg.optimizer.beta1) == (True, "max-autotune-no-cudagraphs", 0.8)
-    assert (cfg.prompt.anchor, cfg.output.eval_every, cfg.profiler.enabled, cfg.frozen.sharding) == (" A:", 7, True,
-                                                                                                   "fsdp")
+    assert (cfg.prompt.anchor, cfg.output.eval_every, cfg.profiler.enabled, cfg.frozen.sharding) == (
+        " A:",
+        7,
+        True,
+        "fsdp",
+    )
     meta = cfg.to_dict()
     assert list(meta) == ["profile", *FIELDS] and meta["compile_mode"] == "max-autotune-no-cudagraphs"
     assert meta["adam_beta1"] == 0.8 and meta["anchor_text"] == " A:" and meta["frozen_sharding"] == "fsdp"
@@ -114,30 +149,53 @@ def test_inherited_field_errors_name_the_profile(tmp_path):
 
 
 def test_flags_override_profile_fields():
-    cfg = load_config(["--profile", "cpu", "--micro-batch-size", "4", "--grad-accum-steps", "8", "--lr", "3e-4",
-                       "--compile", "true", "--out-dir", "runs/x", "--precision", "bf16", "--dropout", "0"])
+    cfg = load_config(
+        [
+            "--profile",
+            "cpu",
+            "--micro-batch-size",
+            "4",
+            "--grad-accum-steps",
+            "8",
+            "--lr",
+            "3e-4",
+            "--compile",
+            "true",
+            "--out-dir",
+            "runs/x",
+            "--precision",
+            "bf16",
+            "--dropout",
+            "0",
+        ]
+    )
     assert (cfg.training.micro_batch_size, cfg.training.grad_accum_steps) == (4, 8)
     assert (cfg.optimizer.lr, cfg.compile.enabled) == (3e-4, True)
     assert (cfg.output.out_dir, cfg.numerics.precision, cfg.wire.dropout) == ("runs/x", "bf16", 0.0)
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (["--micro-batch-size", "0"], "--micro-batch-size: field 'micro_batch_size' must be > 0"),
-    (["--micro-batch-size", "-2"], "must be > 0"),
-    (["--grad-accum-steps", "0"], "'grad_accum_steps' must be > 0"),
-    (["--lr", "0"], "'lr' must be > 0"),
-    (["--lr", "fast"], "argument --lr: invalid"),
-    (["--lr", "inf"], "--lr: field 'lr' must be a finite number, got inf"),
-    (["--max-grad-norm", "nan"], "'max_grad_norm' must be a finite number, got nan"),
-    (["--precision", "fp64"], "'precision' must be one of"),
-    (["--compile", "maybe"], "expected true or false"),
-    (["--encoder-dim", "12", "--encoder-heads", "4", "--d-z", "64"],
-     "head width, encoder_dim / encoder_heads = 3, must be even"),
-    (["--stop-at-step", "0"], "--stop-at-step must be > 0"),
-    (["--max-step", "3"], "unrecognized arguments: --max-step"),  # no prefix matching of --max-steps
-    (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
-    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--micro-batch-size", "0"], "--micro-batch-size: field 'micro_batch_size' must be > 0"),
+        (["--micro-batch-size", "-2"], "must be > 0"),
+        (["--grad-accum-steps", "0"], "'grad_accum_steps' must be > 0"),
+        (["--lr", "0"], "'lr' must be > 0"),
+        (["--lr", "fast"], "argument --lr: invalid"),
+        (["--lr", "inf"], "--lr: field 'lr' must be a finite number, got inf"),
+        (["--max-grad-norm", "nan"], "'max_grad_norm' must be a finite number, got nan"),
+        (["--precision", "fp64"], "'precision' must be one of"),
+        (["--compile", "maybe"], "expected true or false"),
+        (
+            ["--encoder-dim", "12", "--encoder-heads", "4", "--d-z", "64"],
+            "head width, encoder_dim / encoder_heads = 3, must be even",
+        ),
+        (["--stop-at-step", "0"], "--stop-at-step must be > 0"),
+        (["--max-step", "3"], "unrecognized arguments: --max-step"),  # no prefix matching of --max-steps
+        (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+        (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
 def test_bad_flag_values(flags, fragment):
     with pytest.raises(UserError, match=fragment.replace("(", r"\(")):
         load_config(["--profile", "cpu", *flags])
@@ -149,6 +207,7 @@ def test_bf16_on_v100_is_refused():
 
 
 # --- from the outside: exit code, one line, no traceback, nothing written ------------------------
+
 
 def test_unknown_profile_lists_valid_keys(tmp_path):
     proc = run_train(["--profile", "h1000", "--out-dir", str(tmp_path / "run")])
@@ -165,8 +224,9 @@ def test_malformed_json_is_one_line(tmp_path):
 
 
 def test_bad_field_in_file_is_one_line(tmp_path):
-    proc = run_train(["--profile", "cpu", "--hw-profiles",
-                      broken(tmp_path, lambda p: p["cpu"].update(grad_accum_steps=0))])
+    proc = run_train(
+        ["--profile", "cpu", "--hw-profiles", broken(tmp_path, lambda p: p["cpu"].update(grad_accum_steps=0))]
+    )
     assert_one_line_error(proc, "profile 'cpu'", "'grad_accum_steps' must be > 0")
 
 

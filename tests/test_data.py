@@ -38,6 +38,7 @@ RECORDS = [
 def datasets_cache_in_tmp(tmp_path, monkeypatch):
     # The datasets json/parquet readers write an Arrow cache; keep it out of the home directory.
     import datasets
+
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
 
 
@@ -58,6 +59,7 @@ def tokenizers():
 
 
 # --- synthetic data -----------------------------------------------------------------------
+
 
 def test_synthetic_is_deterministic_per_seed():
     assert synthetic_examples(64, seed=3) == synthetic_examples(64, seed=3)
@@ -102,6 +104,7 @@ def test_corpus_text_holds_contexts_questions_and_answers():
 
 # --- local files --------------------------------------------------------------------------
 
+
 def write_jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
@@ -115,6 +118,7 @@ def write_file(tmp_path, suffix, records):
         path.write_text(json.dumps(records))
         return str(path)
     import datasets
+
     datasets.Dataset.from_list(records).to_parquet(str(path))
     return str(path)
 
@@ -139,11 +143,31 @@ def test_single_record_json(tmp_path):
 
 
 def test_nested_squad_json(tmp_path):
-    doc = {"version": "1.1", "data": [{"title": "T", "paragraphs": [
-        {"context": "Ada lives in Paris. Bo lives in Oslo.", "qas": [
-            {"id": "a", "question": "Where does Ada live?", "answers": [{"text": "Paris", "answer_start": 13}]},
-            {"id": "b", "question": "Where does Bo live?", "answers": [{"text": "Oslo", "answer_start": 32}]},
-        ]}]}]}
+    doc = {
+        "version": "1.1",
+        "data": [
+            {
+                "title": "T",
+                "paragraphs": [
+                    {
+                        "context": "Ada lives in Paris. Bo lives in Oslo.",
+                        "qas": [
+                            {
+                                "id": "a",
+                                "question": "Where does Ada live?",
+                                "answers": [{"text": "Paris", "answer_start": 13}],
+                            },
+                            {
+                                "id": "b",
+                                "question": "Where does Bo live?",
+                                "answers": [{"text": "Oslo", "answer_start": 32}],
+                            },
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
     path = tmp_path / "squad.json"
     path.write_text(json.dumps(doc))
     examples = load_examples(str(path), "train", 100, seed=0)
@@ -160,6 +184,7 @@ def test_num_examples_caps_a_local_dataset_with_a_seeded_subset(tmp_path):
 
 # --- what the data is: answers past the cut, held-out examples, identity --------------------------
 
+
 def test_answer_end_is_where_the_encoder_reads_the_answer_s_last_byte():
     """From answer_start where the record has one (the first of two occurrences here is not the
     answer), else the first occurrence; counted in UTF-8 bytes of the prompt (é is two)."""
@@ -169,7 +194,7 @@ def test_answer_end_is_where_the_encoder_reads_the_answer_s_last_byte():
         ex = {"context": context, "question": "Who?", "answers": answers}
         prompt = prompt_text(ex).encode()
         end = answer_end_byte(ex)
-        assert prompt[end - 3:end] == b"Ada"
+        assert prompt[end - 3 : end] == b"Ada"
         assert end == len("question: Who?\ncontext: ") + len(context[:at].encode()) + 3  # é: 2 bytes
     assert answer_end_byte({"context": context, "question": "Who?", "answers": {"text": ["Bo"]}}) is None
     # An answer_start that does not point at the answer is searched for instead, as a whole word.
@@ -183,11 +208,22 @@ def long_records(n_reachable: int, n_cut: int) -> list[dict]:
     """Records whose answer (with answer_start) is at the start of a long context, or after 900
     bytes of filler."""
     filler = "Nothing happened that day. " * 34  # 918 bytes
-    near = [{"context": f"Ada{i} lives in Oslo. " + filler, "question": f"Where does Ada{i} live?",
-             "answers": {"text": ["Oslo"], "answer_start": [len(f"Ada{i} lives in ")]}} for i in range(n_reachable)]
-    far = [{"context": filler + f"Bo{i} lives in Lima.", "question": f"Where does Bo{i} live?",
-            "answers": {"text": ["Lima"], "answer_start": [len(filler) + len(f"Bo{i} lives in ")]}}
-           for i in range(n_cut)]
+    near = [
+        {
+            "context": f"Ada{i} lives in Oslo. " + filler,
+            "question": f"Where does Ada{i} live?",
+            "answers": {"text": ["Oslo"], "answer_start": [len(f"Ada{i} lives in ")]},
+        }
+        for i in range(n_reachable)
+    ]
+    far = [
+        {
+            "context": filler + f"Bo{i} lives in Lima.",
+            "question": f"Where does Bo{i} live?",
+            "answers": {"text": ["Lima"], "answer_start": [len(filler) + len(f"Bo{i} lives in ")]},
+        }
+        for i in range(n_cut)
+    ]
     return near + far
 
 
@@ -198,12 +234,17 @@ def test_answers_past_the_cut_are_counted_dropped_on_request_and_refused_when_al
     kept = TrainingSet.load(sources, 100, 512, drop_cut_answers=False)
     past = answers_past_cut(kept.examples, 512).count(True)
     assert (kept.loaded, kept.past_cut, kept.dropped) == (18, past, 0) and past >= 12
-    assert kept.summary(512).startswith(f"{past} of 18 training examples ({100 * past / 18:.1f}%) have their answer "
-                                        "past max_prompt_bytes=512; --drop-cut-answers true drops them")
+    assert kept.summary(512).startswith(
+        f"{past} of 18 training examples ({100 * past / 18:.1f}%) have their answer "
+        "past max_prompt_bytes=512; --drop-cut-answers true drops them"
+    )
     dropped = TrainingSet.load(sources, 100, 512, drop_cut_answers=True)
     assert dropped.dropped == past and not any(answers_past_cut(dropped.examples, 512))
-    assert dropped.facts() == {"train_examples": 18 - past, "train_answers_past_cut": past,
-                               "train_examples_dropped": past}
+    assert dropped.facts() == {
+        "train_examples": 18 - past,
+        "train_answers_past_cut": past,
+        "train_examples_dropped": past,
+    }
     assert TrainingSet.load(sources, 100, 4096, drop_cut_answers=True).past_cut == 0
     all_cut = write_jsonl(tmp_path / "cut.jsonl", long_records(0, 20))
     with pytest.raises(UserError, match=r"every answer of .*cut.jsonl .* lies past max_prompt_bytes=512 \(18 of 18\)"):
@@ -220,8 +261,9 @@ def test_a_local_file_holds_out_a_seeded_part_that_training_never_sees(tmp_path)
     assert all(ex in held for ex in sources.held_out_examples(2, path))  # fewer asked for: some of the same
     assert held == DataSources(path, None, 0.1, seed=3).held_out_examples(100, path)  # the same at evaluation
     assert held != DataSources(path, None, 0.1, seed=4).held_out_examples(100, path)
-    assert sources.describe_held_out(path) == (f"a seeded 10% of {path} (at least one example) that training "
-                                               "never sees")
+    assert sources.describe_held_out(path) == (
+        f"a seeded 10% of {path} (at least one example) that training never sees"
+    )
     # Named held-out examples: all of the training file trains, all of the other file is held out.
     other = write_jsonl(tmp_path / "other.jsonl", RECORDS)
     named = DataSources(path, other, 0.1, seed=3)
@@ -241,18 +283,26 @@ def test_the_fingerprint_changes_with_any_example_and_their_order():
     examples = synthetic_examples(20, seed=0)
     assert fingerprint(examples) == fingerprint(synthetic_examples(20, seed=0))
     changed = [*examples[:-1], dict(examples[-1], question=examples[-1]["question"] + " ")]
-    assert len({fingerprint(examples), fingerprint(changed), fingerprint(examples[::-1]),
-                fingerprint(examples[:-1])}) == 4
+    assert (
+        len({fingerprint(examples), fingerprint(changed), fingerprint(examples[::-1]), fingerprint(examples[:-1])}) == 4
+    )
 
 
 def test_hotpot_conversion_joins_paragraph_sentences():
-    record = {"question": "Who?", "answer": "Ada",
-              "context": {"title": ["A", "B"], "sentences": [["Ada was born.", " She wrote."], ["Bo ran."]]}}
+    record = {
+        "question": "Who?",
+        "answer": "Ada",
+        "context": {"title": ["A", "B"], "sentences": [["Ada was born.", " She wrote."], ["Bo ran."]]},
+    }
     assert hotpot_to_squad(record) == {
-        "context": "Ada was born. She wrote.\nBo ran.", "question": "Who?", "answers": {"text": ["Ada"]}}
+        "context": "Ada was born. She wrote.\nBo ran.",
+        "question": "Who?",
+        "answers": {"text": ["Ada"]},
+    }
 
 
 # --- bad input ----------------------------------------------------------------------------
+
 
 def test_missing_file_names_the_path(tmp_path):
     path = str(tmp_path / "nope.jsonl")
@@ -275,6 +325,7 @@ def test_empty_text_file(tmp_path, name, text):
 
 def test_empty_parquet_file(tmp_path):
     import datasets
+
     path = str(tmp_path / "empty.parquet")
     datasets.Dataset.from_list(RECORDS).select([]).to_parquet(path)
     with pytest.raises(UserError, match="empty.parquet has no examples"):
@@ -296,14 +347,17 @@ def test_existing_file_of_another_type(tmp_path):
         load_examples(str(path), "train", 10, seed=0)
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"question": "q", "answers": {"text": ["a"]}}, "'context'"),
-    ({"context": "c", "answers": {"text": ["a"]}}, "'question'"),
-    ({"context": "c", "question": "q"}, "'answers.text'"),
-    ({"context": "c", "question": "q", "answers": {"answer_start": [0]}}, "'answers.text'"),
-    ({"context": "c", "question": "q", "answers": {"text": []}}, "'answers.text'"),
-    ({"context": "c", "question": "q", "answers": {"text": ["  "]}}, "'answers.text'"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"question": "q", "answers": {"text": ["a"]}}, "'context'"),
+        ({"context": "c", "answers": {"text": ["a"]}}, "'question'"),
+        ({"context": "c", "question": "q"}, "'answers.text'"),
+        ({"context": "c", "question": "q", "answers": {"answer_start": [0]}}, "'answers.text'"),
+        ({"context": "c", "question": "q", "answers": {"text": []}}, "'answers.text'"),
+        ({"context": "c", "question": "q", "answers": {"text": ["  "]}}, "'answers.text'"),
+    ],
+)
 def test_bad_record_names_field_and_file(tmp_path, bad, field):
     path = write_jsonl(tmp_path / "bad.jsonl", [bad])
     with pytest.raises(UserError, match=rf"bad\.jsonl.*{field}"):
@@ -319,6 +373,7 @@ def test_bad_record_in_nested_squad_names_field(tmp_path):
 
 
 # --- prompts and batches ------------------------------------------------------------------
+
 
 def test_prompt_dataset_items():
     ds = PromptDataset(RECORDS)
@@ -351,7 +406,7 @@ def test_collate_bytes_are_padded_to_a_multiple(tokenizers):
     assert batch["bytes"].shape == (5, -(-max(lengths) // 32) * 32)
     assert batch["byte_mask"].sum(1).tolist() == lengths
     assert (batch["bytes"][~batch["byte_mask"]] == PAD_BYTE).all()
-    assert bytes(batch["bytes"][0, :lengths[0]].tolist()) == ds[0]["prompt"]
+    assert bytes(batch["bytes"][0, : lengths[0]].tolist()) == ds[0]["prompt"]
     assert batch["index"].tolist() == [0, 1, 2, 3, 4]
 
 
@@ -371,7 +426,7 @@ def test_word_patches_start_every_word_at_a_patch_and_keep_its_bytes(tokenizers)
             end = next((j for j in starts if j > k), int(mask.nonzero().max()) + 1)
             word = bytes(ids[k:end][mask[k:end]].tolist())
             padded = round_up(end - k, 4)
-            patches.setdefault(word, set()).add(tuple(ids[k:k + padded].tolist()))
+            patches.setdefault(word, set()).add(tuple(ids[k : k + padded].tolist()))
     assert all(len(seen) == 1 for seen in patches.values())
     assert any(word.strip().isdigit() for word in patches)  # an age among them
 
@@ -418,8 +473,10 @@ def test_tokens_are_what_the_readers_read_without_the_padding(tokenizers):
     padding. target_tokens_per_s's: the answer tokens and the EOS."""
     examples, wire = synthetic_examples(6, seed=5), 7
     batch, _ = collate(tokenizers, examples)
-    answers = {name: [len(tok(answer_text(ex), add_special_tokens=False)["input_ids"]) for ex in examples]
-               for name, tok in tokenizers.items()}
+    answers = {
+        name: [len(tok(answer_text(ex), add_special_tokens=False)["input_ids"]) for ex in examples]
+        for name, tok in tokenizers.items()
+    }
     tails = {name: len(tok(ANCHOR, add_special_tokens=False)["input_ids"]) for name, tok in tokenizers.items()}
     by_hand = sum((name == "llama") + wire + tails[name] + n for name in tokenizers for n in answers[name])
     task = WireTask(dict.fromkeys(tokenizers), Objectives(), num_latents=wire)

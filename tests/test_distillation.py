@@ -1,6 +1,7 @@
 """Distillation targets computed once per example: the same terms as a teacher run in the step,
 independent of the teacher's batching, folded into top-k buckets alike on both sides, and rebuilt
 by a resumed run."""
+
 import pytest
 import torch
 
@@ -32,20 +33,36 @@ def test_a_step_with_cached_targets_equals_one_that_runs_its_teacher(llms, datas
             rows["kd_logprobs"] = softened(teacher, ALL_TERMS.kd_temperature)
     torch.manual_seed(0)
     model = WireEncoder.for_llms(WireConfig(8, 64, 64, 2, 4, 4, 0.0), llms)
-    assert torch.equal(forward_loss_sums(model, llms, cached, ALL_TERMS),
-                       forward_loss_sums(model, llms, in_step, ALL_TERMS))
+    assert torch.equal(
+        forward_loss_sums(model, llms, cached, ALL_TERMS), forward_loss_sums(model, llms, in_step, ALL_TERMS)
+    )
 
 
 def test_targets_do_not_depend_on_the_teacher_s_batch(llms, dataset):
     """Each example alone (no padding) and all in one left-padded batch: the same targets, to the
     rounding of fp32 attention over a different number of masked keys (the padding tests' bound)."""
     teacher = Collator.for_llms(llms, 512, 16, 32, teacher=True)
-    targets = {size: teacher_targets(llms, dataset, teacher, list(range(len(dataset))), k=3, temperature=2.0, top_k=64,
-                                     batch_size=size, device=CPU, rank=0, world=1) for size in (1, len(dataset))}
+    targets = {
+        size: teacher_targets(
+            llms,
+            dataset,
+            teacher,
+            list(range(len(dataset))),
+            k=3,
+            temperature=2.0,
+            top_k=64,
+            batch_size=size,
+            device=CPU,
+            rank=0,
+            world=1,
+        )
+        for size in (1, len(dataset))
+    }
     for name in llms:
         assert targets[1][name].ids is None  # a tiny reader's full rows fit: exact, no buckets
-        torch.testing.assert_close(targets[1][name].logprobs, targets[len(dataset)][name].logprobs,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            targets[1][name].logprobs, targets[len(dataset)][name].logprobs, rtol=1e-5, atol=1e-5
+        )
 
 
 def test_top_k_buckets_fold_the_student_as_the_teacher():

@@ -1,4 +1,5 @@
 """The process group every command runs in (`latentwire.harness.distributed.process_group`)."""
+
 import json
 import subprocess
 import sys
@@ -35,9 +36,16 @@ def test_ranks_leave_the_group_together(tmp_path):
     exits while a peer still uses the group can be aborted by gloo (seen in CI as SIGABRT)."""
     script = tmp_path / "leave.py"
     script.write_text(LEAVE.format(repo=str(REPO)))
-    ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                       str(script)], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                      timeout=300))
+    ok(
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+            cwd=tmp_path,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert ranks[0]["destroyed"] and ranks[1]["destroyed"]
     assert ranks[1]["left"] >= ranks[0]["body_end"]
@@ -89,8 +97,9 @@ def test_a_process_that_started_a_group_leaves_without_finalizing(tmp_path, grou
     script = tmp_path / "command.py"
     script.write_text(COMMAND.format(repo=str(REPO), group=group, bad=bad))
     env = child_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == (2 if bad else 0), proc.stderr
     assert proc.stdout == "done\n" and proc.stderr == ("error: bad input\n" if bad else "")
     assert (tmp_path / "finalized").exists() == (not group)
@@ -137,9 +146,31 @@ def test_a_run_s_ddp_model_is_gone_before_its_process_group(tmp_path):
     finishing a collective waits for the GIL (a two-rank bench run hung so until its timeout)."""
     script = tmp_path / "ddp_at_destroy.py"
     script.write_text(DDP_AT_DESTROY.format(repo=str(REPO), train=str(REPO / "train.py")))
-    proc = ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              str(script), *RUN, "--max-steps", "1", "--micro-batch-size", "2",
-                              "--out-dir", str(tmp_path / "run")], cwd=REPO, env=child_env(), capture_output=True,
-                             text=True, timeout=300))
+    proc = ok(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(script),
+                *RUN,
+                "--max-steps",
+                "1",
+                "--micro-batch-size",
+                "2",
+                "--out-dir",
+                str(tmp_path / "run"),
+            ],
+            cwd=REPO,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     assert sorted(line for line in proc.stdout.splitlines() if "alive at destroy" in line) == [
-        "rank 0: DDP models alive at destroy: 0", "rank 1: DDP models alive at destroy: 0"], proc.stdout
+        "rank 0: DDP models alive at destroy: 0",
+        "rank 1: DDP models alive at destroy: 0",
+    ], proc.stdout

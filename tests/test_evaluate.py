@@ -1,6 +1,7 @@
 """Evaluation: the SQuAD normaliser, generation with and without the KV cache, the wire NLL equal to
 the training loss, the command line (one-line errors, 1 vs 2 processes) and the periodic
 evaluation inside train.py."""
+
 import json
 
 import pytest
@@ -27,16 +28,20 @@ CPU = torch.device("cpu")
 
 # --- the SQuAD normaliser and metrics ---------------------------------------------------------
 
-@pytest.mark.parametrize("text, normal", [
-    ("Paris", "paris"),                              # case
-    ("The Eiffel Tower", "eiffel tower"),            # articles
-    ("a dog and an apple", "dog and apple"),
-    ("theatre another", "theatre another"),          # only whole-word articles
-    ("St. Louis, Missouri!", "st louis missouri"),   # punctuation
-    ("U.S.A.", "usa"),
-    ("  New \t York\n City ", "new york city"),      # whitespace
-    ("The, the. THE", ""),
-])
+
+@pytest.mark.parametrize(
+    "text, normal",
+    [
+        ("Paris", "paris"),  # case
+        ("The Eiffel Tower", "eiffel tower"),  # articles
+        ("a dog and an apple", "dog and apple"),
+        ("theatre another", "theatre another"),  # only whole-word articles
+        ("St. Louis, Missouri!", "st louis missouri"),  # punctuation
+        ("U.S.A.", "usa"),
+        ("  New \t York\n City ", "new york city"),  # whitespace
+        ("The, the. THE", ""),
+    ],
+)
 def test_normalize_answer(text, normal):
     assert normalize_answer(text) == normal
 
@@ -64,6 +69,7 @@ def test_several_gold_answers_take_the_best_of_each_metric():
 
 # --- in-process: the tiny LLMs and an untrained wire ------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def cfg():
     return load_config(["--profile", "cpu", "--dropout", "0"])
@@ -75,8 +81,13 @@ def wire_encoder(cfg, llms, seed=0):
 
 
 def collate(cfg, llms, examples):
-    collator = Collator.for_llms(llms, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple,
-                                 word_patch=cfg.wire.word_patch)  # training's collation, word patches included
+    collator = Collator.for_llms(
+        llms,
+        cfg.data.max_prompt_bytes,
+        cfg.data.max_answer_tokens,
+        cfg.data.pad_multiple,
+        word_patch=cfg.wire.word_patch,
+    )  # training's collation, word patches included
     dataset = PromptDataset(examples)
     return collator([dataset[i] for i in range(len(examples))])
 
@@ -95,8 +106,10 @@ def test_generation_with_and_without_kv_cache_gives_identical_tokens(cfg, random
     soft = wire_encoder(cfg, llms).eval()(batch["bytes"], batch["byte_mask"])
     for name, llm in llms.items():
         # The wire (no padding) and the text prompts (left-padded to different lengths).
-        for prompts in (gen.wire_prompts(llm, soft[name], batch["answers"][name]["lead_ids"]),
-                        gen.text_prompts(llm, examples, None)):
+        for prompts in (
+            gen.wire_prompts(llm, soft[name], batch["answers"][name]["lead_ids"]),
+            gen.text_prompts(llm, examples, None),
+        ):
             cached = gen.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=True)
             recomputed = gen.greedy_generate(llm, prompts, max_new_tokens=12, use_cache=False)
             assert cached == recomputed
@@ -146,19 +159,31 @@ def test_no_attention_query_of_an_evaluation_sees_no_key(cfg, llms, monkeypatch)
 def test_first_token_accuracy_is_the_readers_argmax_right_after_the_prompt(llms):
     examples = synthetic_examples(8, seed=8)
     for llm in llms.values():
-        answers = [llm.tokenizer(" " + ex["answers"]["text"][0], add_special_tokens=False)["input_ids"]
-                   for ex in examples]
+        answers = [
+            llm.tokenizer(" " + ex["answers"]["text"][0], add_special_tokens=False)["input_ids"] for ex in examples
+        ]
         _, _, hits = gen.continuation_nll(llm, gen.text_prompts(llm, examples, None), answers)
-        alone = [llm.model(input_ids=torch.tensor([gen.text_prompt_ids(llm, ex, None)])).logits[0, -1].argmax().item()
-                 for ex in examples]
+        alone = [
+            llm.model(input_ids=torch.tensor([gen.text_prompt_ids(llm, ex, None)])).logits[0, -1].argmax().item()
+            for ex in examples
+        ]
         assert hits == [first == answer[0] for first, answer in zip(alone, answers, strict=True)]
         assert any(hits)  # the tiny readers read, so this compares hits too, not only misses
 
 
 def test_the_wire_share_of_the_text_baseline():
-    m = {"em_wire_llama": 30.0, "em_text_llama": 60.0, "f1_wire_llama": 40.0, "f1_text_llama": 80.0,
-         "first_token_wire_llama": 45.0, "first_token_text_llama": 90.0,
-         "em_wire_joint": 10.0, "em_text_joint": 0.0, "f1_wire_joint": 5.0, "f1_text_joint": 10.0}
+    m = {
+        "em_wire_llama": 30.0,
+        "em_text_llama": 60.0,
+        "f1_wire_llama": 40.0,
+        "f1_text_llama": 80.0,
+        "first_token_wire_llama": 45.0,
+        "first_token_text_llama": 90.0,
+        "em_wire_joint": 10.0,
+        "em_text_joint": 0.0,
+        "f1_wire_joint": 5.0,
+        "f1_text_joint": 10.0,
+    }
     assert reporting.share_of_text(m, "llama") == {"em": 0.5, "f1": 0.5, "first_token": 0.5}
     # A text baseline of 0 has no share; joint picks whole answers and has no first token.
     assert reporting.share_of_text(m, "joint") == {"em": None, "f1": 0.5, "first_token": None}
@@ -172,7 +197,7 @@ def test_text_cut_keeps_the_first_m_prompt_tokens_and_the_anchor(llms):
         lead, tail = list(llm.contract.lead), list(llm.contract.tail)
         assert tail == llm.tokenizer("\nanswer:", add_special_tokens=False)["input_ids"]  # the default anchor
         assert len(cut) == len(lead) + 8 + len(tail) < len(full)
-        assert cut[:len(lead) + 8] == full[:len(lead) + 8] and cut[-len(tail):] == full[-len(tail):] == tail
+        assert cut[: len(lead) + 8] == full[: len(lead) + 8] and cut[-len(tail) :] == full[-len(tail) :] == tail
 
 
 def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
@@ -191,8 +216,7 @@ def test_wire_nll_is_exactly_the_training_loss(cfg, llms):
 
 
 def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
-    cfg = load_config(["--profile", "cpu", "--dropout", "0.5", "--micro-batch-size", "4",
-                       "--max-new-tokens", "3"])
+    cfg = load_config(["--profile", "cpu", "--dropout", "0.5", "--micro-batch-size", "4", "--max-new-tokens", "3"])
     model = wire_encoder(cfg, llms).train()
     examples = synthetic_examples(6, seed=9)
     settings = EvalSettings.of(cfg, text_baselines=False)
@@ -242,8 +266,10 @@ def test_joint_pick_takes_the_answer_both_llms_find_likeliest(cfg, llms):
 
 
 def test_chunks_are_dealt_so_every_world_size_computes_the_same_chunks():
-    chunks = {world: sorted((tuple(c) for rank in range(world) for c in ev.rank_chunks(23, 4, rank, world)))
-              for world in (1, 2, 3, 8)}
+    chunks = {
+        world: sorted((tuple(c) for rank in range(world) for c in ev.rank_chunks(23, 4, rank, world)))
+        for world in (1, 2, 3, 8)
+    }
     assert chunks[1] == [tuple(range(s, min(s + 4, 23))) for s in range(0, 23, 4)]
     assert chunks[2] == chunks[3] == chunks[8] == chunks[1]
 
@@ -263,6 +289,7 @@ def test_int8_wire_round_trip_is_within_half_a_step():
 
 # --- the command line -------------------------------------------------------------------------
 
+
 def write_checkpoint(path, meta="default", weights=b""):
     """A checkpoint directory with the given meta.json text and weights bytes."""
     ckpt = path / "checkpoints" / "step_00000001"
@@ -281,12 +308,15 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     assert_one_line_error(proc, "nope", "is not a directory")
 
 
-@pytest.mark.parametrize("meta, weights, fragment", [
-    (None, b"", "not a complete checkpoint: it has no meta.json"),
-    ("{not json", b"", "meta.json is not valid JSON"),
-    ('{"config": {"device": "cpu"}}', b"", "config: missing field 'description'"),
-    ("default", b"\x00garbage", "cannot read"),
-])
+@pytest.mark.parametrize(
+    "meta, weights, fragment",
+    [
+        (None, b"", "not a complete checkpoint: it has no meta.json"),
+        ("{not json", b"", "meta.json is not valid JSON"),
+        ('{"config": {"device": "cpu"}}', b"", "config: missing field 'description'"),
+        ("default", b"\x00garbage", "cannot read"),
+    ],
+)
 def test_bad_checkpoint_is_a_one_line_error(tmp_path, meta, weights, fragment):
     ckpt = write_checkpoint(tmp_path, meta, weights)
     proc = run_module("latentwire.evaluate", ["--ckpt", str(ckpt)])
@@ -296,6 +326,7 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, meta, weights, fragment):
 
 def test_weights_of_another_model_are_a_one_line_error(tmp_path, cfg, llms):
     from safetensors.torch import save_file
+
     state = {k: v.contiguous() for k, v in wire_encoder(cfg, llms).state_dict().items()}
     state["pooler.queries"] = torch.zeros(3, 64)  # a different M
     ckpt = write_checkpoint(tmp_path)
@@ -307,6 +338,7 @@ def test_weights_of_another_model_are_a_one_line_error(tmp_path, cfg, llms):
 
 
 # --- the default cpu-profile run -------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def default_run(default_cpu_run):
@@ -409,22 +441,60 @@ def test_train_logs_periodic_evaluation_equal_to_the_command(tmp_path):
     """`--eval-every`: sharded over 2 ranks inside training, logged to metrics.jsonl and TensorBoard,
     and the same numbers as `python -m latentwire.evaluate` on the final checkpoint."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = tmp_path / "run"
-    ok(run_train(["--profile", "cpu", "--num-examples", "256", "--num-workers", "0", "--max-steps", "4",
-                  "--micro-batch-size", "4", "--grad-accum-steps", "1", "--log-every", "1", "--eval-every", "2",
-                  "--eval-examples", "24", "--max-new-tokens", "4", "--out-dir", str(out)], nproc=2))
+    ok(
+        run_train(
+            [
+                "--profile",
+                "cpu",
+                "--num-examples",
+                "256",
+                "--num-workers",
+                "0",
+                "--max-steps",
+                "4",
+                "--micro-batch-size",
+                "4",
+                "--grad-accum-steps",
+                "1",
+                "--log-every",
+                "1",
+                "--eval-every",
+                "2",
+                "--eval-examples",
+                "24",
+                "--max-new-tokens",
+                "4",
+                "--out-dir",
+                str(out),
+            ],
+            nproc=2,
+        )
+    )
     logged = {r["step"]: r for r in read_metrics(out)}
     assert [s for s, r in logged.items() if "eval_nll_wire_llama" in r] == [2, 4]
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
     assert [s.step for s in events.Scalars("eval_nll_wire_qwen")] == [2, 4]
 
-    args = ["--ckpt", str(out), "--eval-examples", "24", "--batch-size", "4", "--max-new-tokens", "4",
-            "--out-dir", str(tmp_path)]
+    args = [
+        "--ckpt",
+        str(out),
+        "--eval-examples",
+        "24",
+        "--batch-size",
+        "4",
+        "--max-new-tokens",
+        "4",
+        "--out-dir",
+        str(tmp_path),
+    ]
     ok(run_module("latentwire.evaluate", args))
     report = json.loads(next(tmp_path.glob("*.json")).read_text())
-    assert {f"eval_{k}": v for k, v in report["metrics"].items() if f"eval_{k}" in logged[4]} == \
-        pytest.approx({k: v for k, v in logged[4].items() if k.startswith("eval_")}, rel=1e-6)
+    assert {f"eval_{k}": v for k, v in report["metrics"].items() if f"eval_{k}" in logged[4]} == pytest.approx(
+        {k: v for k, v in logged[4].items() if k.startswith("eval_")}, rel=1e-6
+    )
     # 5 wire inputs x 2 LLMs x (NLL, first token) + EM/F1 x 3
     assert sum(k.startswith("eval_") for k in logged[4]) == 26
 

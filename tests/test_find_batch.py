@@ -1,5 +1,6 @@
 """find_batch: the search, the measured CPU probe against a cap, out-of-memory handling, agreement
 across ranks, and the command line."""
+
 import gc
 import json
 
@@ -41,7 +42,7 @@ def test_search_stops_growing_at_the_limit_and_reports_nothing_fits():
 def test_search_finds_the_true_limit_against_the_measured_cpu_probe(llms):
     """The cap sits between the measured peaks of micro-batches 5 and 6: the limit is 5."""
     cfg = load_config(["--profile", "cpu", *SMALL])
-    uncapped = Probe(cfg, llms, STEP, CPU, steps=3, cap_bytes=2 ** 62)
+    uncapped = Probe(cfg, llms, STEP, CPU, steps=3, cap_bytes=2**62)
     peak5, peak6 = uncapped(5)[0], uncapped(6)[0]
     assert peak5 < peak6
     probe = Probe(cfg, llms, STEP, CPU, steps=3, cap_bytes=(peak5 + peak6) // 2)
@@ -57,8 +58,8 @@ def test_search_finds_the_true_limit_against_the_measured_cpu_probe(llms):
 
 def test_a_real_allocation_failure_is_caught_freed_and_the_search_goes_on(llms):
     cfg = load_config(["--profile", "cpu", *SMALL])
-    probe = Probe(cfg, llms, STEP, CPU, steps=1, cap_bytes=2 ** 62)
-    huge = run_trial(probe, 2 ** 40, CPU)  # the model is built, then the CPU allocator refuses 2^40 prompts
+    probe = Probe(cfg, llms, STEP, CPU, steps=1, cap_bytes=2**62)
+    huge = run_trial(probe, 2**40, CPU)  # the model is built, then the CPU allocator refuses 2^40 prompts
     assert not huge.fits and "can't allocate memory" in huge.error and huge.peak_allocated is None
     assert not [o for o in gc.get_objects() if type(o) is WireEncoder]  # the failed trial's model is gone
     after = run_trial(probe, 2, CPU)
@@ -90,9 +91,13 @@ def test_ranks_agree_that_a_trial_fits_only_if_it_fits_everywhere(tmp_path):
 def test_find_batch_command_writes_json_and_a_tensorboard_plot(tmp_path):
     out = tmp_path / "run"
     # The cpu profile at these sizes holds about 8 MiB and 2 MiB per sample: a cap that fits a few.
-    proc = ok(run_module("latentwire.find_batch", ["--profile", "cpu", *SMALL, "--cap-gb", "0.015",
-                                                    "--micro-batch-size", "2", "--out-dir", str(out)],
-                         elsewhere=tmp_path))  # train.py's step read from the checkout, from any directory
+    proc = ok(
+        run_module(
+            "latentwire.find_batch",
+            ["--profile", "cpu", *SMALL, "--cap-gb", "0.015", "--micro-batch-size", "2", "--out-dir", str(out)],
+            elsewhere=tmp_path,
+        )
+    )  # train.py's step read from the checkout, from any directory
     result = json.loads((out / "find_batch.json").read_text())
     trials = result["trials"]
     best = result["max_micro_batch"]

@@ -1,4 +1,5 @@
 """The analytic FLOP count that MFU uses, against torch.utils.flop_counter.FlopCounterMode."""
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -49,8 +50,10 @@ def test_cpu_attention_is_counted(setup):
     with FlopCounterMode(display=False) as counter:
         forward_loss_sums(model, llms, batch, Objectives()).sum().backward()
     ops = {str(op) for op in counter.get_flop_counts()["Global"]}
-    assert {"aten._scaled_dot_product_flash_attention_for_cpu",
-            "aten._scaled_dot_product_flash_attention_for_cpu_backward"} <= ops
+    assert {
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+    } <= ops
 
 
 def test_frozen_llms_cost_no_weight_gradients(setup):
@@ -66,6 +69,7 @@ def test_frozen_llms_cost_no_weight_gradients(setup):
     finally:
         layers.requires_grad_(False)
     from latentwire.flops import linear_params
+
     positions = batch["bytes"].shape[0] * (cfg.wire.num_latents + batch["answers"]["qwen"]["input_ids"].shape[1])
     assert unfrozen - frozen == pytest.approx(2 * linear_params(layers) * positions, rel=0.01)
 
@@ -92,13 +96,16 @@ def test_hardware_flops_count_the_recompute_of_checkpointed_layers(setup, tiny_r
 def alone(batch: dict, i: int) -> dict:
     """Row i of a batch by itself, cut where it ends: no padding anywhere, the head at its labels."""
     real = int(batch["byte_mask"][i].sum())
-    row = {"bytes": batch["bytes"][i:i + 1, :real], "byte_mask": batch["byte_mask"][i:i + 1, :real], "answers": {}}
+    row = {"bytes": batch["bytes"][i : i + 1, :real], "byte_mask": batch["byte_mask"][i : i + 1, :real], "answers": {}}
     for name, rows in batch["answers"].items():
-        inputs = int(input_lengths(rows["labels"][i:i + 1]))
-        labels = rows["labels"][i:i + 1, :inputs + 1]
-        row["answers"][name] = {"lead_ids": rows["lead_ids"][i:i + 1], "input_ids": rows["input_ids"][i:i + 1, :inputs],
-                                "labels": labels,
-                                "label_positions": torch.stack((labels != IGNORE_INDEX).nonzero(as_tuple=True))}
+        inputs = int(input_lengths(rows["labels"][i : i + 1]))
+        labels = rows["labels"][i : i + 1, : inputs + 1]
+        row["answers"][name] = {
+            "lead_ids": rows["lead_ids"][i : i + 1],
+            "input_ids": rows["input_ids"][i : i + 1, :inputs],
+            "labels": labels,
+            "label_positions": torch.stack((labels != IGNORE_INDEX).nonzero(as_tuple=True)),
+        }
     return row
 
 

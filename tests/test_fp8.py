@@ -2,6 +2,7 @@
 torch._scaled_mm emulates float8: where it is refused, what converts and what it holds, which
 scales its GEMMs take, that a compiled backward runs one GEMM per frozen float8 linear, its
 numerics against bf16 on the tiny readers, and train.py with it."""
+
 import copy
 import json
 import sys
@@ -67,8 +68,7 @@ def held_change(recipe: str, in_features: int, out_features: int) -> int:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_each_frozen_weight_is_cast_once_per_gemm_and_computes_as_torchao_s_recipe(torchao_site, recipe,
-                                                                                   monkeypatch):
+def test_each_frozen_weight_is_cast_once_per_gemm_and_computes_as_torchao_s_recipe(torchao_site, recipe, monkeypatch):
     """The decoder layers' aligned linears convert, nothing else; each holds its weight in e4m3,
     cast once for each GEMM that reads it (tensorwise: one cast for both; rowwise: one per output
     channel, one per input channel), in the bytes and the weights the plan counts, and computes,
@@ -90,8 +90,10 @@ def test_each_frozen_weight_is_cast_once_per_gemm_and_computes_as_torchao_s_reci
     counts = {name: parameter_count(llm.model) for name, llm in llms.items()}
     first = decoder_layers(llms["qwen"])[0].self_attn.q_proj
     per_step = Float8Linear.from_float(copy.deepcopy(first), config)  # the weight cast at every call
-    converted = {name: [(linear.in_features, linear.out_features) for _, _, linear in fp8_linears(llm)]
-                 for name, llm in llms.items()}
+    converted = {
+        name: [(linear.in_features, linear.out_features) for _, _, linear in fp8_linears(llm)]
+        for name, llm in llms.items()
+    }
     for llm in llms.values():
         convert_frozen_linears(llm, recipe)
     casts_per_linear = 1 if recipe == "tensorwise" else 2
@@ -122,9 +124,16 @@ def test_each_frozen_weight_is_cast_once_per_gemm_and_computes_as_torchao_s_reci
     if recipe == "tensorwise":
         assert all(scale.numel() == 1 for scale in (forward_a, forward_b, input_grad_a, input_grad_b))
     else:
+
         def per_channel(axis):  # the recipe's scale of each output (axis -1) or input (axis 0) channel
-            return tensor_to_scale(first.weight, torch.float8_e4m3fn, scaling_granularity=ScalingGranularity.AXISWISE,
-                                   axiswise_dim=axis, round_scales_to_power_of_2=True)
+            return tensor_to_scale(
+                first.weight,
+                torch.float8_e4m3fn,
+                scaling_granularity=ScalingGranularity.AXISWISE,
+                axiswise_dim=axis,
+                round_scales_to_power_of_2=True,
+            )
+
         assert forward_a.shape == input_grad_a.shape == (8, 1)  # a scale per token, of x and of the gradient
         assert torch.equal(forward_b, per_channel(-1).t()) and torch.equal(input_grad_b, per_channel(0))
         assert forward_b.unique().numel() > 1 and input_grad_b.unique().numel() > 1
@@ -136,8 +145,10 @@ def test_each_frozen_weight_is_cast_once_per_gemm_and_computes_as_torchao_s_reci
 def count_gemms(graphs) -> tuple[int, int]:
     """(float8 GEMMs, other GEMMs) in FX graphs."""
     targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
-    return (sum(t == "aten._scaled_mm.default" for t in targets),
-            sum(t in ("aten.mm.default", "aten.bmm.default", "aten.addmm.default") for t in targets))
+    return (
+        sum(t == "aten._scaled_mm.default" for t in targets),
+        sum(t in ("aten.mm.default", "aten.bmm.default", "aten.addmm.default") for t in targets),
+    )
 
 
 @pytest.fixture
@@ -164,6 +175,7 @@ def test_a_compiled_backward_runs_one_gemm_per_frozen_float8_linear(torchao_site
         def compiler(graph, inputs):
             captured[kind].append(graph)
             return make_boxed_func(graph.forward)
+
         return compiler
 
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
@@ -205,10 +217,15 @@ def test_fp8_against_bf16_on_the_tiny_readers(torchao_site, recipe):
 
     cfg = load_config(["--profile", "cpu", "--precision", "bf16", "--dropout", "0", "--kd-weight", "0"])
     result = compare(cfg, CPU, recipe)
-    assert len(result.forward_errors) == len(result.input_grad_errors) == sum(
-        CONVERTED_PER_LAYER[n] * min(LAYERS[n], 2) for n in LAYERS)
-    for errors, eps in ((result.forward_errors, result.bounds.forward),
-                        (result.input_grad_errors, result.bounds.backward)):
+    assert (
+        len(result.forward_errors)
+        == len(result.input_grad_errors)
+        == sum(CONVERTED_PER_LAYER[n] * min(LAYERS[n], 2) for n in LAYERS)
+    )
+    for errors, eps in (
+        (result.forward_errors, result.bounds.forward),
+        (result.input_grad_errors, result.bounds.backward),
+    ):
         low, high = Bounds.gemm_range(eps)
         assert all(low <= error <= high for error in errors.values()), (eps, errors)
     assert result.gemms_in_series == {"llama": 2 * 2, "qwen": 3 * 4}  # the Llama's MLP stays bf16
@@ -225,13 +242,42 @@ def test_train_py_runs_compiled_with_fp8_readers(tmp_path, torchao_site):
     (eager, no_grad, a KV cache, through the same float8 linears), the opening line saying what
     converted and that MFU stays against the bf16 peak, and meta.json recording it."""
     out = tmp_path / "fp8"
-    proc = ok(run_train(["--profile", "cpu", *FAST, "--precision", "bf16", "--compile", "true",
-                         "--frozen-fp8", "rowwise", "--max-steps", "2", "--micro-batch-size", "4", "--eval-every", "2",
-                         "--eval-examples", "8", "--max-new-tokens", "4", "--compile-cache", str(tmp_path / "cache"),
-                         "--out-dir", str(out)],
-                        PYTHONPATH=torchao_site, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1"))
-    assert ("fp8: 8 of llama's 14, 21 of qwen's 21 decoder-layer linears in float8 (torchao, rowwise" in proc.stdout
-            and "emulated by the CPU" in proc.stdout and "MFU stays counted against the bf16 peak" in proc.stdout)
+    proc = ok(
+        run_train(
+            [
+                "--profile",
+                "cpu",
+                *FAST,
+                "--precision",
+                "bf16",
+                "--compile",
+                "true",
+                "--frozen-fp8",
+                "rowwise",
+                "--max-steps",
+                "2",
+                "--micro-batch-size",
+                "4",
+                "--eval-every",
+                "2",
+                "--eval-examples",
+                "8",
+                "--max-new-tokens",
+                "4",
+                "--compile-cache",
+                str(tmp_path / "cache"),
+                "--out-dir",
+                str(out),
+            ],
+            PYTHONPATH=torchao_site,
+            TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
+        )
+    )
+    assert (
+        "fp8: 8 of llama's 14, 21 of qwen's 21 decoder-layer linears in float8 (torchao, rowwise" in proc.stdout
+        and "emulated by the CPU" in proc.stdout
+        and "MFU stays counted against the bf16 peak" in proc.stdout
+    )
     assert not any(noise in proc.stderr for noise in ("Failed to load", "Skipping import", "Enum subclass"))
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2] and all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)

@@ -1,6 +1,7 @@
 """The GPU path's choices, each taken on CPU with the inputs a GPU would give it (capability,
 dtype, device type): TF32, attention kernels, MFU peaks, memory windows, host syncs per step,
 frozen-LLM loading straight onto the device, and the memory a GPU-sized embedding table costs."""
+
 import json
 from pathlib import Path
 
@@ -11,10 +12,11 @@ from conftest import FAST, SMALL_LLAMA, assert_one_line_error, ok, read_metrics,
 from latentwire.harness.errors import UserError
 
 CPU = torch.device("cpu")
-MiB = 2 ** 20
+MiB = 2**20
 
 
 # --- TF32 -------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def restore_matmul_precision():
@@ -42,6 +44,7 @@ def test_tf32_only_where_asked_and_the_card_has_it():
 
 # --- attention kernels --------------------------------------------------------------------------
 
+
 def test_attention_kernels_follow_the_card_and_the_dtype():
     from torch.nn.attention import SDPBackend
 
@@ -61,9 +64,13 @@ def test_attention_kernels_follow_the_card_and_the_dtype():
         assert f"sm{capability[0]}{capability[1]}" in why and "math" in why
 
 
-@pytest.mark.parametrize("flags, width", [
-    (["--encoder-dim", "96", "--encoder-heads", "8"], "encoder_dim / encoder_heads = 12"),
-    (["--d-z", "200"], "d_z / encoder_heads = 25")])
+@pytest.mark.parametrize(
+    "flags, width",
+    [
+        (["--encoder-dim", "96", "--encoder-heads", "8"], "encoder_dim / encoder_heads = 12"),
+        (["--d-z", "200"], "d_z / encoder_heads = 25"),
+    ],
+)
 def test_head_widths_no_fused_kernel_takes_are_refused_on_cuda_only(flags, width):
     """The encoder's and pooler's masked attention has only the memory-efficient kernel on an sm80+
     card in bf16 (flash takes no mask, math is not allowed), and it needs widths % 8 == 0: refused
@@ -150,8 +157,9 @@ def test_process_group_and_profiler_options_follow_the_device_type():
     gpu = torch.device("cuda", 3)
     assert group_options(gpu, 300) == {"backend": "nccl", "timeout": datetime.timedelta(seconds=300), "device_id": gpu}
     assert group_options(CPU, 60) == {"backend": "gloo", "timeout": datetime.timedelta(seconds=60), "device_id": None}
-    config = ProfilerConfig(enabled=True, wait=1, warmup=1, active=2, shapes=True, memory=False, stacks=False,
-                            memory_snapshot=False)
+    config = ProfilerConfig(
+        enabled=True, wait=1, warmup=1, active=2, shapes=True, memory=False, stacks=False, memory_snapshot=False
+    )
     assert profiler_options(config, Path("out"), 0, gpu)["activities"] == [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     assert profiler_options(config, Path("out"), 0, CPU)["activities"] == [ProfilerActivity.CPU]
 
@@ -209,13 +217,18 @@ def test_cpu_keeps_every_kernel():
 
     backends, why = sdpa_backends(None, torch.float32)
     assert why is None
-    assert {SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-            SDPBackend.MATH} <= set(backends)
+    assert {
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    } <= set(backends)
     with sdpa_kernel(backends):
         pass
 
 
 # --- MFU peak ---------------------------------------------------------------------------------
+
 
 def test_mfu_peak_follows_the_arithmetic_in_use():
     from latentwire.harness.precision import matmul_arithmetic
@@ -238,6 +251,7 @@ def test_mfu_peak_follows_the_arithmetic_in_use():
 
 # --- memory per window ------------------------------------------------------------------------
 
+
 def test_peak_memory_is_per_window_and_the_run_peak_is_kept():
     from latentwire.harness.meters import MemoryMeter
 
@@ -256,8 +270,13 @@ def test_peak_memory_is_per_window_and_the_run_peak_is_kept():
 def test_cuda_window_resets_the_allocator_peak(monkeypatch):
     from latentwire.harness.meters import GIB, MemoryMeter
 
-    stats = {"allocated_bytes.all.current": GIB, "allocated_bytes.all.peak": 5 * GIB,
-             "reserved_bytes.all.current": 2 * GIB, "reserved_bytes.all.peak": 6 * GIB, "num_alloc_retries": 1}
+    stats = {
+        "allocated_bytes.all.current": GIB,
+        "allocated_bytes.all.peak": 5 * GIB,
+        "reserved_bytes.all.current": 2 * GIB,
+        "reserved_bytes.all.peak": 6 * GIB,
+        "num_alloc_retries": 1,
+    }
 
     def reset(device):
         stats["allocated_bytes.all.peak"] = stats["allocated_bytes.all.current"]
@@ -265,8 +284,14 @@ def test_cuda_window_resets_the_allocator_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: dict(stats))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
     meter = MemoryMeter(torch.device("cuda", 0))  # starts a window: load-time peaks count for the run only
-    assert meter.read() == {"mem_gb": 1.0, "peak_mem_gb": 1.0, "run_peak_mem_gb": 5.0, "reserved_gb": 2.0,
-                            "peak_reserved_gb": 6.0, "alloc_retries": 0}
+    assert meter.read() == {
+        "mem_gb": 1.0,
+        "peak_mem_gb": 1.0,
+        "run_peak_mem_gb": 5.0,
+        "reserved_gb": 2.0,
+        "peak_reserved_gb": 6.0,
+        "alloc_retries": 0,
+    }
     stats["num_alloc_retries"] = 4  # the allocator's count is the process's: 3 in this window
     assert meter.read()["alloc_retries"] == 3
     meter.start_window()
@@ -299,12 +324,28 @@ def test_a_bigger_card_is_held_to_the_profiles_memory_less_what_is_outside_the_a
 
 # --- host syncs per step ----------------------------------------------------------------------
 
+
 def host_reads(tmp_path, steps: int) -> int:
     import train
     from latentwire.harness.host_syncs import HostReads
 
-    args = ["--profile", "cpu", *FAST, "--log-every", "1000", "--micro-batch-size", "2", "--grad-accum-steps", "2",
-            "--kd-weight", "0", "--max-steps", str(steps), "--out-dir", str(tmp_path / f"steps{steps}")]
+    args = [
+        "--profile",
+        "cpu",
+        *FAST,
+        "--log-every",
+        "1000",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum-steps",
+        "2",
+        "--kd-weight",
+        "0",
+        "--max-steps",
+        str(steps),
+        "--out-dir",
+        str(tmp_path / f"steps{steps}"),
+    ]
     with HostReads() as reads:
         train.main(args)
     return reads.count
@@ -319,6 +360,7 @@ def test_one_host_sync_per_step(tmp_path):
 
 
 # --- frozen LLMs ------------------------------------------------------------------------------
+
 
 def test_embed_rms_needs_no_fp32_copy_of_the_table():
     """A v100 holds 29 GiB of bf16 weights in 32 GiB: an fp32 copy of Qwen2.5-7B's table (2 GiB, and
@@ -369,6 +411,7 @@ def test_a_checkpoint_missing_a_tensor_is_a_user_error(saved_reader, tmp_path):
 
 # --- random: LLMs -----------------------------------------------------------------------------
 
+
 def test_random_llm_is_the_configured_architecture_seeded_and_planned_alike(tmp_path):
     from latentwire.llm import load_frozen_llm
     from latentwire.llm_sources import llm_spec
@@ -399,10 +442,13 @@ def test_tied_embeddings_stay_one_tensor_after_loading(tmp_path):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-@pytest.mark.parametrize("source, message", [
-    ("random:nobody/Nothing-1B", "name a config.json, a model directory or one of"),
-    ("random:/no/such/config.json", "cannot read /no/such/config.json"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("random:nobody/Nothing-1B", "name a config.json, a model directory or one of"),
+        ("random:/no/such/config.json", "cannot read /no/such/config.json"),
+    ],
+)
 def test_a_bad_random_source_is_one_line(tmp_path, source, message):
     proc = run_train(["--profile", "cpu", "--llama", source, "--out-dir", str(tmp_path / "run")])
     assert_one_line_error(proc, message)
@@ -414,8 +460,23 @@ def test_train_runs_with_a_random_llm_from_a_config_file(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(SMALL_LLAMA))
     out = tmp_path / "run"
-    ok(run_train(["--profile", "cpu", *FAST, "--llama", f"random:{config}", "--max-steps", "3",
-                  "--micro-batch-size", "4", "--out-dir", str(out)]))
+    ok(
+        run_train(
+            [
+                "--profile",
+                "cpu",
+                *FAST,
+                "--llama",
+                f"random:{config}",
+                "--max-steps",
+                "3",
+                "--micro-batch-size",
+                "4",
+                "--out-dir",
+                str(out),
+            ]
+        )
+    )
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] > 0 for r in records)
@@ -439,15 +500,17 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     from latentwire.planner.step import run_step, script_step
     from latentwire.settings import load_config
 
-    cfg = load_config(["--profile", "cpu", "--precision", "fp32", "--dropout", "0", "--kd-weight", "0",
-                       "--max-prompt-bytes", "64"])
+    cfg = load_config(
+        ["--profile", "cpu", "--precision", "fp32", "--dropout", "0", "--kd-weight", "0", "--max-prompt-bytes", "64"]
+    )
     grads = []
     for recompute in ("none", "full"):
         llms = frozen_llms(cfg.frozen, cfg.prompt, "fp32", CPU, checkpointing=checkpoint_options(recompute))
         torch.manual_seed(0)
         model = WireEncoder.for_llms(cfg.wire, llms)
-        answers = {n: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size)
-                   for n, llm in llms.items()}
+        answers = {
+            n: (len(llm.contract.lead), len(llm.contract.tail), llm.model.config.vocab_size) for n, llm in llms.items()
+        }
         batch = planning_batch(cfg.data, cfg.objectives, answers, 2, CPU, cfg.wire.word_patch)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the step's gradients, kept by zero_grad below
         optimizer.zero_grad = lambda set_to_none=True: None

@@ -2,6 +2,7 @@
 TYPE_CHECKING): no module reaches itself again through its imports, and the arrows run one way,
 from the entry points (train.py and the `python -m` commands) through the tools (the memory
 planner, the evaluation) to the library, never back; and the harness under it all stands alone."""
+
 import ast
 import re
 import shutil
@@ -15,8 +16,14 @@ from conftest import REPO, child_env, ok
 
 # What users run: each may import anything below it but another entry point (the commands read
 # train.py's step by its path: latentwire.planner.step.script_step).
-ENTRY_POINTS = {"train", "latentwire.evaluate", "latentwire.plan", "latentwire.find_batch", "latentwire.readers",
-                "latentwire.harness.launch"}
+ENTRY_POINTS = {
+    "train",
+    "latentwire.evaluate",
+    "latentwire.plan",
+    "latentwire.find_batch",
+    "latentwire.readers",
+    "latentwire.harness.launch",
+}
 # Above the library: the tools train.py and the commands use, and LatentWire's recipe (what train.py
 # asks of the model), which uses the evaluation. The library never imports them.
 TOOL_PACKAGES = ("latentwire.planner", "latentwire.eval", "latentwire.recipe")
@@ -43,7 +50,7 @@ def imported(name: str, path: Path, known: set[str]) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module
@@ -76,8 +83,9 @@ def test_the_graph_is_read_from_every_kind_of_import():
 def test_train_py_reaches_the_model_through_its_recipe_alone():
     """Besides the harness, train.py imports the recipe alone: the one name a copy of the loop
     changes (docs/loop.md, "Lifting the loop")."""
-    project = {m for m in import_graph()["train"]
-               if m.startswith("latentwire.") and not m.startswith("latentwire.harness")}
+    project = {
+        m for m in import_graph()["train"] if m.startswith("latentwire.") and not m.startswith("latentwire.harness")
+    }
     assert project == {"latentwire.recipe"}
 
 
@@ -87,7 +95,7 @@ def test_no_module_imports_itself_round_a_circle():
     def visit(node, path):
         for nxt in sorted(graph[node]):
             if nxt in path:
-                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+                circles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
             elif nxt not in done:
                 visit(nxt, path + [nxt])
         done.add(node)
@@ -115,8 +123,11 @@ def test_the_library_imports_no_tool_and_no_tool_an_entry_point():
 
 HARNESS = REPO / "latentwire" / "harness"
 # Words for what the harness must not know of: LatentWire's parts.
-PROJECT_WORDS = re.compile(r"\b(llms?|llama|qwen|latentwire|wire|latents?|adapters?|readers?|prompts?|teacher|"
-                           r"encoder|soft tokens?)\b", re.IGNORECASE)
+PROJECT_WORDS = re.compile(
+    r"\b(llms?|llama|qwen|latentwire|wire|latents?|adapters?|readers?|prompts?|teacher|"
+    r"encoder|soft tokens?)\b",
+    re.IGNORECASE,
+)
 
 
 def harness_files() -> list[Path]:
@@ -132,8 +143,13 @@ def test_the_harness_imports_nothing_of_the_project():
             continue
         depth = len(path.relative_to(HARNESS).parts)  # 1 for harness/x.py: `from .` is as far as it may go
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             if isinstance(node, ast.ImportFrom) and node.level > depth:
                 wrong.append(f"{path.name}: from {'.' * node.level}{node.module or ''}")
             wrong += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("latentwire", "train", "bench")]
@@ -141,8 +157,12 @@ def test_the_harness_imports_nothing_of_the_project():
 
 
 def test_the_harness_names_no_part_of_latentwire():
-    said = [f"{p.relative_to(HARNESS)}:{i}: {m.group(0)}" for p in harness_files()
-            for i, line in enumerate(p.read_text().splitlines(), 1) for m in PROJECT_WORDS.finditer(line)]
+    said = [
+        f"{p.relative_to(HARNESS)}:{i}: {m.group(0)}"
+        for p in harness_files()
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        for m in PROJECT_WORDS.finditer(line)
+    ]
     assert not said, said
 
 
@@ -154,6 +174,14 @@ def test_the_harness_copied_alone_runs_its_own_tests(tmp_path):
     project can be imported."""
     shutil.copytree(HARNESS, tmp_path / "harness", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
-    proc = ok(subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "harness/tests"],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600))
+    proc = ok(
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "harness/tests"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    )
     assert re.search(r"\b\d+ passed", proc.stdout) and "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -1,6 +1,7 @@
 """launch.sh: the CPU run, the SLURM path (with stand-ins for srun and scontrol), two nodes without
 SLURM (on this machine, and across a network namespace), bad input, the run's own exit code,
 preemption."""
+
 import json
 import os
 import select
@@ -32,13 +33,25 @@ from latentwire.harness.checkpoint import list_checkpoints
 
 
 def launch(args, tmp_path, **env):
-    return subprocess.run([str(REPO / "launch.sh"), *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env=child_env(PYTHON=sys.executable, **env))
+    return subprocess.run(
+        [str(REPO / "launch.sh"), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=child_env(PYTHON=sys.executable, **env),
+    )
 
 
 def popen_launch(args, tmp_path, **env):
-    return subprocess.Popen([str(REPO / "launch.sh"), *args], cwd=tmp_path, env=child_env(PYTHON=sys.executable, **env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [str(REPO / "launch.sh"), *args],
+        cwd=tmp_path,
+        env=child_env(PYTHON=sys.executable, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def fake_slurm_bin(tmp_path):
@@ -46,8 +59,10 @@ def fake_slurm_bin(tmp_path):
     names this machine as the allocation's first node."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "$@" > "$(dirname "$0")/srun.args"\n'
-                                  'while [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "srun").write_text(
+        '#!/usr/bin/env bash\necho "$@" > "$(dirname "$0")/srun.args"\n'
+        'while [[ "$1" == --* ]]; do shift; done\nexec "$@"\n'
+    )
     (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
@@ -57,8 +72,11 @@ def fake_slurm_bin(tmp_path):
 @pytest.mark.slow
 def test_cpu_launch_runs_two_gloo_processes(tmp_path):
     out = tmp_path / "run"
-    proc = ok(launch(["--profile", "cpu", *FAST, "--max-steps", "2", "--micro-batch-size", "2",
-                      "--out-dir", str(out)], tmp_path))
+    proc = ok(
+        launch(
+            ["--profile", "cpu", *FAST, "--max-steps", "2", "--micro-batch-size", "2", "--out-dir", str(out)], tmp_path
+        )
+    )
     assert "1 node x 2 process(es) (cpu)" in proc.stdout
     assert "2 x cpu" in proc.stdout  # train.py saw a world of two
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
@@ -68,9 +86,17 @@ def test_cpu_launch_runs_two_gloo_processes(tmp_path):
 def test_slurm_path_runs_one_torchrun_per_node_with_c10d_rendezvous(tmp_path):
     bin_dir = fake_slurm_bin(tmp_path)
     out = tmp_path / "run"
-    proc = ok(launch(["--profile", "cpu", *FAST, "--max-steps", "1", "--micro-batch-size", "2",
-                      "--out-dir", str(out)], tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}",
-                     SLURM_JOB_ID="4242", SLURM_NNODES="1", SLURM_JOB_NODELIST="node[1-2]", MASTER_PORT="29731"))
+    proc = ok(
+        launch(
+            ["--profile", "cpu", *FAST, "--max-steps", "1", "--micro-batch-size", "2", "--out-dir", str(out)],
+            tmp_path,
+            PATH=f"{bin_dir}:{os.environ['PATH']}",
+            SLURM_JOB_ID="4242",
+            SLURM_NNODES="1",
+            SLURM_JOB_NODELIST="node[1-2]",
+            MASTER_PORT="29731",
+        )
+    )
     srun_args = (bin_dir / "srun.args").read_text()
     assert "--ntasks-per-node=1" in srun_args and "--rdzv_backend=c10d" in srun_args
     assert "--rdzv_endpoint=127.0.0.1:29731" in srun_args and "--rdzv_id=4242" in srun_args
@@ -118,14 +144,21 @@ def test_slurm_preemption_saves_requeues_and_the_requeued_job_resumes(tmp_path):
     signalled torchrun kills ranks still saving after its shutdown timeout (30 s, fixed before torch
     2.13; here 1 s, shorter than the slowed save)."""
     bin_dir = fake_slurm_bin(tmp_path)
-    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\nif [[ "$1" == requeue ]]; then echo "$@" > '
-                                      '"$(dirname "$0")/requeued"; else echo 127.0.0.1; fi\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/usr/bin/env bash\nif [[ "$1" == requeue ]]; then echo "$@" > '
+        '"$(dirname "$0")/requeued"; else echo 127.0.0.1; fi\n'
+    )
     (tmp_path / "slow").mkdir()
     (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_SAVE)
     out = tmp_path / "run"
     args = ["--profile", "cpu", *FAST, "--max-steps", "40", "--micro-batch-size", "2", "--out-dir", str(out)]
-    env = dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_NNODES="1",
-               SLURM_JOB_NODELIST="node1", MASTER_PORT="29732")
+    env = dict(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_JOB_ID="77",
+        SLURM_NNODES="1",
+        SLURM_JOB_NODELIST="node1",
+        MASTER_PORT="29732",
+    )
     job = popen_launch(args, tmp_path, PYTHONPATH=str(tmp_path / "slow"), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="1", **env)
     wait_for_step(out, 3, job)
     job.send_signal(signal.SIGUSR1)  # SLURM's warning before the time limit (--signal=B:USR1@120)
@@ -145,10 +178,21 @@ def test_a_job_requeued_before_its_first_save_starts_the_run(tmp_path):
     """Preempted before it saved anything (while its LLMs loaded, at a rendezvous), the requeued
     job has no checkpoint to resume from: it starts the run, and says so (it was refused, exit 2)."""
     bin_dir, out = fake_slurm_bin(tmp_path), tmp_path / "run"
-    env = dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="78", SLURM_NNODES="1",
-               SLURM_JOB_NODELIST="node1", MASTER_PORT=str(free_port()), SLURM_RESTART_COUNT="1")
-    proc = ok(launch(["--profile", "cpu", *FAST, "--max-steps", "2", "--micro-batch-size", "2", "--out-dir", str(out)],
-                     tmp_path, **env))
+    env = dict(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_JOB_ID="78",
+        SLURM_NNODES="1",
+        SLURM_JOB_NODELIST="node1",
+        MASTER_PORT=str(free_port()),
+        SLURM_RESTART_COUNT="1",
+    )
+    proc = ok(
+        launch(
+            ["--profile", "cpu", *FAST, "--max-steps", "2", "--micro-batch-size", "2", "--out-dir", str(out)],
+            tmp_path,
+            **env,
+        )
+    )
     assert "requeued before the run's first checkpoint: starting it" in proc.stdout
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
 
@@ -173,8 +217,15 @@ def test_sigterm_to_launch_sh_with_loader_workers_saves_the_step_and_resumes_exa
 def interactive(command: list[str], tmp_path, **env) -> subprocess.Popen:
     """A command as a terminal runs it: the foreground process group of its own, which Ctrl-C
     signals whole (`os.killpg(job.pid, signal.SIGINT)`)."""
-    return subprocess.Popen(command, cwd=tmp_path, env=child_env(PYTHON=sys.executable, **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=child_env(PYTHON=sys.executable, **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow
@@ -201,8 +252,20 @@ def test_ctrl_c_to_plain_torchrun_still_saves_the_step(tmp_path):
     """Plain torchrun passes Ctrl-C on to its ranks and exits 1 with its own traceback whatever
     they did; the ranks still save the step and say so, without a KeyboardInterrupt."""
     out = tmp_path / "run"
-    job = interactive([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                       str(REPO / "train.py"), *TWENTY[2], "--out-dir", str(out)], tmp_path)
+    job = interactive(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "train.py"),
+            *TWENTY[2],
+            "--out-dir",
+            str(out),
+        ],
+        tmp_path,
+    )
     wait_for_step(out, 2, job)
     os.killpg(job.pid, signal.SIGINT)
     stdout, stderr, left = exit_and_leftovers(job, str(out))
@@ -278,9 +341,15 @@ def test_a_hangup_saves_the_teacher_pass_and_a_step_and_the_run_resumes_exactly(
     assert [p.name for p in list_checkpoints(out)] == ["step_00000000"] and left == []
 
     terminal = Terminal()
-    job = subprocess.Popen([str(REPO / "launch.sh"), *args, "--out-dir", str(out), "--resume"], cwd=tmp_path,
-                           env=child_env(PYTHON=sys.executable), stdin=subprocess.DEVNULL, stdout=terminal.line,
-                           stderr=terminal.line, start_new_session=True)
+    job = subprocess.Popen(
+        [str(REPO / "launch.sh"), *args, "--out-dir", str(out), "--resume"],
+        cwd=tmp_path,
+        env=child_env(PYTHON=sys.executable),
+        stdin=subprocess.DEVNULL,
+        stdout=terminal.line,
+        stderr=terminal.line,
+        start_new_session=True,
+    )
     os.close(terminal.line)
     try:
         wait_for_step(out, 4, job)
@@ -298,9 +367,25 @@ def test_a_hangup_saves_the_teacher_pass_and_a_step_and_the_run_resumes_exactly(
 def interrupted_in_a_long_step(out, tmp_path) -> subprocess.Popen:
     """launch.sh on 2 ranks after its first Ctrl-C, which rank 0 has heard, in a long step (1024
     examples a rank)."""
-    job = interactive([str(REPO / "launch.sh"), "--profile", "cpu", *FAST, "--kd-weight", "0", "--num-examples",
-                       "4096", "--micro-batch-size", "32", "--grad-accum-steps", "32", "--out-dir", str(out)],
-                      tmp_path)
+    job = interactive(
+        [
+            str(REPO / "launch.sh"),
+            "--profile",
+            "cpu",
+            *FAST,
+            "--kd-weight",
+            "0",
+            "--num-examples",
+            "4096",
+            "--micro-batch-size",
+            "32",
+            "--grad-accum-steps",
+            "32",
+            "--out-dir",
+            str(out),
+        ],
+        tmp_path,
+    )
     wait_for_step(out, 1, job)
     os.killpg(job.pid, signal.SIGINT)
     for line in job.stderr:
@@ -359,14 +444,17 @@ def test_bad_input_is_one_line_with_the_run_s_exit_code(tmp_path, nproc):
 def test_a_profile_from_another_file(tmp_path):
     """--hw-profiles FILE names the profile launch.sh looks up, as it does train.py's."""
     profiles = tmp_path / "mine.json"
-    profiles.write_text(json.dumps({**json.loads((REPO / "hw_profiles.json").read_text()),
-                                    "mycpu": {"extends": "cpu", "description": "mine"}}))
+    profiles.write_text(
+        json.dumps(
+            {**json.loads((REPO / "hw_profiles.json").read_text()), "mycpu": {"extends": "cpu", "description": "mine"}}
+        )
+    )
     proc = launch(["--profile", "mycpu", "--hw-profiles", str(profiles), "--lr", "-1"], tmp_path, NPROC_PER_NODE="1")
     assert_one_line_error(proc, "--lr: field 'lr' must be > 0")  # train.py found mycpu in the file too
 
 
-
 # --- two nodes without SLURM -------------------------------------------------------------------
+
 
 def run_two_nodes(args, tmp_path, node_env: list[dict], prefix: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """Node 0 and node 1 as two launch.sh processes (one rank each), started together; `prefix`
@@ -378,11 +466,25 @@ def run_two_nodes(args, tmp_path, node_env: list[dict], prefix: list[list[str]])
     try:
         for r in (0, 1):
             logs.append((open(tmp_path / f"node{r}.out", "w+"), open(tmp_path / f"node{r}.err", "w+")))
-            nodes.append(subprocess.Popen(
-                [*prefix[r], str(REPO / "launch.sh"), *args], cwd=tmp_path, text=True, stdout=logs[r][0],
-                stderr=logs[r][1], start_new_session=True,
-                env=child_env(PYTHON=sys.executable, NNODES="2", NODE_RANK=str(r), NPROC_PER_NODE="1",
-                              MASTER_PORT=port, RDZV_ID=f"two-nodes-{port}", **node_env[r])))
+            nodes.append(
+                subprocess.Popen(
+                    [*prefix[r], str(REPO / "launch.sh"), *args],
+                    cwd=tmp_path,
+                    text=True,
+                    stdout=logs[r][0],
+                    stderr=logs[r][1],
+                    start_new_session=True,
+                    env=child_env(
+                        PYTHON=sys.executable,
+                        NNODES="2",
+                        NODE_RANK=str(r),
+                        NPROC_PER_NODE="1",
+                        MASTER_PORT=port,
+                        RDZV_ID=f"two-nodes-{port}",
+                        **node_env[r],
+                    ),
+                )
+            )
         for node in nodes:
             node.wait(timeout=600)
     finally:
@@ -422,10 +524,16 @@ def second_host():
     tag = str(os.getpid())[-6:]
     ns, here, there = f"lw{tag}", f"lwa{tag}", f"lwb{tag}"
     subnet = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
-    setup = [["ip", "netns", "add", ns], ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
-             ["ip", "link", "set", there, "netns", ns], ["ip", "addr", "add", f"{subnet}.1/30", "dev", here],
-             ["ip", "link", "set", here, "up"], ["ip", "-n", ns, "addr", "add", f"{subnet}.2/30", "dev", there],
-             ["ip", "-n", ns, "link", "set", there, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]
+    setup = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", here, "type", "veth", "peer", "name", there],
+        ["ip", "link", "set", there, "netns", ns],
+        ["ip", "addr", "add", f"{subnet}.1/30", "dev", here],
+        ["ip", "link", "set", here, "up"],
+        ["ip", "-n", ns, "addr", "add", f"{subnet}.2/30", "dev", there],
+        ["ip", "-n", ns, "link", "set", there, "up"],
+        ["ip", "-n", ns, "link", "set", "lo", "up"],
+    ]
     try:
         for cmd in setup:
             made = subprocess.run(cmd, capture_output=True, text=True)
@@ -443,23 +551,28 @@ def test_two_nodes_across_a_network_interface(tmp_path, straight):
     hosts (each node's LOCAL_ADDR and GLOO_SOCKET_IFNAME, as the README says for real hosts)."""
     out = tmp_path / "run"
     with second_host() as (inside, (addr0, if0), (addr1, if1)):
-        env = [{"MASTER_ADDR": addr0, "LOCAL_ADDR": addr0, "GLOO_SOCKET_IFNAME": if0},
-               {"MASTER_ADDR": addr0, "LOCAL_ADDR": addr1, "GLOO_SOCKET_IFNAME": if1}]
+        env = [
+            {"MASTER_ADDR": addr0, "LOCAL_ADDR": addr0, "GLOO_SOCKET_IFNAME": if0},
+            {"MASTER_ADDR": addr0, "LOCAL_ADDR": addr1, "GLOO_SOCKET_IFNAME": if1},
+        ]
         [ok(p) for p in run_two_nodes([*TWENTY[2], "--out-dir", str(out)], tmp_path, env, [[], inside])]
     assert_same_run(straight(2), out, 0)
 
 
 def test_several_nodes_need_their_rank_and_node_0_s_address(tmp_path):
-    for env, fragment in (({"NNODES": "2", "MASTER_ADDR": "10.0.0.1"}, "NODE_RANK must be 0 to 1"),
-                          ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"}, "NODE_RANK must be 0 to 1"),
-                          ({"NNODES": "2", "NODE_RANK": "0"}, "MASTER_ADDR must name node 0"),
-                          ({"NNODES": "two"}, "NNODES must be a positive integer")):
+    for env, fragment in (
+        ({"NNODES": "2", "MASTER_ADDR": "10.0.0.1"}, "NODE_RANK must be 0 to 1"),
+        ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "10.0.0.1"}, "NODE_RANK must be 0 to 1"),
+        ({"NNODES": "2", "NODE_RANK": "0"}, "MASTER_ADDR must name node 0"),
+        ({"NNODES": "two"}, "NNODES must be a positive integer"),
+    ):
         proc = launch(["--profile", "cpu"], tmp_path, **env)
         assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and fragment in proc.stderr, env
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
 # --- every command also works under torchrun ---------------------------------------------------
+
 
 def torchrun_passes_on(script: list[str], args: list[str]) -> list[str]:
     """What torchrun hands the script of `torchrun --standalone --nproc_per_node=2 SCRIPT ARGS`. Its
@@ -476,10 +589,12 @@ def torchrun_passes_on(script: list[str], args: list[str]) -> list[str]:
 def test_every_flag_of_every_command_passes_through_torchrun():
     from latentwire import evaluate, find_batch, plan, settings
 
-    for script, parser in ((["train.py"], settings.build_parser()),
-                           (["-m", "latentwire.evaluate"], evaluate.build_parser()),
-                           (["-m", "latentwire.plan"], plan.build_parser()),
-                           (["-m", "latentwire.find_batch"], find_batch.build_parser())):
+    for script, parser in (
+        (["train.py"], settings.build_parser()),
+        (["-m", "latentwire.evaluate"], evaluate.build_parser()),
+        (["-m", "latentwire.plan"], plan.build_parser()),
+        (["-m", "latentwire.find_batch"], find_batch.build_parser()),
+    ):
         flags = [s for action in parser._actions for s in action.option_strings]
         assert len(flags) > 3
         for flag in flags:
@@ -503,12 +618,12 @@ def documented_commands() -> list[tuple[str, list[str], list[str]]]:
                     continue
                 for i, word in enumerate(words):
                     if word.endswith("train.py"):
-                        script, rest = [word], words[i + 1:]
-                    elif word == "-m" and re.fullmatch(r"latentwire\.\w+", " ".join(words[i + 1:i + 2])):
-                        script, rest = words[i:i + 2], words[i + 2:]
+                        script, rest = [word], words[i + 1 :]
+                    elif word == "-m" and re.fullmatch(r"latentwire\.\w+", " ".join(words[i + 1 : i + 2])):
+                        script, rest = words[i : i + 2], words[i + 2 :]
                     else:
                         continue
-                    rest = rest[:next((j for j, w in enumerate(rest) if w in ("|", "&&", ";", ">")), len(rest))]
+                    rest = rest[: next((j for j, w in enumerate(rest) if w in ("|", "&&", ";", ">")), len(rest))]
                     if not rest or rest[0].startswith(("-", "$")):  # a command, not a sentence about one
                         found.append((path.name, script, rest))
                     break

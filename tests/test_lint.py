@@ -1,6 +1,7 @@
 """The checkout passes ruff (ruff.toml: pyflakes, pycodestyle at 120 columns, bugbear, import
 order) and is formatted as `ruff format` writes it, so the README's test command, which CI runs,
 checks both."""
+
 from conftest import ok, run_module
 
 

@@ -1,4 +1,5 @@
 """The model's correctness rules, in-process on the cpu profile's tiny LLMs."""
+
 import pytest
 import torch
 
@@ -38,8 +39,11 @@ def build(cfg, seed=0, dtype=torch.float32):
 def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None, distilled=False):
     """`distilled`: with the distillation targets of ALL_TERMS."""
     dataset = PromptDataset(synthetic_examples(64, 3))
-    settings = (cfg.data.max_prompt_bytes, max_answer_tokens or cfg.data.max_answer_tokens,
-                pad_multiple or cfg.data.pad_multiple)
+    settings = (
+        cfg.data.max_prompt_bytes,
+        max_answer_tokens or cfg.data.max_answer_tokens,
+        pad_multiple or cfg.data.pad_multiple,
+    )
     if distilled:
         collate = distilled_collator(llms, dataset, ALL_TERMS, *settings, word_patch=cfg.wire.word_patch)
     else:
@@ -50,14 +54,18 @@ def batch_of(cfg, llms, n=6, pad_multiple=None, max_answer_tokens=None, distille
 def pad_more(batch, extra_bytes, extra_tokens):
     """The same examples with more padding on every padded axis."""
     from latentwire.dataset import PAD_BYTE
+
     pad = torch.nn.functional.pad
     bytes_ = pad(batch["bytes"], (0, extra_bytes), value=PAD_BYTE)
     out = {"bytes": bytes_, "byte_mask": bytes_ != PAD_BYTE, "answers": {}}
     for name, a in batch["answers"].items():
-        out["answers"][name] = {"lead_ids": a["lead_ids"], "input_ids": pad(a["input_ids"], (0, extra_tokens), value=0),
-                                "labels": pad(a["labels"], (0, extra_tokens), value=-100),
-                                "label_positions": a["label_positions"],
-                                "kd_logprobs": pad(a["kd_logprobs"], (0, 0, 0, extra_tokens))}
+        out["answers"][name] = {
+            "lead_ids": a["lead_ids"],
+            "input_ids": pad(a["input_ids"], (0, extra_tokens), value=0),
+            "labels": pad(a["labels"], (0, extra_tokens), value=-100),
+            "label_positions": a["label_positions"],
+            "kd_logprobs": pad(a["kd_logprobs"], (0, 0, 0, extra_tokens)),
+        }
     return out
 
 
@@ -87,14 +95,19 @@ def test_each_example_is_independent_of_its_batch_mates(patched_cfg):
 def slice_batch(batch, i):
     """Example i alone, with no padding after it (word patches keep theirs between words)."""
     from latentwire.dataset import PAD_BYTE
+
     n = int(batch["byte_mask"][i].nonzero().max()) + 1
-    b = {"bytes": batch["bytes"][i:i + 1, :n], "byte_mask": batch["byte_mask"][i:i + 1, :n], "answers": {}}
+    b = {"bytes": batch["bytes"][i : i + 1, :n], "byte_mask": batch["byte_mask"][i : i + 1, :n], "answers": {}}
     for name, a in batch["answers"].items():
         t = int((a["labels"][i] != -100).nonzero().max()) + 1  # up to and including the EOS target
-        labels = a["labels"][i:i + 1, :t]
-        b["answers"][name] = {"lead_ids": a["lead_ids"][i:i + 1], "input_ids": a["input_ids"][i:i + 1, :t - 1],
-                              "labels": labels, "label_positions": label_positions(labels),
-                              "kd_logprobs": a["kd_logprobs"][i:i + 1, :t]}
+        labels = a["labels"][i : i + 1, :t]
+        b["answers"][name] = {
+            "lead_ids": a["lead_ids"][i : i + 1],
+            "input_ids": a["input_ids"][i : i + 1, : t - 1],
+            "labels": labels,
+            "label_positions": label_positions(labels),
+            "kd_logprobs": a["kd_logprobs"][i : i + 1, :t],
+        }
     assert b["byte_mask"][0, -1] and torch.equal(b["bytes"] == PAD_BYTE, ~b["byte_mask"])
     return b
 
@@ -157,8 +170,10 @@ def test_activation_checkpointing_gives_the_same_gradients(cfg, tiny_readers, ke
     the CPU's matmul path). Reassociating a sum of K terms moves it by at most K x eps of the sum of
     their magnitudes; K is at most the readers' widest reduction, and each gradient's largest
     magnitude stands for that sum."""
-    widest = max(max(llm.model.config.intermediate_size, llm.model.config.hidden_size, llm.model.config.vocab_size)
-                 for llm in tiny_readers.values())
+    widest = max(
+        max(llm.model.config.intermediate_size, llm.model.config.hidden_size, llm.model.config.vocab_size)
+        for llm in tiny_readers.values()
+    )
     bound = widest * torch.finfo(torch.float32).eps
     got = wire_gradients(cfg, tiny_readers, policy)
     assert got.keys() == kept_gradients.keys() and {"wire.llama", "wire.qwen"} <= got.keys()
@@ -168,6 +183,7 @@ def test_activation_checkpointing_gives_the_same_gradients(cfg, tiny_readers, ke
 
 def test_activation_checkpointing_wraps_every_decoder_layer(tiny_readers):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
     for llm in wrapped_readers(tiny_readers, "selective").values():
         layers = llm.model.get_decoder().layers
         assert len(layers) == llm.model.config.num_hidden_layers
@@ -177,6 +193,7 @@ def test_activation_checkpointing_wraps_every_decoder_layer(tiny_readers):
 @pytest.mark.slow
 def test_hot_path_compiles_without_graph_breaks(cfg):
     import torch._dynamo
+
     model, llms = build(cfg)
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(forward_loss_sums)(model, llms, batch_of(cfg, llms), ANSWER_CE)
@@ -188,6 +205,7 @@ def test_rotary_scores_depend_only_on_the_distance_between_positions():
     """The byte encoder's positions: shifting a query and a key by the same number of patches
     leaves their score as it was, and a rotation keeps each vector's length."""
     from latentwire.model import rotary_tables, rotate
+
     torch.manual_seed(0)
     q, k = torch.randn(16), torch.randn(16)
     tables = rotary_tables(40, 16, CPU)
@@ -206,6 +224,7 @@ def test_the_hashed_patch_code_gives_each_age_a_row_of_its_own():
     linear patch code tells apart by one summand (" 23" and " 24", word-patched) get rows of their own."""
     from latentwire.dataset import PAD_BYTE
     from latentwire.model import patch_hashes
+
     ages = torch.tensor([[32, ord(str(age)[0]), ord(str(age)[1]), PAD_BYTE] for age in range(20, 50)])
     rows = patch_hashes(ages[None], 4096)[0]
     assert rows.shape == (30,) and len(set(rows.tolist())) == 30 and 0 <= rows.min() and rows.max() < 4096
@@ -219,6 +238,7 @@ def test_queries_that_read_the_question_start_as_the_plain_ones_and_read_its_fir
     from dataclasses import replace
 
     from latentwire.dataset import prompt_text, round_up
+
     model, llms = build(replace(cfg, wire=replace(cfg.wire, question_queries=False)))
     asking = WireEncoder.for_llms(replace(cfg.wire, question_queries=True), llms)
     missing, unexpected = asking.load_state_dict(model.state_dict(), strict=False)

@@ -1,4 +1,5 @@
 """The loss terms: what each one sums and counts, and that the terms left off change nothing."""
+
 import math
 
 import pytest
@@ -38,8 +39,10 @@ def test_first_targets_are_each_rows_first_k_labels():
     labels = torch.tensor([[-100, -100, 5, 6, 7, 2, -100], [-100, 9, 2, -100, -100, -100, -100]])
     assert first_targets(labels, 1).long().tolist() == [[0, 0, 1, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0]]
     assert first_targets(labels, 3).long().tolist() == [[0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0, 0]]
-    counts = target_counts({"answers": {"x": {"labels": labels}}},
-                           Objectives(first_token_weight=1, k_token_weight=1, kd_weight=1, k_tokens=3))
+    counts = target_counts(
+        {"answers": {"x": {"labels": labels}}},
+        Objectives(first_token_weight=1, k_token_weight=1, kd_weight=1, k_tokens=3),
+    )
     assert counts.tolist() == [[6, 2, 5, 5]]  # all targets, first tokens, first 3, first 3 (kd)
 
 
@@ -68,6 +71,7 @@ def labelled_losses(llm, soft, rows):
     real = torch.arange(row.shape[0]) < (labels != IGNORE_INDEX).sum()
     hidden = llm.answer_hidden(soft, rows["lead_ids"], rows["input_ids"])[row, col]
     with llm.head_weight() as head:
+
         def ce(logits, targets):
             return F.cross_entropy(logits.float(), targets, reduction="none")[:, None]
 
@@ -77,8 +81,16 @@ def labelled_losses(llm, soft, rows):
 def reference_step(model, llms, micro_batches, optimizer):
     """The loop before it had any other term, written out: each LLM's summed answer cross-entropy
     over the global batch's answer tokens, averaged over the LLMs, then clipping and the update."""
-    n = torch.stack([torch.stack([(b["answers"][name]["labels"] != IGNORE_INDEX).sum() for name in llms])
-                     for b in micro_batches]).sum(0).float()
+    n = (
+        torch.stack(
+            [
+                torch.stack([(b["answers"][name]["labels"] != IGNORE_INDEX).sum() for name in llms])
+                for b in micro_batches
+            ]
+        )
+        .sum(0)
+        .float()
+    )
     for batch in micro_batches:
         soft = model(batch["bytes"], batch["byte_mask"])
         sums = torch.stack([labelled_losses(llm, soft[name], batch["answers"][name]) for name, llm in llms.items()])
@@ -91,10 +103,19 @@ def reference_step(model, llms, micro_batches, optimizer):
 def harness_step(model, llms, micro_batches, optimizer, objectives):
     task = WireTask(llms, objectives, num_latents=0)
     n = torch.stack([task.counts(b) for b in micro_batches]).sum(0).float()
-    train.train_step(model, task, micro_batches, n_targets=n, amp_dtype=None,
-                     attention_backends=sdpa_backends(None, torch.float32)[0],
-                     scaler=torch.amp.GradScaler("cpu", enabled=False), optimizer=optimizer, max_grad_norm=1.0,
-                     world_size=1, no_sync=train.nullcontext)
+    train.train_step(
+        model,
+        task,
+        micro_batches,
+        n_targets=n,
+        amp_dtype=None,
+        attention_backends=sdpa_backends(None, torch.float32)[0],
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        optimizer=optimizer,
+        max_grad_norm=1.0,
+        world_size=1,
+        no_sync=train.nullcontext,
+    )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -102,12 +123,29 @@ def harness_step(model, llms, micro_batches, optimizer, objectives):
 def test_terms_at_weight_zero_leave_the_step_bitwise_as_the_answer_loss_alone(llms, monkeypatch):
     """Every extra term off (weight 0, whatever its k and temperature): the harness's step gives the
     very bits of a loop that has only the answer's cross-entropy, and no teacher runs."""
+
     def no_teacher(*args, **kwargs):
         raise AssertionError("a teacher pass with distillation off")
 
     monkeypatch.setattr(FrozenLLM, "teacher_logits", no_teacher)
-    cfg = load_config(["--profile", "cpu", "--dropout", "0", "--first-token-weight", "0", "--k-token-weight", "0",
-                       "--kd-weight", "0", "--k-tokens", "1", "--kd-temperature", "3"])
+    cfg = load_config(
+        [
+            "--profile",
+            "cpu",
+            "--dropout",
+            "0",
+            "--first-token-weight",
+            "0",
+            "--k-token-weight",
+            "0",
+            "--kd-weight",
+            "0",
+            "--k-tokens",
+            "1",
+            "--kd-temperature",
+            "3",
+        ]
+    )
     objectives = cfg.objectives
     assert objectives.terms == ("answer_ce",) and not objectives.teacher
     weights = []
@@ -120,8 +158,9 @@ def test_terms_at_weight_zero_leave_the_step_bitwise_as_the_answer_loss_alone(ll
             step(model, llms, micro_batches, optimizer)
         weights.append(model.state_dict())
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    assert not torch.equal(weights[0]["pooler.queries"], WireEncoder.for_llms(cfg.wire, llms).state_dict()[
-        "pooler.queries"])  # the steps moved the weights
+    assert not torch.equal(
+        weights[0]["pooler.queries"], WireEncoder.for_llms(cfg.wire, llms).state_dict()["pooler.queries"]
+    )  # the steps moved the weights
 
 
 def test_the_teacher_gets_no_gradient_and_its_term_moves_the_wire(llms):
@@ -141,6 +180,7 @@ def test_the_teacher_gets_no_gradient_and_its_term_moves_the_wire(llms):
 def small_chunks(monkeypatch):
     """Chunks of 8 positions (chunk_rows' least): a micro-batch's labels span several."""
     import latentwire.head_losses
+
     monkeypatch.setattr(latentwire.head_losses, "HEAD_CHUNK_ELEMENTS", 1)
     return 8
 
@@ -167,7 +207,7 @@ def test_the_head_at_the_labels_in_chunks_equals_the_full_logits(llms, small_chu
         results.append((sums.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (sums, grads), (ref_sums, ref_grads) = results
     n = max(llm.hidden_size + llm.model.config.vocab_size for llm in llms.values()) + positions
-    gamma = n * 2 ** -24 / (1 - n * 2 ** -24)
+    gamma = n * 2**-24 / (1 - n * 2**-24)
     torch.testing.assert_close(sums, ref_sums, rtol=gamma, atol=0)
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, rtol=gamma, atol=gamma * ref.abs().max().item())
@@ -204,6 +244,9 @@ def test_the_head_runs_at_the_labels_a_chunk_at_a_time_and_takes_no_weight_gradi
         assert sum(logits) == batch["answers"][name]["label_positions"].shape[1]
         assert max(logits) == small_chunks
         # every [..., vocab] tensor, the head's weight and its views aside
-        assert all(math.prod(shape[:-1]) <= small_chunks for func, shape in outputs.seen
-                   if shape and shape[-1] == vocab and hidden not in shape and func != aten.index.Tensor)
+        assert all(
+            math.prod(shape[:-1]) <= small_chunks
+            for func, shape in outputs.seen
+            if shape and shape[-1] == vocab and hidden not in shape and func != aten.index.Tensor
+        )
         assert not any(sorted(shape[-2:]) == sorted((vocab, hidden)) for func, shape in outputs.seen if func in matmuls)

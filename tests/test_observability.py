@@ -1,4 +1,5 @@
 """What a run reports beyond the loss: the console, memory snapshots, NVML, out-of-memory."""
+
 import fcntl
 import json
 import os
@@ -24,8 +25,13 @@ def run_in_terminal(args, tmp_path) -> str:
     """train.py with its stdout on a pseudo-terminal, as when a person watches it."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns
-    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=child_env(),
-                            stdout=follower, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=REPO,
+        env=child_env(),
+        stdout=follower,
+        stderr=subprocess.DEVNULL,
+    )
     os.close(follower)
     chunks = []
     while True:
@@ -50,27 +56,53 @@ def trace(path, events) -> str:
 def test_a_trace_summary_has_the_top_kernels_and_the_device_idle_share(tmp_path):
     """Two steps of 100 µs: kernels busy 20-50 (two overlapping), 60-70 and 150-190, one past the
     steps' end clipped; the CPU's operators are not the device's time."""
-    summary = summarize_trace(trace(tmp_path / "gpu.json", [
-        ("user_annotation", "ProfilerStep#4", 0, 100, 1), ("user_annotation", "ProfilerStep#5", 100, 100, 1),
-        ("cpu_op", "aten::mm", 10, 150, 1), ("kernel", "gemm", 20, 20, 7), ("kernel", "gemm", 30, 20, 7),
-        ("kernel", "softmax", 60, 10, 7), ("gpu_memcpy", "Memcpy HtoD", 150, 40, 8), ("kernel", "gemm", 195, 10, 7)]))
+    summary = summarize_trace(
+        trace(
+            tmp_path / "gpu.json",
+            [
+                ("user_annotation", "ProfilerStep#4", 0, 100, 1),
+                ("user_annotation", "ProfilerStep#5", 100, 100, 1),
+                ("cpu_op", "aten::mm", 10, 150, 1),
+                ("kernel", "gemm", 20, 20, 7),
+                ("kernel", "gemm", 30, 20, 7),
+                ("kernel", "softmax", 60, 10, 7),
+                ("gpu_memcpy", "Memcpy HtoD", 150, 40, 8),
+                ("kernel", "gemm", 195, 10, 7),
+            ],
+        )
+    )
     assert summary["activity"] == "device kernels" and summary["steps"] == 2
     assert summary["busy_ms"] * 1e3 == pytest.approx(30 + 10 + 40 + 5)
     assert summary["idle_share"] == pytest.approx(1 - 85 / 200)
     assert [(t["name"], t["calls"], t["ms"] * 1e3) for t in summary["top"]] == [
-        ("gemm", 3, pytest.approx(50)), ("Memcpy HtoD", 1, pytest.approx(40)), ("softmax", 1, pytest.approx(10))]
+        ("gemm", 3, pytest.approx(50)),
+        ("Memcpy HtoD", 1, pytest.approx(40)),
+        ("softmax", 1, pytest.approx(10)),
+    ]
     assert "idle 57.5%" in format_trace_summary(summary)
 
 
 def test_a_cpu_trace_is_summarised_by_its_operators_self_time(tmp_path):
     """No device in the trace: the CPU's operators, each less the ones it called."""
-    summary = summarize_trace(trace(tmp_path / "cpu.json", [
-        ("user_annotation", "ProfilerStep#2", 0, 100, 1), ("cpu_op", "aten::linear", 10, 60, 1),
-        ("cpu_op", "aten::addmm", 15, 50, 1), ("cpu_op", "aten::relu", 80, 10, 1), ("cpu_op", "aten::mm", 20, 30, 2)]))
+    summary = summarize_trace(
+        trace(
+            tmp_path / "cpu.json",
+            [
+                ("user_annotation", "ProfilerStep#2", 0, 100, 1),
+                ("cpu_op", "aten::linear", 10, 60, 1),
+                ("cpu_op", "aten::addmm", 15, 50, 1),
+                ("cpu_op", "aten::relu", 80, 10, 1),
+                ("cpu_op", "aten::mm", 20, 30, 2),
+            ],
+        )
+    )
     assert summary["activity"] == "CPU operators"
     assert {t["name"]: t["ms"] * 1e3 for t in summary["top"]} == {
-        "aten::addmm": pytest.approx(50), "aten::mm": pytest.approx(30), "aten::relu": pytest.approx(10),
-        "aten::linear": pytest.approx(10)}
+        "aten::addmm": pytest.approx(50),
+        "aten::mm": pytest.approx(30),
+        "aten::relu": pytest.approx(10),
+        "aten::linear": pytest.approx(10),
+    }
     assert summary["idle_share"] == pytest.approx(1 - (60 + 10) / 100)
 
 
@@ -129,7 +161,8 @@ def test_nvml_is_skipped_without_a_gpu_and_read_with_one(monkeypatch):
         nvmlInit=lambda: None,
         nvmlDeviceGetHandleByUUID=lambda uuid: ("handle", uuid),
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=87),
-        nvmlDeviceGetPowerUsage=lambda h: 612_500)  # milliwatts
+        nvmlDeviceGetPowerUsage=lambda h: 612_500,
+    )  # milliwatts
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="abc-123"))
     monitor = GpuMonitor(torch.device("cuda", 0))
@@ -141,6 +174,7 @@ def test_nvml_is_skipped_without_a_gpu_and_read_with_one(monkeypatch):
 def test_an_nvml_error_leaves_gpu_fields_null_and_says_so_once(monkeypatch, capsys, fails_at):
     """NVML that fails (no driver library in a container, a device it cannot see) must not end a
     run at its first log line, after minutes of compiling."""
+
     class NVMLError(Exception):
         pass
 
@@ -150,7 +184,9 @@ def test_an_nvml_error_leaves_gpu_fields_null_and_says_so_once(monkeypatch, caps
     fake = types.SimpleNamespace(
         nvmlInit=fail if fails_at == "init" else lambda: None,
         nvmlDeviceGetHandleByUUID=fail if fails_at == "handle" else lambda uuid: "handle",
-        nvmlDeviceGetUtilizationRates=fail, nvmlDeviceGetPowerUsage=fail)
+        nvmlDeviceGetUtilizationRates=fail,
+        nvmlDeviceGetPowerUsage=fail,
+    )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(uuid="abc-123"))
     monitor = GpuMonitor(torch.device("cuda", 0))
@@ -174,6 +210,7 @@ def test_memory_snapshot_selection(monkeypatch, tmp_path):
     path = on.finish()
     assert path.exists() and calls[-1] == {"enabled": None}
     import pickle
+
     assert pickle.loads(path.read_bytes())["segments"] == []
 
 
@@ -214,11 +251,24 @@ def test_find_batch_records_its_trials_when_the_snapshot_records(monkeypatch, tm
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: calls.append("snapshot") or {"device_traces": [[]]})
     monkeypatch.setattr(find_batch, "MemorySnapshots", Recording)
-    monkeypatch.setattr(find_batch, "run_trial", lambda probe, m, device: calls.append(m) or find_batch.Trial(
-        m, True, 1, None, 0.0, ""))
+    monkeypatch.setattr(
+        find_batch, "run_trial", lambda probe, m, device: calls.append(m) or find_batch.Trial(m, True, 1, None, 0.0, "")
+    )
     torch.set_num_threads(1)
-    find_batch.main(["--profile", "cpu", "--memory-snapshot", "true", "--micro-batch-size", "2",
-                     "--max-micro-batch", "2", "--out-dir", str(tmp_path / "fb")])
+    find_batch.main(
+        [
+            "--profile",
+            "cpu",
+            "--memory-snapshot",
+            "true",
+            "--micro-batch-size",
+            "2",
+            "--max-micro-batch",
+            "2",
+            "--out-dir",
+            str(tmp_path / "fb"),
+        ]
+    )
     assert calls == [{"max_entries": 200_000, "stacks": "python"}, 2, "snapshot", {"enabled": None}]
     path = tmp_path / "fb" / "memory" / "snapshot_rank0.pickle"
     assert path.exists() and f"memory snapshot: {path}" in capsys.readouterr().out
@@ -264,11 +314,18 @@ def test_out_of_memory_before_the_loop_is_one_line_and_exit_5(tmp_path, module, 
     script = tmp_path / "oom.py"
     script.write_text(OOM_IN.format(repo=str(REPO), train=str(REPO / "train.py"), module=module, name=name))
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    proc = subprocess.run([sys.executable, *launcher, str(script), *SHORT, "--dist-timeout-s", "30",
-                           "--out-dir", str(tmp_path / "run")], cwd=REPO, env=child_env(), capture_output=True,
-                          text=True, timeout=300)
-    line = "error: out of memory outside the training steps (CUDA out of memory. Tried to allocate 15.00 GiB); " \
-           "python -m latentwire.plan --profile cpu says what a rank holds"
+    proc = subprocess.run(
+        [sys.executable, *launcher, str(script), *SHORT, "--dist-timeout-s", "30", "--out-dir", str(tmp_path / "run")],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = (
+        "error: out of memory outside the training steps (CUDA out of memory. Tried to allocate 15.00 GiB); "
+        "python -m latentwire.plan --profile cpu says what a rank holds"
+    )
     if nproc == 1:
         assert_one_line_error(proc, line.removeprefix("error: "))
         assert proc.returncode == 5
@@ -281,9 +338,18 @@ def test_out_of_memory_before_the_loop_is_one_line_and_exit_5(tmp_path, module, 
 def test_out_of_memory_is_one_line_with_the_snapshot_and_the_planner(tmp_path):
     script = tmp_path / "oom.py"
     script.write_text(OOM_AT_STEP_2.format(repo=str(REPO), train=str(REPO / "train.py")))
-    proc = subprocess.run([sys.executable, str(script), *SHORT, "--memory-snapshot", "true",
-                           "--out-dir", str(tmp_path / "run")], cwd=REPO, env=child_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert_one_line_error(proc, "out of memory at micro-batch 2", "no memory snapshot on this device",
-                          "python -m latentwire.plan --profile cpu")
+    proc = subprocess.run(
+        [sys.executable, str(script), *SHORT, "--memory-snapshot", "true", "--out-dir", str(tmp_path / "run")],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert_one_line_error(
+        proc,
+        "out of memory at micro-batch 2",
+        "no memory snapshot on this device",
+        "python -m latentwire.plan --profile cpu",
+    )
     assert proc.returncode == 5

@@ -1,5 +1,6 @@
 """The memory plan: exact configurations, the traced step against a measured one, the analytic
 calculator against the trace and against torch's optimizers, the budget, elastic batch."""
+
 import json
 import math
 
@@ -45,8 +46,9 @@ def specs_and_answers(cfg):
 def profile_fakes(cfg, specs):
     """The profile's frozen LLMs as the plan builds and wraps them (call under a FakeTensorMode)."""
     llms = fake_llms(specs, cfg.numerics.precision)
-    prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None, mesh=None,
-                        device=None)
+    prepare_frozen_llms(
+        llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None, mesh=None, device=None
+    )
     return llms
 
 
@@ -64,9 +66,14 @@ def cpu_plan():
 
 # --- exact configurations -------------------------------------------------------------------
 
+
 def test_shipped_configurations_have_the_published_parameter_counts():
-    expected = {"meta-llama/Llama-3.1-8B": LLAMA_3_1_8B_PARAMS, "Qwen/Qwen2.5-7B": QWEN_2_5_7B_PARAMS,
-                "meta-llama/Llama-3.1-70B": LLAMA_3_1_70B_PARAMS, "Qwen/Qwen2.5-72B": QWEN_2_5_72B_PARAMS}
+    expected = {
+        "meta-llama/Llama-3.1-8B": LLAMA_3_1_8B_PARAMS,
+        "Qwen/Qwen2.5-7B": QWEN_2_5_7B_PARAMS,
+        "meta-llama/Llama-3.1-70B": LLAMA_3_1_70B_PARAMS,
+        "Qwen/Qwen2.5-72B": QWEN_2_5_72B_PARAMS,
+    }
     for source, count in expected.items():
         spec = llm_spec("x", source)
         assert llm_parameter_count(spec.config) == count
@@ -109,13 +116,21 @@ def test_planning_batch_is_the_longest_the_collator_emits():
     """Shapes as the collator pads prompts cut at max_prompt_bytes and answers cut at max_answer_tokens."""
     cfg = load_config(["--profile", "cpu", "--max-prompt-bytes", "100", "--max-answer-tokens", "5", "--kd-weight", "1"])
     llms = tiny_llms()
-    long_example = {"context": "Maria lives in Paris. " * 20, "question": "Where?",
-                    "answers": {"text": ["Paris Tokyo Lima Cairo Oslo Berlin Madrid Toronto"]}}
+    long_example = {
+        "context": "Maria lives in Paris. " * 20,
+        "question": "Where?",
+        "answers": {"text": ["Paris Tokyo Lima Cairo Oslo Berlin Madrid Toronto"]},
+    }
     dataset = PromptDataset([long_example] * 3)
-    collated = distilled_collator(llms, dataset, cfg.objectives, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens,
-                                  cfg.data.pad_multiple)([dataset[i] for i in range(3)])
-    planned = planning_batch(cfg.data, cfg.objectives, {n: (len(llm.contract.lead), len(llm.contract.tail),
-                                                            len(llm.tokenizer)) for n, llm in llms.items()}, 3)
+    collated = distilled_collator(
+        llms, dataset, cfg.objectives, cfg.data.max_prompt_bytes, cfg.data.max_answer_tokens, cfg.data.pad_multiple
+    )([dataset[i] for i in range(3)])
+    planned = planning_batch(
+        cfg.data,
+        cfg.objectives,
+        {n: (len(llm.contract.lead), len(llm.contract.tail), len(llm.tokenizer)) for n, llm in llms.items()},
+        3,
+    )
     assert planned["bytes"].shape == collated["bytes"].shape
     assert torch.equal(planned["byte_mask"], collated["byte_mask"])
     for name in llms:
@@ -160,6 +175,7 @@ def test_planned_rows_hold_each_readers_prompt_contract(tmp_path):
 
 # --- the tracer -----------------------------------------------------------------------------
 
+
 @pytest.mark.filterwarnings("ignore:global module forward hook")
 def test_stock_memtracker_fails_on_frozen_parameters_where_the_subclass_counts_only_trainable_grads():
     """Why FrozenAwareMemTracker exists (torch 2.13); if this starts passing upstream, drop the override."""
@@ -184,9 +200,10 @@ def test_stock_memtracker_fails_on_frozen_parameters_where_the_subclass_counts_o
 
 def measured_and_traced_peaks(cfg) -> tuple[int, int]:
     """The CPU allocator's own count of a real step (find_batch's probe), and the fake trace of it."""
-    llms = frozen_llms(cfg.frozen, cfg.prompt, cfg.numerics.precision, CPU,
-                       checkpointing=checkpoint_options(cfg.recompute.policy))
-    measured, _ = Probe(cfg, llms, TRAINING_STEP, CPU, steps=2, cap_bytes=2 ** 62)(cfg.training.micro_batch_size)
+    llms = frozen_llms(
+        cfg.frozen, cfg.prompt, cfg.numerics.precision, CPU, checkpointing=checkpoint_options(cfg.recompute.policy)
+    )
+    measured, _ = Probe(cfg, llms, TRAINING_STEP, CPU, steps=2, cap_bytes=2**62)(cfg.training.micro_batch_size)
     return measured, traced_peak(cfg, cfg.training.micro_batch_size)
 
 
@@ -197,8 +214,10 @@ CHECKPOINTED_STEP = ["--profile", "cpu", "--dropout", "0.1", "--micro-batch-size
 @pytest.fixture(scope="module")
 def checkpointed_peaks() -> dict[str, tuple[int, int]]:
     """Each policy's (measured, traced) peak of the same step."""
-    return {policy: measured_and_traced_peaks(load_config([*CHECKPOINTED_STEP, "--activation-checkpointing", policy]))
-            for policy in POLICIES}
+    return {
+        policy: measured_and_traced_peaks(load_config([*CHECKPOINTED_STEP, "--activation-checkpointing", policy]))
+        for policy in POLICIES
+    }
 
 
 def test_traced_peak_matches_the_measured_peak_of_the_same_cpu_step(checkpointed_peaks):
@@ -218,9 +237,16 @@ def test_the_plan_keeps_less_with_more_recompute(checkpointed_peaks):
 
 # SmolLM-135M's vocabulary and widths with one decoder layer: a reader whose head and loss
 # (vocabulary x answer positions) weigh in the step as a real one's do, stepped in seconds.
-REAL_VOCAB_READER = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-                     "num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3,
-                     "tie_word_embeddings": True}
+REAL_VOCAB_READER = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "tie_word_embeddings": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -239,9 +265,22 @@ def test_traced_peak_matches_the_measured_peak_with_a_real_sized_vocabulary(real
     kept position ([batch, positions, hidden], strided), they were batched against the weight
     expanded over the batch, which oneDNN copied: 34% over the trace at micro-batch 4 (docs/memory.md,
     "How far to trust it")."""
-    cfg = load_config(["--profile", "cpu", "--llama", real_vocab_reader, "--precision", precision,
-                       "--activation-checkpointing", "full", "--micro-batch-size", str(micro_batch),
-                       "--max-prompt-bytes", "384"])
+    cfg = load_config(
+        [
+            "--profile",
+            "cpu",
+            "--llama",
+            real_vocab_reader,
+            "--precision",
+            precision,
+            "--activation-checkpointing",
+            "full",
+            "--micro-batch-size",
+            str(micro_batch),
+            "--max-prompt-bytes",
+            "384",
+        ]
+    )
     measured, traced = measured_and_traced_peaks(cfg)
     assert measured == pytest.approx(traced, rel=1e-3)
 
@@ -250,8 +289,22 @@ def test_cuda_attention_is_traced_without_the_math_kernels_score_matrices():
     """On a CUDA profile the trace takes train.py's flash / memory-efficient kernels. A CPU device
     would take the math kernel (masked, with dropout), which keeps [heads, patches, patches] scores
     per layer."""
-    cfg = load_config(["--profile", "cpu", "--device", "cuda", "--precision", "bf16", "--dropout", "0.1",
-                       "--max-prompt-bytes", "8192", "--word-patches", "false"])  # 8192 bytes, 8192 / 4 patches
+    cfg = load_config(
+        [
+            "--profile",
+            "cpu",
+            "--device",
+            "cuda",
+            "--precision",
+            "bf16",
+            "--dropout",
+            "0.1",
+            "--max-prompt-bytes",
+            "8192",
+            "--word-patches",
+            "false",
+        ]
+    )  # 8192 bytes, 8192 / 4 patches
     specs, answers = specs_and_answers(cfg)
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         tracer = StepTracer(cfg, profile_fakes(cfg, specs), answers, TRAINING_STEP)
@@ -268,8 +321,11 @@ def test_a_cuda_trace_keeps_what_cuda_autocast_and_fused_dropout_keep():
     measured the difference (test_profiles: the h100 plan against its find_batch)."""
     norm, saved = torch.nn.LayerNorm(16), []
     x = torch.randn(4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
-    with (cuda_kernels(), torch.autocast("cpu", dtype=torch.bfloat16),
-          torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)):
+    with (
+        cuda_kernels(),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t),
+    ):
         y = torch.nn.functional.dropout(norm(x), 0.1, training=True)
     assert y.dtype == torch.float32
     assert sorted(str(t.dtype) for t in saved if t.shape == x.shape) == ["torch.bool", "torch.float32"]
@@ -283,6 +339,7 @@ def test_a_cuda_trace_with_distillation_holds_its_targets_and_their_softmax():
 
 
 # --- the plan, the calculator and the budget ------------------------------------------------
+
 
 def test_analytic_and_traced_plans_agree_on_the_static_memory(cpu_plan):
     a = cpu_plan.analytic
@@ -302,27 +359,40 @@ def test_plan_answer_is_the_largest_micro_batch_within_the_budget(cpu_plan):
         assert fit(trace.micro_batch) == pytest.approx(trace.peak["total"], rel=1e-9)
     assert min(abs(t.micro_batch - best) for t in cpu_plan.traces) <= 0.05 * best
     payload = cpu_plan.to_json()
-    for key in ("params_frozen_bytes", "params_trainable_bytes", "grads_bytes", "optimizer_bytes",
-                "activation_bytes_per_sample", "fixed_bytes", "peak_bytes", "max_micro_batch", "card_bytes",
-                "target_util"):
+    for key in (
+        "params_frozen_bytes",
+        "params_trainable_bytes",
+        "grads_bytes",
+        "optimizer_bytes",
+        "activation_bytes_per_sample",
+        "fixed_bytes",
+        "peak_bytes",
+        "max_micro_batch",
+        "card_bytes",
+        "target_util",
+    ):
         assert key in payload
     assert payload["card_bytes"] == 8 * GIB and payload["target_util"] == 0.8
 
 
-@pytest.mark.parametrize("name, make", [
-    ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
-    ("sgd-momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
-    ("adamw", lambda ps: torch.optim.AdamW(ps)),
-    ("adafactor", lambda ps: torch.optim.Adafactor(ps)),
-])
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        ("sgd-momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+        ("adamw", lambda ps: torch.optim.AdamW(ps)),
+        ("adafactor", lambda ps: torch.optim.Adafactor(ps)),
+    ],
+)
 def test_analytic_optimizer_state_is_what_torch_allocates(name, make):
     model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     optimizer = make(model.parameters())
     optimizer.step()
-    allocated = sum(v.untyped_storage().nbytes() for state in optimizer.state.values()
-                    for v in state.values() if torch.is_tensor(v))
+    allocated = sum(
+        v.untyped_storage().nbytes() for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    )
     assert optimizer_state_bytes(name, [tuple(p.shape) for p in model.parameters()]) == allocated
 
 
@@ -349,29 +419,49 @@ def test_largest_fitting_micro_batch_and_reserve():
 
 # --- the command line -----------------------------------------------------------------------
 
+
 def test_analytic_calculator_command(tmp_path):
     out = tmp_path / "a.json"
-    proc = ok(run_module("latentwire.plan", ["--analytic", "--params", "8.03e9", "--trainable-params", "1e8",
-                                              "--gpu-memory-gb", "80", "--num-gpus", "4", "--json", str(out)]))
+    proc = ok(
+        run_module(
+            "latentwire.plan",
+            [
+                "--analytic",
+                "--params",
+                "8.03e9",
+                "--trainable-params",
+                "1e8",
+                "--gpu-memory-gb",
+                "80",
+                "--num-gpus",
+                "4",
+                "--json",
+                str(out),
+            ],
+        )
+    )
     assert "16.06" in proc.stdout and "DDP gradient buckets" in proc.stdout
     a = json.loads(out.read_text())
     assert a["params_frozen_bytes"] == 2 * 8_030_000_000
-    assert (a["grads_bytes"], a["ddp_bucket_bytes"]) == (4 * 10 ** 8, 4 * 10 ** 8)
-    assert a["optimizer_bytes"] == 8 * 10 ** 8 + 4
+    assert (a["grads_bytes"], a["ddp_bucket_bytes"]) == (4 * 10**8, 4 * 10**8)
+    assert a["optimizer_bytes"] == 8 * 10**8 + 4
 
 
 def test_bad_plan_input_is_one_line():
     assert_one_line_error(run_module("latentwire.plan", ["--profile", "nope"]), "unknown profile 'nope'")
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--analytic", "--gpu-memory-gb", "80"], "--params or --model-size-gb"),
-    (["--analytic", "--params", "8e9"], "needs --gpu-memory-gb"),
-    (["--profile", "h100", "--params", "1e9"], "--params is for --analytic without --profile"),
-    (["--profile", "cpu", "--optimizer", "sgd"], "--optimizer is for --analytic"),
-    (["--profile", "cpu", "--llama", "org/unknown-model"], "no configuration for 'org/unknown-model'"),
-    (["--analytic", "--params", "-3", "--gpu-memory-gb", "80"], "--params"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--analytic", "--gpu-memory-gb", "80"], "--params or --model-size-gb"),
+        (["--analytic", "--params", "8e9"], "needs --gpu-memory-gb"),
+        (["--profile", "h100", "--params", "1e9"], "--params is for --analytic without --profile"),
+        (["--profile", "cpu", "--optimizer", "sgd"], "--optimizer is for --analytic"),
+        (["--profile", "cpu", "--llama", "org/unknown-model"], "no configuration for 'org/unknown-model'"),
+        (["--analytic", "--params", "-3", "--gpu-memory-gb", "80"], "--params"),
+    ],
+)
 def test_bad_plan_flags_are_one_line_errors(args, fragment, capsys):
     with pytest.raises(SystemExit) as exit_:
         main_guard(lambda: plan_main(args))
@@ -382,8 +472,9 @@ def test_bad_plan_flags_are_one_line_errors(args, fragment, capsys):
 @pytest.mark.slow
 def test_h100_plan_counts_every_byte_of_the_real_configuration(tmp_path):
     out = tmp_path / "h100.json"
-    proc = ok(run_module("latentwire.plan", ["--profile", "h100", "--json", str(out)], timeout=600,
-                         elsewhere=tmp_path))  # train.py's step read from the checkout, from any directory
+    proc = ok(
+        run_module("latentwire.plan", ["--profile", "h100", "--json", str(out)], timeout=600, elsewhere=tmp_path)
+    )  # train.py's step read from the checkout, from any directory
     p = json.loads(out.read_text())
     assert p["params_frozen_bytes"] == pytest.approx(2 * (LLAMA_3_1_8B_PARAMS + QWEN_2_5_7B_PARAMS), rel=0.005)
     trainable = p["analytic"]["params_trainable"]
@@ -397,6 +488,7 @@ def test_h100_plan_counts_every_byte_of_the_real_configuration(tmp_path):
 
 # --- elastic batch --------------------------------------------------------------------------
 
+
 def test_elastic_batch_keeps_the_global_batch_when_a_split_fills_the_card():
     cfg = load_config(["--profile", "h100"])  # 64 x 1 = 64
     for world, plan_max in ((1, 55), (1, 64), (1, 500), (2, 7), (4, 3), (1, 1)):
@@ -408,8 +500,9 @@ def test_elastic_batch_keeps_the_global_batch_when_a_split_fills_the_card():
 
 @pytest.mark.parametrize("rule", ["sqrt", "linear"])
 def test_elastic_batch_changes_the_global_batch_and_the_lr_by_the_rule_when_it_must(rule):
-    cfg = load_config(["--profile", "h100", "--micro-batch-size", "61", "--grad-accum-steps", "1",
-                       "--lr-scaling", rule])  # 61 is prime: exact splits are 61 x 1 or 1 x 61
+    cfg = load_config(
+        ["--profile", "h100", "--micro-batch-size", "61", "--grad-accum-steps", "1", "--lr-scaling", rule]
+    )  # 61 is prime: exact splits are 61 x 1 or 1 x 61
     micro, accum, lr, message = elastic_batch(cfg, 2, 40)
     assert (micro, accum) == (31, 2)  # two micro-steps, the fewest that fit; 62 per rank
     ratio = (31 * 2 * 2) / (61 * 2)

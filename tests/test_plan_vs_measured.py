@@ -1,6 +1,7 @@
 """What is planned is what trains: `python -m latentwire.plan` against `python -m
 latentwire.find_batch` at the same micro-batch, on a local instruct reader shaped like
 SmolLM2-135M-Instruct, with distillation, the chat template and word patches each on and off."""
+
 import itertools
 import json
 
@@ -16,15 +17,34 @@ from latentwire.prompting import DEFAULT_ANCHOR, DEFAULT_INSTRUCTION
 # SmolLM2-135M-Instruct's widths and vocabulary, so that its head and loss (vocabulary x kept
 # positions) weigh in the step as the real one's do, with 1 of its 30 decoder layers (each is
 # checkpointed alike).
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
-                    num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-                    max_position_embeddings=8192)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=1,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
 MICRO_BATCH = 2
-BASE = ["--profile", "cpu", "--precision", "fp32", "--activation-checkpointing", "full", "--max-prompt-bytes", "384",
-        "--micro-batch-size", str(MICRO_BATCH)]
+BASE = [
+    "--profile",
+    "cpu",
+    "--precision",
+    "fp32",
+    "--activation-checkpointing",
+    "full",
+    "--max-prompt-bytes",
+    "384",
+    "--micro-batch-size",
+    str(MICRO_BATCH),
+]
 SETTINGS = {"--kd-weight": ("1", "0"), "--chat-template": ("auto", "false"), "--word-patches": ("true", "false")}
-COMBINATIONS = [[flag for pair in zip(SETTINGS, values, strict=True) for flag in pair]
-                for values in itertools.product(*SETTINGS.values())]
+COMBINATIONS = [
+    [flag for pair in zip(SETTINGS, values, strict=True) for flag in pair]
+    for values in itertools.product(*SETTINGS.values())
+]
 
 
 def instruct_tokenizer():
@@ -39,9 +59,12 @@ def instruct_tokenizer():
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=[*specials.values(), "<|user|>", "<|end|>",
-                                                                   "<|assistant|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048,
+        special_tokens=[*specials.values(), "<|user|>", "<|end|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator([*synthetic_corpus_text(), DEFAULT_INSTRUCTION + DEFAULT_ANCHOR], trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token=specials["eos_token"], **specials)
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -72,8 +95,21 @@ def test_the_plan_is_within_a_tenth_of_the_measured_step(reader, settings, tmp_p
     an instruct reader's rows with its tokenizer and find_batch measured the run's contract."""
     flags = [*BASE, "--llama", reader, *settings]
     plan_main([*flags, "--json", str(tmp_path / "plan.json")])
-    find_batch_main([*flags, "--max-micro-batch", str(MICRO_BATCH), "--steps", "2", "--cap-gb", "64",
-                     "--json", str(tmp_path / "find_batch.json"), "--tb-dir", str(tmp_path / "tb")])
+    find_batch_main(
+        [
+            *flags,
+            "--max-micro-batch",
+            str(MICRO_BATCH),
+            "--steps",
+            "2",
+            "--cap-gb",
+            "64",
+            "--json",
+            str(tmp_path / "find_batch.json"),
+            "--tb-dir",
+            str(tmp_path / "tb"),
+        ]
+    )
     planned = json.loads((tmp_path / "plan.json").read_text())["peak_bytes"][str(MICRO_BATCH)]
     measured = json.loads((tmp_path / "find_batch.json").read_text())["trials"][0]["peak_allocated"]
     assert planned == pytest.approx(measured, rel=0.10)

@@ -1,6 +1,7 @@
 """The shipped GPU profiles against their own memory plans: each profile's micro-batch fits its
 card at its num_gpus, and a single-card profile fills the card. A change to the model, the
 profiles or the planner that breaks either fails here, before anyone rents the card."""
+
 import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
@@ -21,13 +22,23 @@ HW_PROFILES = REPO / "hw_profiles.json"
 def gpu_profiles() -> list[str]:
     """Every key of the shipped hw_profiles.json whose resolved device is cuda."""
     keys = json.loads(HW_PROFILES.read_text())
-    return [key for key in keys
-            if load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)]).card.device == "cuda"]
+    return [
+        key for key in keys if load_config(["--profile", key, "--hw-profiles", str(HW_PROFILES)]).card.device == "cuda"
+    ]
 
 
 def test_the_shipped_gpu_profiles_are_the_ones_planned_below():
-    assert {"h100", "h100x4", "h100x8-70b", "h200", "a100-80gb", "a100-40gb", "a100-40gbx4", "rtx6000ada",
-            "v100"} <= set(gpu_profiles())
+    assert {
+        "h100",
+        "h100x4",
+        "h100x8-70b",
+        "h200",
+        "a100-80gb",
+        "a100-40gb",
+        "a100-40gbx4",
+        "rtx6000ada",
+        "v100",
+    } <= set(gpu_profiles())
 
 
 def planned(key: str) -> tuple[int, int, Fit]:
@@ -83,8 +94,9 @@ def test_the_h100_plan_is_what_an_h100_measured_for_the_same_rows(plans, monkeyp
     runs = json.loads((REPO / "bench" / "results" / "h100.json").read_text())
     trials = [t for run in runs for t in (run.get("find_batch") or {}).get("trials", []) if t["fits"]]
     measured = fit_line({t["micro_batch"]: t["peak_gb"] * GIB for t in trials})
-    monkeypatch.setattr(WireTask, "loss_sums", lambda task, model, batch: full_logits_sums(model, task.llms, batch,
-                                                                                            task.objectives))
+    monkeypatch.setattr(
+        WireTask, "loss_sums", lambda task, model, batch: full_logits_sums(model, task.llms, batch, task.objectives)
+    )
     plan = make_plan(load_config(["--profile", "h100", "--hw-profiles", str(HW_PROFILES)]), 1, script_step()).fit
     assert plan.per_sample == pytest.approx(measured.per_sample, rel=0.02)
     assert plan.fixed == pytest.approx(measured.fixed, rel=0.02)

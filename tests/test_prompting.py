@@ -1,5 +1,6 @@
 """One prompt contract: training's wire rows, the distillation teacher's rows and evaluation's wire
 and text prompts put the same tokens around the middle (the wire or the prompt's tokens)."""
+
 import json
 
 import pytest
@@ -14,9 +15,12 @@ from latentwire.prompting import DEFAULT_ANCHOR, DEFAULT_INSTRUCTION, PromptCont
 CPU = torch.device("cpu")
 WIRE = "<wire>"  # stands for the M soft tokens in a row written out as tokens
 # name -> (the run's format, the readers whose tokenizer gets CHAT_TEMPLATE)
-FORMATS = {"default anchor": (PromptFormat(), ()), "no anchor": (PromptFormat(anchor=""), ()),
-           "chat template": (PromptFormat(anchor="Answer:", chat_template="true"), LLM_NAMES),
-           "auto, one instruct reader": (PromptFormat(), ("llama",))}
+FORMATS = {
+    "default anchor": (PromptFormat(), ()),
+    "no anchor": (PromptFormat(anchor=""), ()),
+    "chat template": (PromptFormat(anchor="Answer:", chat_template="true"), LLM_NAMES),
+    "auto, one instruct reader": (PromptFormat(), ("llama",)),
+}
 
 
 def with_template(llm):
@@ -43,7 +47,7 @@ def test_training_the_teacher_and_evaluation_read_the_same_tokens_around_the_mid
         rows, lead, tail = batch["answers"][name], list(llm.contract.lead), list(llm.contract.tail)
         answers = gen.answer_ids(rows)
         for r, example in enumerate(examples):
-            after = rows["input_ids"][r, :len(tail) + len(answers[r])].tolist()
+            after = rows["input_ids"][r, : len(tail) + len(answers[r])].tolist()
             student = rows["lead_ids"][r].tolist() + [WIRE] + after
             teacher = rows["text_ids"][r][rows["text_mask"][r].bool()].tolist() + after
             prompt = llm.tokenizer(gen.prompt_text(example), add_special_tokens=False)["input_ids"]
@@ -61,7 +65,7 @@ def test_evaluation_wire_prompt_is_the_start_of_the_training_row(llms):
         soft = torch.randn(3, 8, llm.hidden_size)
         training = llm.wire_embeds(soft, rows["lead_ids"], rows["input_ids"])
         evaluation = gen.wire_prompts(llm, soft, rows["lead_ids"]).embeds
-        assert torch.equal(evaluation, training[:, :evaluation.shape[1]])
+        assert torch.equal(evaluation, training[:, : evaluation.shape[1]])
         assert evaluation.shape[1] == len(llm.contract.lead) + 8 + len(llm.contract.tail)
 
 
@@ -78,9 +82,9 @@ def test_the_teacher_logits_are_the_readers_own_on_each_unpadded_text_prompt(llm
         assert teacher.shape[1] == rows["input_ids"].shape[1] + 1
         for r, (example, answer) in enumerate(zip(examples, gen.answer_ids(rows), strict=True)):
             alone = torch.tensor([gen.text_prompt_ids(llm, example, None) + answer])
-            logits = llm.model(input_ids=alone).logits[0, -(len(answer) + 1):]
+            logits = llm.model(input_ids=alone).logits[0, -(len(answer) + 1) :]
             start = len(llm.contract.tail)  # the kept logit that predicts the answer's first token (see the labels)
-            torch.testing.assert_close(teacher[r, start:start + len(answer) + 1], logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(teacher[r, start : start + len(answer) + 1], logits, rtol=1e-4, atol=1e-4)
 
 
 def test_the_chat_template_frames_the_middle_and_the_instruction_follows_it():
@@ -104,8 +108,7 @@ def test_auto_gives_each_reader_its_own_contract_and_false_the_bare_anchor():
 
 
 def test_a_chat_template_the_tokenizer_lacks_is_a_one_line_error(tmp_path):
-    result = run_train(["--profile", "cpu", "--chat-template", "true", "--out-dir", str(tmp_path / "run")],
-                       nproc=1)
+    result = run_train(["--profile", "cpu", "--chat-template", "true", "--out-dir", str(tmp_path / "run")], nproc=1)
     assert_one_line_error(result, "--chat-template true: the llama (tiny) tokenizer has no chat template")
     assert not (tmp_path / "run").exists()
 
@@ -116,12 +119,35 @@ def test_an_instruct_llama_beside_a_base_qwen_trains_and_evaluates_each_in_its_o
     got: the Llama (a tokenizer with a chat template) chat, the Qwen (none) the bare anchor."""
     reader = instruct_reader(tmp_path)
     out = tmp_path / "run"
-    proc = ok(run_train(["--profile", "cpu", *FAST, "--llama", str(reader), "--max-steps", "2", "--kd-weight", "0",
-                         "--micro-batch-size", "4", "--grad-accum-steps", "1", "--out-dir", str(out)]))
+    proc = ok(
+        run_train(
+            [
+                "--profile",
+                "cpu",
+                *FAST,
+                "--llama",
+                str(reader),
+                "--max-steps",
+                "2",
+                "--kd-weight",
+                "0",
+                "--micro-batch-size",
+                "4",
+                "--grad-accum-steps",
+                "1",
+                "--out-dir",
+                str(out),
+            ]
+        )
+    )
     opening = next(line for line in proc.stdout.splitlines() if line.startswith("prompt: "))
     assert opening.startswith("prompt: llama: its chat template") and "qwen: no chat template" in opening
-    evaluation = ok(run_module("latentwire.evaluate", ["--ckpt", str(out), "--eval-examples", "4", "--batch-size", "4",
-                                                     "--out-dir", str(tmp_path / "eval")]))
+    evaluation = ok(
+        run_module(
+            "latentwire.evaluate",
+            ["--ckpt", str(out), "--eval-examples", "4", "--batch-size", "4", "--out-dir", str(tmp_path / "eval")],
+        )
+    )
     report = json.loads(next((tmp_path / "eval").glob("*.json")).read_text())
-    assert report["settings"]["chat_template"] == "auto" and report["settings"]["prompts"] == opening[len("prompt: "):]
+    assert report["settings"]["chat_template"] == "auto" and report["settings"]["prompts"] == opening[len("prompt: ") :]
     assert "Prompt contracts: llama: its chat template" in evaluation.stdout

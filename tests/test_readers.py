@@ -1,5 +1,6 @@
 """The cpu profile's tiny readers read: pretrained here on the synthetic reading-comprehension set,
 they answer held-out questions from the text prompt the evaluation feeds them."""
+
 import pytest
 import torch
 from safetensors.torch import load_file

@@ -1,4 +1,5 @@
 """Checkpoints, exact resume, preemption, non-finite steps and a failing rank."""
+
 import json
 import math
 import os
@@ -35,10 +36,19 @@ from latentwire.settings import DEFAULT_PROFILES, load_config
 
 
 def popen_train(args, nproc=1, **env):
-    launcher = ([sys.executable] if nproc == 1 else
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
-    return subprocess.Popen([*launcher, str(REPO / "train.py"), *args], cwd=REPO, env=child_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    )
+    return subprocess.Popen(
+        [*launcher, str(REPO / "train.py"), *args],
+        cwd=REPO,
+        env=child_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -122,10 +132,17 @@ main_guard(lambda: train.main(sys.argv[1:]))
 
 def popen_signalled(tmp_path, args, module, name, nth):
     script = tmp_path / "signalled_train.py"
-    script.write_text(SIGNAL_AT_CALL.format(repo=str(REPO), train=str(REPO / "train.py"), module=module, name=name,
-                                            nth=nth))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), *args], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    script.write_text(
+        SIGNAL_AT_CALL.format(repo=str(REPO), train=str(REPO / "train.py"), module=module, name=name, nth=nth)
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -135,8 +152,18 @@ def test_a_signal_during_evaluation_drops_it_and_saves_the_step(tmp_path, last):
     starts another chunk, the step is saved without its evaluation, and the run exits 75; at the
     run's last step it is done, exits 0, and says the evaluation was dropped."""
     out = tmp_path / "run"
-    args = [*TWENTY[2], "--eval-every", "2", "--eval-examples", "64", "--micro-batch-size", "4",
-            "--out-dir", str(out), *(["--max-steps", "2"] if last else [])]
+    args = [
+        *TWENTY[2],
+        "--eval-every",
+        "2",
+        "--eval-examples",
+        "64",
+        "--micro-batch-size",
+        "4",
+        "--out-dir",
+        str(out),
+        *(["--max-steps", "2"] if last else []),
+    ]
     proc = popen_signalled(tmp_path, args, "latentwire.eval.evaluation", "evaluate_chunk", nth=1)
     if last:
         assert proc.returncode == 0 and "dropped step 2's evaluation; the run is done" in proc.stderr, proc.stderr
@@ -153,8 +180,7 @@ def test_a_signal_while_loading_saves_the_start_and_resumes_exactly(tmp_path, st
     """Rank 1 is signalled while it reads its second LLM: the ranks agree before the first step,
     save step 0 (what --resume needs) without training, and the resumed run is the unbroken one."""
     out = tmp_path / "run"
-    proc = popen_signalled(tmp_path, [*TWENTY[2], "--out-dir", str(out)], "latentwire.llm", "read_weights",
-                           nth=2)
+    proc = popen_signalled(tmp_path, [*TWENTY[2], "--out-dir", str(out)], "latentwire.llm", "read_weights", nth=2)
     assert "saving step 0" in proc.stdout and "exitcode  : 75" in proc.stderr, proc.stdout + proc.stderr
     assert [p.name for p in list_checkpoints(out)] == ["step_00000000"]
     assert not (out / "metrics.jsonl").exists() or not read_metrics(out)
@@ -192,6 +218,7 @@ def test_a_kill_while_pruning_leaves_every_step_directory_complete(tmp_path, mon
     from pathlib import Path
 
     from latentwire.harness import checkpoint
+
     files = {"meta.json", "trainable.safetensors", "train_state.pt", "rng_rank0.pt"}
     for step in (1, 2, 3):
         path = checkpoint.checkpoint_dir(tmp_path, step)
@@ -223,6 +250,7 @@ def test_an_old_checkpoint_that_cannot_be_removed_is_a_warning(tmp_path, monkeyp
     import os
 
     from latentwire.harness import checkpoint
+
     for step in (1, 2):
         checkpoint.checkpoint_dir(tmp_path, step).mkdir(parents=True)
 
@@ -262,12 +290,21 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
 def run_with_fault(tmp_path, fault: str, args) -> subprocess.CompletedProcess:
     """train.py as `python train.py ARGS`, with `fault` (Python source, `train` imported) injected."""
     script = tmp_path / "faulty_train.py"
-    script.write_text("\n".join([
-        "import sys", f"sys.path.insert(0, {str(REPO)!r}); sys.argv[0] = {str(REPO / 'train.py')!r}",
-        "import train", "from latentwire.harness.exits import main_guard", fault,
-        "main_guard(lambda: train.main(sys.argv[1:]))"]))
-    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=child_env(), capture_output=True,
-                          text=True, timeout=300)
+    script.write_text(
+        "\n".join(
+            [
+                "import sys",
+                f"sys.path.insert(0, {str(REPO)!r}); sys.argv[0] = {str(REPO / 'train.py')!r}",
+                "import train",
+                "from latentwire.harness.exits import main_guard",
+                fault,
+                "main_guard(lambda: train.main(sys.argv[1:]))",
+            ]
+        )
+    )
+    return subprocess.run(
+        [sys.executable, str(script), *args], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 NAN_AT = """
@@ -303,14 +340,30 @@ def test_a_non_finite_step_is_skipped_and_counted(tmp_path):
 @pytest.mark.slow
 def test_non_finite_steps_in_a_row_stop_the_run_cleanly(tmp_path):
     out = tmp_path / "run"
-    proc = run_with_nan(tmp_path, {2, 3, 4}, [*RUN, "--grad-accum-steps", "1", "--max-steps", "12",
-                                              "--max-nonfinite-steps", "3", "--out-dir", str(out)])
+    proc = run_with_nan(
+        tmp_path,
+        {2, 3, 4},
+        [*RUN, "--grad-accum-steps", "1", "--max-steps", "12", "--max-nonfinite-steps", "3", "--out-dir", str(out)],
+    )
     assert_one_line_error(proc, "3 non-finite steps in a row")
     assert proc.returncode == 3
     assert [p.name for p in list_checkpoints(out)] == ["step_00000004"]
     # the saved weights are step 1's: the three bad steps never touched them
-    ok(run_train([*RUN, "--grad-accum-steps", "1", "--max-steps", "12", "--stop-at-step", "1",
-                  "--out-dir", str(tmp_path / "one")]))
+    ok(
+        run_train(
+            [
+                *RUN,
+                "--grad-accum-steps",
+                "1",
+                "--max-steps",
+                "12",
+                "--stop-at-step",
+                "1",
+                "--out-dir",
+                str(tmp_path / "one"),
+            ]
+        )
+    )
     a, b = final_weights(out), final_weights(tmp_path / "one")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -333,8 +386,11 @@ torch.optim.AdamW.step = nan_lr_step
 @pytest.mark.slow
 def test_non_finite_weights_are_never_saved(tmp_path):
     out = tmp_path / "run"
-    proc = run_with_fault(tmp_path, NAN_LR_AT_STEP_3, [*RUN, "--grad-accum-steps", "1", "--max-steps", "6",
-                                                        "--checkpoint-every", "2", "--out-dir", str(out)])
+    proc = run_with_fault(
+        tmp_path,
+        NAN_LR_AT_STEP_3,
+        [*RUN, "--grad-accum-steps", "1", "--max-steps", "6", "--checkpoint-every", "2", "--out-dir", str(out)],
+    )
     assert_one_line_error(proc, "the weights are not finite at step 4", "newest good checkpoint is step_00000002")
     assert proc.returncode == 3
     assert [p.name for p in list_checkpoints(out)] == ["step_00000002"]
@@ -361,9 +417,23 @@ train.main(sys.argv[1:])
 def test_a_rank_that_raises_ends_the_whole_job(tmp_path):
     script = tmp_path / "fail_train.py"
     script.write_text(RAISE_ON_RANK_1.format(repo=str(REPO), train=str(REPO / "train.py")))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           *RUN, "--max-steps", "50", "--micro-batch-size", "2", "--dist-timeout-s", "60",
-           "--out-dir", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        *RUN,
+        "--max-steps",
+        "50",
+        "--micro-batch-size",
+        "2",
+        "--dist-timeout-s",
+        "60",
+        "--out-dir",
+        str(tmp_path / "run"),
+    ]
     # The guard is the subprocess timeout: a hang would exceed it; torchrun stops rank 0 at once.
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
@@ -383,21 +453,26 @@ recipe.forward_loss_sums = failing
 """
 
 
-@pytest.mark.parametrize("error, code", [("RuntimeError('the step failed')", 1),
-                                         ("torch.OutOfMemoryError('CUDA out of memory')", 5)])
+@pytest.mark.parametrize(
+    "error, code", [("RuntimeError('the step failed')", 1), ("torch.OutOfMemoryError('CUDA out of memory')", 5)]
+)
 def test_a_failed_run_stops_its_loader_workers_before_it_exits(tmp_path, error, code):
     """A failed run's loader workers are stopped before the interpreter exits, so no exit-time
     join can hold the exit: torch 2.11 joins each persistent, pinned-memory worker for 5 s at
     exit (three failed H100 runs took 40 s more than their traceback with 8 workers, and two were
     killed for it). The CPU has no pinned memory, so it exits at once either way; what it shows
     is the workers still alive at exit without the fix."""
-    proc = run_with_fault(tmp_path, FAIL_FIRST_STEP.format(error=error),
-                          [*RUN, "--num-workers", "2", "--max-steps", "2", "--out-dir", str(tmp_path / "run")])
+    proc = run_with_fault(
+        tmp_path,
+        FAIL_FIRST_STEP.format(error=error),
+        [*RUN, "--num-workers", "2", "--max-steps", "2", "--out-dir", str(tmp_path / "run")],
+    )
     assert proc.returncode == code, proc.stderr
     assert "workers at exit: 0" in proc.stderr, proc.stderr
 
 
 # --- bad input: exit code, one line, nothing on disk changed ----------------------------------
+
 
 def snapshot(root):
     """Every path under root (directories as None) and every file's bytes: a refusal adds nothing either."""
@@ -430,24 +505,29 @@ def model_dir(tmp_path, config: dict) -> str:
     return str(tmp_path / "model")
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (lambda t: ["--dataset", str(t / "missing.jsonl")], "does not exist"),
-    (lambda t: ["--dataset", write(t / "empty.jsonl", "")], "has no examples"),
-    (lambda t: ["--dataset", write(t / "bad.jsonl", '{"context": "c", "question": "q"}\n')], "'answers.text'"),
-    (lambda t: ["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
-    (lambda t: ["--llama", str(t / "no_such_model_dir")], "does not exist"),
-    (lambda t: ["--llama", model_dir(t, {"model_type": "no_such_architecture"})],
-     "does not recognize this architecture"),
-    (lambda t: ["--llama", model_dir(t, {"model_type": "llama"})], "cannot load the tokenizer of model"),
-    (lambda t: ["--qwen", model_dir(t, {"model_type": "qwen2"})], "has no .safetensors weights"),
-    (lambda t: ["--micro-batch-size", "0"], "must be > 0"),
-    (lambda t: ["--grad-accum-steps", "0"], "must be > 0"),
-    (lambda t: ["--lr", "-1"], "'lr' must be > 0"),
-    (lambda t: ["--precision", "int8"], "'precision' must be one of"),
-    (lambda t: ["--max-steps", "3", "--resume"], "no usable checkpoint"),
-    # Checked after the models load: still before --overwrite deletes anything.
-    (lambda t: ["--num-examples", "4"], "dataset of 4 examples is smaller than one global batch"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (lambda t: ["--dataset", str(t / "missing.jsonl")], "does not exist"),
+        (lambda t: ["--dataset", write(t / "empty.jsonl", "")], "has no examples"),
+        (lambda t: ["--dataset", write(t / "bad.jsonl", '{"context": "c", "question": "q"}\n')], "'answers.text'"),
+        (lambda t: ["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+        (lambda t: ["--llama", str(t / "no_such_model_dir")], "does not exist"),
+        (
+            lambda t: ["--llama", model_dir(t, {"model_type": "no_such_architecture"})],
+            "does not recognize this architecture",
+        ),
+        (lambda t: ["--llama", model_dir(t, {"model_type": "llama"})], "cannot load the tokenizer of model"),
+        (lambda t: ["--qwen", model_dir(t, {"model_type": "qwen2"})], "has no .safetensors weights"),
+        (lambda t: ["--micro-batch-size", "0"], "must be > 0"),
+        (lambda t: ["--grad-accum-steps", "0"], "must be > 0"),
+        (lambda t: ["--lr", "-1"], "'lr' must be > 0"),
+        (lambda t: ["--precision", "int8"], "'precision' must be one of"),
+        (lambda t: ["--max-steps", "3", "--resume"], "no usable checkpoint"),
+        # Checked after the models load: still before --overwrite deletes anything.
+        (lambda t: ["--num-examples", "4"], "dataset of 4 examples is smaller than one global batch"),
+    ],
+)
 def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flags, fragment):
     before = snapshot(finished_run)
     args = [*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--overwrite", *flags(tmp_path)]
@@ -458,16 +538,24 @@ def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flag
     assert snapshot(finished_run) == before
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (["--max-steps", "3"], "--max-steps 3 (the run's: 2)"),
-    (["--max-steps", "2", "--stop-at-step", "1"], "--stop-at-step 1 is not after the resumed step 2"),
-    # The checkpoint's optimizer and schedule would override these silently.
-    (["--max-steps", "2", "--lr", "0.5"], f"--lr 0.5 (the run's: {load_config(['--profile', 'cpu']).optimizer.lr})"),
-    (["--max-steps", "2", "--weight-decay", "0.5", "--adam-beta1", "0.5"],
-     "--weight-decay 0.5 (the run's: 0.01), --adam-beta1 0.5 (the run's: 0.9)"),
-    (["--max-steps", "2", "--num-latents", "3"], "--num-latents 3 (the run's: 16)"),
-    (["--max-steps", "2", "--precision", "bf16"], "--precision bf16 (the run's: fp32)"),  # the grad scaler's state
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--max-steps", "3"], "--max-steps 3 (the run's: 2)"),
+        (["--max-steps", "2", "--stop-at-step", "1"], "--stop-at-step 1 is not after the resumed step 2"),
+        # The checkpoint's optimizer and schedule would override these silently.
+        (
+            ["--max-steps", "2", "--lr", "0.5"],
+            f"--lr 0.5 (the run's: {load_config(['--profile', 'cpu']).optimizer.lr})",
+        ),
+        (
+            ["--max-steps", "2", "--weight-decay", "0.5", "--adam-beta1", "0.5"],
+            "--weight-decay 0.5 (the run's: 0.01), --adam-beta1 0.5 (the run's: 0.9)",
+        ),
+        (["--max-steps", "2", "--num-latents", "3"], "--num-latents 3 (the run's: 16)"),
+        (["--max-steps", "2", "--precision", "bf16"], "--precision bf16 (the run's: fp32)"),  # the grad scaler's state
+    ],
+)
 def test_resume_that_cannot_continue_the_run_is_one_line(finished_run, flags, fragment):
     """Refused from the checkpoint's meta.json, before the LLMs load and the teacher's targets are
     computed (minutes on a GPU profile), and nothing on disk changed."""
@@ -523,12 +611,20 @@ def test_a_resume_cannot_mix_datasets_unless_asked_for_a_fresh_epoch(tmp_path):
     assert read_metrics(out)[0]["train_examples"] == 256 - 26
     before = snapshot(out)
     refused = run_train([*args, "--dataset", str(files["b"]), "--out-dir", str(out), "--resume"])
-    line = assert_one_line_error(refused, "--resume on other training data", f"trained on {files['a']} (230 examples",
-                                 f"this run loads {files['b']} (230 examples", "--new-data")
+    line = assert_one_line_error(
+        refused,
+        "--resume on other training data",
+        f"trained on {files['a']} (230 examples",
+        f"this run loads {files['b']} (230 examples",
+        "--new-data",
+    )
     assert refused.returncode == 2 and snapshot(out) == before
     files["a"].write_text(files["a"].read_text().replace("Which city", "What city"))  # the same path, changed
-    again = assert_one_line_error(run_train([*args, "--dataset", str(files["a"]), "--out-dir", str(out), "--resume"]),
-                                  f"trained on {files['a']}", f"this run loads {files['a']}")
+    again = assert_one_line_error(
+        run_train([*args, "--dataset", str(files["a"]), "--out-dir", str(out), "--resume"]),
+        f"trained on {files['a']}",
+        f"this run loads {files['a']}",
+    )
     assert again != line and snapshot(out) == before
     new = [*args, "--dataset", str(files["b"]), "--out-dir", str(out), "--resume", "--new-data"]
     proc = ok(run_train([*new, "--stop-at-step", "3"]))
@@ -549,8 +645,11 @@ def test_resuming_a_finished_run_changes_nothing(finished_run):
 
 def test_a_hub_dataset_offline_is_one_line(finished_run, tmp_path):
     before = snapshot(finished_run)
-    proc = run_train([*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--overwrite", "--dataset", "squad"],
-                     HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "empty_cache"))
+    proc = run_train(
+        [*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--overwrite", "--dataset", "squad"],
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(tmp_path / "empty_cache"),
+    )
     assert_one_line_error(proc, "cannot load dataset squad", "Hugging Face Hub")
     assert snapshot(finished_run) == before
 
@@ -578,8 +677,9 @@ safetensors.torch.save_file = full_disk
 @pytest.mark.slow
 def test_a_failing_checkpoint_write_is_one_line_and_keeps_earlier_checkpoints(tmp_path):
     out = tmp_path / "run"
-    proc = run_with_fault(tmp_path, FAIL_SECOND_SAVE,
-                          [*RUN, "--max-steps", "6", "--checkpoint-every", "2", "--out-dir", str(out)])
+    proc = run_with_fault(
+        tmp_path, FAIL_SECOND_SAVE, [*RUN, "--max-steps", "6", "--checkpoint-every", "2", "--out-dir", str(out)]
+    )
     assert_one_line_error(proc, "saving checkpoint step_00000004 failed", "No space left on device")
     assert proc.returncode == 4
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]  # no temporary left
@@ -595,12 +695,14 @@ def small_disk(tmp_path):
     def mount(size: int):
         path = tmp_path / f"disk{len(mounts)}"
         path.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
         mounts.append(path)
         return path
+
     yield mount
     for path in mounts:
         subprocess.run(["umount", str(path)], check=True)
@@ -613,11 +715,12 @@ def test_a_full_disk_during_a_checkpoint_exits_4_and_leaves_no_partial_write(fin
     safetensors' writer (a SafetensorError) or in torch.save (a RuntimeError), not an OSError."""
     files = {p.name: p.stat().st_size for p in list_checkpoints(finished_run)[-1].iterdir()}
     order = ["rng_rank0.pt", "trainable.safetensors", "train_state.pt"]  # as save_checkpoint writes them
-    room = sum(files.values()) + sum(files[name] for name in order[:order.index(fills_in)]) + files[fills_in] // 2
+    room = sum(files.values()) + sum(files[name] for name in order[: order.index(fills_in)]) + files[fills_in] // 2
     out = small_disk(room + 64 * 1024) / "run"  # and the metrics and TensorBoard files
     proc = run_train([*RUN, "--max-steps", "4", "--checkpoint-every", "2", "--out-dir", str(out)])
-    assert_one_line_error(proc, "saving checkpoint step_00000004 failed", "MiB free there",
-                          "earlier checkpoints are intact")
+    assert_one_line_error(
+        proc, "saving checkpoint step_00000004 failed", "MiB free there", "earlier checkpoints are intact"
+    )
     assert proc.returncode == 4
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]  # no temporary left
     load_checkpoint(out / "checkpoints" / "step_00000002", rank=0)
@@ -632,12 +735,14 @@ def test_resume_on_another_layout_keeps_the_sample_order(tmp_path, straight):
     proc = ok(run_train([*args, "--out-dir", str(moved), "--resume", "--micro-batch-size", "2"], nproc=2))
     assert "bitwise identical to an unbroken one only for the same layout" in proc.stderr
     from conftest import max_rel_diff
+
     assert max_rel_diff(final_weights(straight(1)), final_weights(moved)) < 1e-4
     for a, b in zip(read_metrics(straight(1)), read_metrics(moved), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
 
 
 # --- what a scheduler or a person does that nobody expects -------------------------------------------
+
 
 @pytest.mark.slow
 def test_a_second_run_in_the_same_directory_is_refused_and_the_first_is_untouched(tmp_path):
@@ -684,9 +789,14 @@ def read_only_checkpoints():
 def test_a_checkpoint_directory_the_run_cannot_write_is_refused_before_it_trains(read_only_checkpoints):
     """Found when the run starts (exit 2, one line), not at its first save after the training."""
     out, prefix, env = read_only_checkpoints
-    proc = subprocess.run([*prefix, sys.executable, str(REPO / "train.py"), *RUN, "--max-steps", "2",
-                           "--out-dir", str(out)], cwd=REPO, env=child_env(**env), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [*prefix, sys.executable, str(REPO / "train.py"), *RUN, "--max-steps", "2", "--out-dir", str(out)],
+        cwd=REPO,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_one_line_error(proc, f"the checkpoint directory {out / 'checkpoints'} cannot be created")
     assert proc.returncode == 2 and "loaded the frozen LLMs" not in proc.stdout
 
@@ -715,11 +825,17 @@ def test_a_checkpoint_write_that_fails_later_is_exit_4_on_every_rank(tmp_path, n
     (tmp_path / "fault" / "sitecustomize.py").write_text(READ_ONLY_AT_SECOND_SAVE)
     args = [*RUN, "--max-steps", "6", "--checkpoint-every", "2", "--micro-batch-size", "2", "--out-dir", str(out)]
     command = [sys.executable, str(REPO / "train.py")] if nproc == 1 else [str(REPO / "launch.sh")]
-    proc = subprocess.run([*command, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=child_env(PYTHONPATH=str(tmp_path / "fault"), PYTHON=sys.executable,
-                                        NPROC_PER_NODE=str(nproc)))
-    assert_one_line_error(proc, "saving checkpoint step_00000004 failed: OSError: Read-only file system",
-                          "earlier checkpoints are intact")
+    proc = subprocess.run(
+        [*command, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(PYTHONPATH=str(tmp_path / "fault"), PYTHON=sys.executable, NPROC_PER_NODE=str(nproc)),
+    )
+    assert_one_line_error(
+        proc, "saving checkpoint step_00000004 failed: OSError: Read-only file system", "earlier checkpoints are intact"
+    )
     assert proc.returncode == 4
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]
 

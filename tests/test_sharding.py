@@ -1,6 +1,7 @@
 """Frozen LLMs sharded by FSDP2 (--frozen-sharding fsdp) on two gloo ranks: the same training as
 whole LLMs on every rank, a resume as exact as unsharded, each rank holding half the frozen bytes
 and reading only its rows of the checkpoint."""
+
 import json
 import re
 
@@ -22,8 +23,19 @@ from conftest import (
 # Two ranks, accumulation 2, fp32 without dropout, the decoder layers recomputed in backward as on
 # the GPU profiles; the last step evaluates, which under fsdp must make the same LLM calls on every
 # rank (a rank that called fewer would leave the others waiting).
-ARGS = [*RUN, "--max-steps", "4", "--micro-batch-size", "2", "--activation-checkpointing", "full",
-        "--eval-every", "4", "--eval-examples", "6"]
+ARGS = [
+    *RUN,
+    "--max-steps",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--activation-checkpointing",
+    "full",
+    "--eval-every",
+    "4",
+    "--eval-examples",
+    "6",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +45,10 @@ def runs(tmp_path_factory, saved_reader):
     loading it, whole and a rank's rows, are in the comparison."""
     root = tmp_path_factory.mktemp("sharding")
     args = [*ARGS, "--qwen", str(saved_reader)]
-    procs = {mode: ok(run_train([*args, "--frozen-sharding", mode, "--out-dir", str(root / mode)], nproc=2))
-             for mode in ("none", "fsdp")}
+    procs = {
+        mode: ok(run_train([*args, "--frozen-sharding", mode, "--out-dir", str(root / mode)], nproc=2))
+        for mode in ("none", "fsdp")
+    }
     return {mode: (root / mode, proc) for mode, proc in procs.items()}
 
 
@@ -68,13 +82,25 @@ def test_stop_and_resume_under_fsdp_is_bitwise_exact(runs, saved_reader, tmp_pat
 def test_the_memory_plan_holds_what_a_sharded_rank_holds(runs, saved_reader, tmp_path):
     """The plan computes the shards (padding included) and the all-gathered units rather than
     tracing them: its frozen bytes per rank are what rank 0 of the real run holds."""
-    ok(run_module("latentwire.plan", ["--profile", "cpu", "--qwen", str(saved_reader), "--frozen-sharding", "fsdp",
-                                      "--json", str(tmp_path / "p.json")]))
+    ok(
+        run_module(
+            "latentwire.plan",
+            [
+                "--profile",
+                "cpu",
+                "--qwen",
+                str(saved_reader),
+                "--frozen-sharding",
+                "fsdp",
+                "--json",
+                str(tmp_path / "p.json"),
+            ],
+        )
+    )
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["world_size"] == 2 and plan["frozen_sharding"] == "fsdp"  # the cpu profile's num_gpus
-    assert plan["params_frozen_bytes"] / 2 ** 20 == pytest.approx(held_mib(runs["fsdp"][1]), abs=0.006)
+    assert plan["params_frozen_bytes"] / 2**20 == pytest.approx(held_mib(runs["fsdp"][1]), abs=0.006)
     assert 0 < plan["fsdp_gathered_bytes"] < plan["params_frozen_bytes"]
-
 
 
 @pytest.mark.slow
@@ -89,6 +115,7 @@ def test_a_sharded_run_is_evaluated_sharded_with_the_numbers_of_whole_llms(runs,
     reports = [json.loads(next((tmp_path / d).glob("*.json")).read_text()) for d in ("two", "one")]
     assert reports[0]["answers"] == reports[1]["answers"]
     assert reports[0]["metrics"] == pytest.approx(reports[1]["metrics"], rel=1e-6)
+
 
 @pytest.fixture(params=[(2, 1), (3, 2)], ids=["rank1of2", "rank2of3"])
 def fake_rank(request):
@@ -195,8 +222,9 @@ def test_backward_gathers_every_decoder_layer_and_never_the_embedding_table(fake
     head = llm.model.get_output_embeddings()
     with llm.head_weight() as weight:  # gathered whole for the loss, released after
         assert not isinstance(weight, DTensor) and weight.shape == (llm.model.config.vocab_size, llm.hidden_size)
-        sums = llm_term_sums(hidden, weight, {"labels": labels, "label_positions": label_positions(labels)},
-                             Objectives())
+        sums = llm_term_sums(
+            hidden, weight, {"labels": labels, "label_positions": label_positions(labels)}, Objectives()
+        )
     assert isinstance(head.weight, DTensor)
     sums.sum().backward()
     assert soft.grad is not None

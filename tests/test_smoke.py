@@ -1,4 +1,5 @@
 """The newcomer's run: `torchrun --nproc_per_node=2 train.py --profile cpu`, unchanged but for out_dir."""
+
 import json
 import math
 import subprocess
@@ -12,10 +13,32 @@ from latentwire.settings import load_config
 CPU = load_config(["--profile", "cpu"])
 STEPS = CPU.training.max_steps
 
-REQUIRED = ("step", "time", "epoch", "loss", "loss_llama", "loss_qwen", "lr", "grad_norm", "skipped_steps",
-            "samples_per_s", "tokens_per_s", "target_tokens_per_s", "step_time_s", "tflops_per_gpu", "mfu",
-            "mfu_useful", "data_wait_frac", "mem_gb", "peak_mem_gb", "reserved_gb", "peak_reserved_gb",
-            "alloc_retries", "gpu_util_pct", "gpu_power_w")
+REQUIRED = (
+    "step",
+    "time",
+    "epoch",
+    "loss",
+    "loss_llama",
+    "loss_qwen",
+    "lr",
+    "grad_norm",
+    "skipped_steps",
+    "samples_per_s",
+    "tokens_per_s",
+    "target_tokens_per_s",
+    "step_time_s",
+    "tflops_per_gpu",
+    "mfu",
+    "mfu_useful",
+    "data_wait_frac",
+    "mem_gb",
+    "peak_mem_gb",
+    "reserved_gb",
+    "peak_reserved_gb",
+    "alloc_retries",
+    "gpu_util_pct",
+    "gpu_power_w",
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +68,7 @@ def test_metrics_lines_have_every_field(cpu_run):
 @pytest.mark.slow
 def test_tensorboard_has_the_same_scalars(cpu_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(cpu_run / "tb"))
     events.Reload()
     logged = read_metrics(cpu_run)
@@ -60,10 +84,15 @@ def test_tensorboard_has_the_same_scalars(cpu_run):
 def test_final_checkpoint_loads_with_safetensors_alone(cpu_run):
     ckpt = cpu_run / "checkpoints" / f"step_{STEPS:08d}"
     # A fresh interpreter that imports safetensors and numpy only: no torch, no latentwire.
-    code = ("import sys, safetensors.numpy as s; t = s.load_file(sys.argv[1]); "
-            "assert 'torch' not in sys.modules; print(len(t), sum(v.size for v in t.values()))")
-    proc = ok(subprocess.run([sys.executable, "-c", code, str(ckpt / "trainable.safetensors")],
-                             capture_output=True, text=True))
+    code = (
+        "import sys, safetensors.numpy as s; t = s.load_file(sys.argv[1]); "
+        "assert 'torch' not in sys.modules; print(len(t), sum(v.size for v in t.values()))"
+    )
+    proc = ok(
+        subprocess.run(
+            [sys.executable, "-c", code, str(ckpt / "trainable.safetensors")], capture_output=True, text=True
+        )
+    )
     n_tensors, n_params = map(int, proc.stdout.split())
     assert n_tensors > 10 and 100_000 < n_params < 10_000_000
     meta = json.loads((ckpt / "meta.json").read_text())
@@ -73,6 +102,7 @@ def test_final_checkpoint_loads_with_safetensors_alone(cpu_run):
     from safetensors.torch import load_file
 
     from latentwire.model import WireConfig, WireEncoder
+
     weights = load_file(str(ckpt / "trainable.safetensors"))
     hidden = {name: weights[f"adapters.{name}.norm.weight"].numel() for name in ("llama", "qwen")}
     model = WireEncoder(WireConfig(**meta["wire"]), {name: (size, 1.0) for name, size in hidden.items()})

@@ -1,4 +1,5 @@
 """train.py end to end: the correctness rules of DESIGN.md, checked from the outside."""
+
 import itertools
 import json
 import math
@@ -23,8 +24,9 @@ def train(tmp_path, name, *args, nproc=1, torchrun=None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("terms", [["--first-token-weight", "0", "--kd-weight", "0"], ALL_TERMS_FLAGS],
-                         ids=["answer_ce", "all_terms"])
+@pytest.mark.parametrize(
+    "terms", [["--first-token-weight", "0", "--kd-weight", "0"], ALL_TERMS_FLAGS], ids=["answer_ce", "all_terms"]
+)
 def test_gradient_accumulation_and_ddp_are_exact(tmp_path, terms):
     """mbs 8 x 1, mbs 2 x accum 4, and mbs 2 x accum 2 x 2 ranks end with the same weights, and log
     the same value of every loss term of every LLM: each is normalised by its global count."""
@@ -69,8 +71,9 @@ def test_gradient_accumulation_and_ddp_are_exact(tmp_path, terms):
     assert max_rel_diff(reference, final_weights(untouched)) > 1e-3
 
 
-def onecycle_reference(step: int, total: int, max_lr: float, pct_start: float, div: float, final_div: float,
-                       strategy: str) -> float:
+def onecycle_reference(
+    step: int, total: int, max_lr: float, pct_start: float, div: float, final_div: float, strategy: str
+) -> float:
     """The lr of optimizer step `step` (1-based) under OneCycle, written out from its definition."""
     initial, final = max_lr / div, max_lr / div / final_div
     warm_end = pct_start * total - 1
@@ -88,9 +91,29 @@ def onecycle_reference(step: int, total: int, max_lr: float, pct_start: float, d
 @pytest.mark.parametrize("strategy", ["cos", "linear"])
 def test_onecycle_schedule(tmp_path, strategy):
     total, lr, pct, div, final_div = 12, 2e-3, 0.25, 20.0, 50.0
-    out = train(tmp_path, "run", "--profile", "cpu", *FAST, "--max-steps", str(total), "--micro-batch-size", "2",
-                "--grad-accum-steps", "1", "--lr", str(lr), "--pct-start", str(pct), "--div-factor", str(div),
-                "--final-div-factor", str(final_div), "--anneal-strategy", strategy)
+    out = train(
+        tmp_path,
+        "run",
+        "--profile",
+        "cpu",
+        *FAST,
+        "--max-steps",
+        str(total),
+        "--micro-batch-size",
+        "2",
+        "--grad-accum-steps",
+        "1",
+        "--lr",
+        str(lr),
+        "--pct-start",
+        str(pct),
+        "--div-factor",
+        str(div),
+        "--final-div-factor",
+        str(final_div),
+        "--anneal-strategy",
+        strategy,
+    )
     logged = [m["lr"] for m in read_metrics(out)]
     expected = [onecycle_reference(s, total, lr, pct, div, final_div, strategy) for s in range(1, total + 1)]
     assert logged == pytest.approx(expected, rel=1e-6)
@@ -108,8 +131,13 @@ def test_onecycle_accepts_any_number_of_steps():
         for max_steps in range(1, 41):
             optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
             scheduler = torch.optim.lr_scheduler.OneCycleLR(
-                optimizer, max_lr=1.0, total_steps=max_steps, pct_start=one_cycle_pct_start(pct_start, max_steps),
-                div_factor=25.0, cycle_momentum=False)
+                optimizer,
+                max_lr=1.0,
+                total_steps=max_steps,
+                pct_start=one_cycle_pct_start(pct_start, max_steps),
+                div_factor=25.0,
+                cycle_momentum=False,
+            )
             lrs = []
             for _ in range(max_steps):
                 lrs.append(scheduler.get_last_lr()[0])
@@ -128,8 +156,7 @@ def first_moment(out) -> list[torch.Tensor]:
 @pytest.mark.slow
 def test_clipping_logs_the_pre_clip_norm_and_applies_the_clipped_gradient(tmp_path):
     """After one AdamW step, exp_avg = (1 - beta1) x the gradient the optimizer was given."""
-    common = ["--profile", "cpu", *EXACT, *FAST, "--max-steps", "1", "--micro-batch-size", "4",
-              "--adam-beta1", "0.9"]
+    common = ["--profile", "cpu", *EXACT, *FAST, "--max-steps", "1", "--micro-batch-size", "4", "--adam-beta1", "0.9"]
     free = train(tmp_path, "free", *common, "--max-grad-norm", "1e9")
     clipped = train(tmp_path, "clipped", *common, "--max-grad-norm", "0.5")
     norm = read_metrics(free)[0]["grad_norm"]
@@ -149,8 +176,19 @@ def test_clipping_logs_the_pre_clip_norm_and_applies_the_clipped_gradient(tmp_pa
 @pytest.mark.slow
 def test_profiler_writes_a_trace_only_when_enabled(tmp_path):
     common = ["--profile", "cpu", *FAST, "--max-steps", "3", "--micro-batch-size", "2", "--grad-accum-steps", "1"]
-    on = train(tmp_path, "on", *common, "--profiler", "true", "--profiler-wait", "0", "--profiler-warmup", "1",
-               "--profiler-active", "1")
+    on = train(
+        tmp_path,
+        "on",
+        *common,
+        "--profiler",
+        "true",
+        "--profiler-wait",
+        "0",
+        "--profiler-warmup",
+        "1",
+        "--profiler-active",
+        "1",
+    )
     off = train(tmp_path, "off", *common)
     traces = list((on / "traces").glob("rank0*.pt.trace.json"))
     assert len(traces) == 1
@@ -182,11 +220,23 @@ def test_bf16_autocast_tracks_fp32_and_needs_no_scaler(tmp_path):
     # On the grid patching: with word patches these three steps' batches give losses that do not
     # fall at every step in fp32 either (22.1, 23.8, 20.5), so "trains as fp32 does" would need more
     # steps; the matmul path counted above is the same.
-    common = ["--profile", "cpu", *FAST, "--dropout", "0", "--max-steps", "3", "--micro-batch-size", "4",
-              "--word-patches", "false", *TWO_LAYER_BATCH]
+    common = [
+        "--profile",
+        "cpu",
+        *FAST,
+        "--dropout",
+        "0",
+        "--max-steps",
+        "3",
+        "--micro-batch-size",
+        "4",
+        "--word-patches",
+        "false",
+        *TWO_LAYER_BATCH,
+    ]
     runs = {p: train(tmp_path, p, *common, "--precision", p) for p in ("fp32", "bf16")}
     fp32, bf16 = read_metrics(runs["fp32"]), read_metrics(runs["bf16"])
-    assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2 ** -8 * math.sqrt(3 * 58))
+    assert bf16[0]["loss"] == pytest.approx(fp32[0]["loss"], rel=2**-8 * math.sqrt(3 * 58))
     assert bf16[0]["loss"] != fp32[0]["loss"]  # it really ran in bf16
     for run in (fp32, bf16):
         losses = [m["loss"] for m in run]
@@ -201,16 +251,27 @@ def scaler_state(out) -> dict:
 
 @pytest.mark.slow
 def test_fp16_trains_with_a_grad_scaler(tmp_path):
-    out = train(tmp_path, "fp16", "--profile", "cpu", *FAST, "--max-steps", "2", "--micro-batch-size", "4",
-                "--precision", "fp16")
+    out = train(
+        tmp_path,
+        "fp16",
+        "--profile",
+        "cpu",
+        *FAST,
+        "--max-steps",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--precision",
+        "fp16",
+    )
     assert scaler_state(out)["scale"] > 0  # an enabled scaler saves its scale; a disabled one saves {}
     assert all(math.isfinite(m["loss"]) for m in read_metrics(out))
 
 
 def test_precision_selection():
     from latentwire.harness.precision import frozen_weight_dtype
-    assert [frozen_weight_dtype(p) for p in ("bf16", "fp16", "fp32")] == [torch.bfloat16, torch.float16,
-                                                                           torch.float32]
+
+    assert [frozen_weight_dtype(p) for p in ("bf16", "fp16", "fp32")] == [torch.bfloat16, torch.float16, torch.float32]
 
 
 def all_reduces_per_step(out) -> float:
@@ -224,8 +285,23 @@ def all_reduces_per_step(out) -> float:
 def test_one_gradient_all_reduce_per_optimizer_step(tmp_path):
     """With accumulation 4, DDP must not all-reduce on the first three micro-steps (no_sync):
     the collectives per optimizer step are the same as with no accumulation."""
-    common = ["--profile", "cpu", *FAST, "--max-steps", "3", "--micro-batch-size", "2", "--profiler", "true",
-              "--profiler-wait", "1", "--profiler-warmup", "0", "--profiler-active", "2"]
+    common = [
+        "--profile",
+        "cpu",
+        *FAST,
+        "--max-steps",
+        "3",
+        "--micro-batch-size",
+        "2",
+        "--profiler",
+        "true",
+        "--profiler-wait",
+        "1",
+        "--profiler-warmup",
+        "0",
+        "--profiler-active",
+        "2",
+    ]
     single = train(tmp_path, "accum1", *common, "--grad-accum-steps", "1", nproc=2)
     accum = train(tmp_path, "accum4", *common, "--grad-accum-steps", "4", nproc=2)
     assert {p.name.split(".")[0] for p in (single / "traces").iterdir()} == {"rank0", "rank1"}  # one per rank
@@ -234,17 +310,38 @@ def test_one_gradient_all_reduce_per_optimizer_step(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, layout, said", [
-    (1, (16, 2), "global batch 32 (16 x 1 x 2, as the profile lays it out) kept on 1 rank(s) as 16 x 2 x 1"),
-    (2, (16, 1), "global batch 32 (16 x 1 x 2, as the profile lays it out)\n")])
+@pytest.mark.parametrize(
+    "nproc, layout, said",
+    [
+        (1, (16, 2), "global batch 32 (16 x 1 x 2, as the profile lays it out) kept on 1 rank(s) as 16 x 2 x 1"),
+        (2, (16, 1), "global batch 32 (16 x 1 x 2, as the profile lays it out)\n"),
+    ],
+)
 def test_the_profile_s_global_batch_on_another_world_size(tmp_path, nproc, layout, said):
     """The cpu profile is laid out for 2 ranks (16 x 1 x 2 = 32): one process trains the same
     global batch at the same lr, as 16 x 2, says so in its opening lines, and meta.json records it
     (before, one process trained half the global batch at the lr tuned for all of it, and said only
     the product)."""
     out = tmp_path / "run"
-    stdout = ok(run_train(["--profile", "cpu", "--num-examples", "512", "--num-workers", "0", "--kd-weight", "0",
-                           "--max-steps", "1", "--out-dir", str(out)], nproc=nproc)).stdout
+    stdout = ok(
+        run_train(
+            [
+                "--profile",
+                "cpu",
+                "--num-examples",
+                "512",
+                "--num-workers",
+                "0",
+                "--kd-weight",
+                "0",
+                "--max-steps",
+                "1",
+                "--out-dir",
+                str(out),
+            ],
+            nproc=nproc,
+        )
+    ).stdout
     config = json.loads(next((out / "checkpoints").iterdir()).joinpath("meta.json").read_text())["config"]
     assert (config["micro_batch_size"], config["grad_accum_steps"], config["lr"]) == (*layout, 1e-3)
     assert f"batch: {said}" in stdout
@@ -255,11 +352,30 @@ def test_one_process_under_torchrun_runs_no_collective(tmp_path):
     """`torchrun --nproc_per_node=1`, one GPU's usual launch, trains as `python train.py` does: no
     DDP, no all-reduce (before, a world of one joined a group and all-reduced every gradient with
     itself)."""
-    run = train(tmp_path, "torchrun1", "--profile", "cpu", *FAST, "--max-steps", "3", "--micro-batch-size", "2",
-                "--profiler", "true", "--profiler-wait", "1", "--profiler-warmup", "0", "--profiler-active", "2",
-                torchrun=True)
-    names = {e.get("name", "") for e in json.loads(next((run / "traces").glob("rank0*.pt.trace.json")).read_text())
-             ["traceEvents"]}
+    run = train(
+        tmp_path,
+        "torchrun1",
+        "--profile",
+        "cpu",
+        *FAST,
+        "--max-steps",
+        "3",
+        "--micro-batch-size",
+        "2",
+        "--profiler",
+        "true",
+        "--profiler-wait",
+        "1",
+        "--profiler-warmup",
+        "0",
+        "--profiler-active",
+        "2",
+        torchrun=True,
+    )
+    names = {
+        e.get("name", "")
+        for e in json.loads(next((run / "traces").glob("rank0*.pt.trace.json")).read_text())["traceEvents"]
+    }
     assert any(n.startswith("ProfilerStep#") for n in names)
     assert not any("all_reduce" in n or "DistributedDataParallel" in n for n in names), sorted(names)[:50]
 
@@ -277,14 +393,38 @@ def test_compiled_loss_equals_eager_under_ddp_with_checkpointing(tmp_path):
     # As in the accumulation test: Adam at its default epsilon turns the reordered reductions'
     # rounding into different weights from step 2 (the step-3 loss differed by 1.06e-5 on an
     # AVX-512 CPU); at 1e-3 the two runs stay within 7e-7 on every CPU path tried.
-    common = ["--profile", "cpu", *FAST, "--dropout", "0", "--precision", "fp32", "--max-steps", "3",
-              "--micro-batch-size", "4", "--eval-every", "3", "--eval-examples", "16", "--adam-eps", "1e-3",
-              "--activation-checkpointing", "full", *TWO_LAYER_BATCH]
+    common = [
+        "--profile",
+        "cpu",
+        *FAST,
+        "--dropout",
+        "0",
+        "--precision",
+        "fp32",
+        "--max-steps",
+        "3",
+        "--micro-batch-size",
+        "4",
+        "--eval-every",
+        "3",
+        "--eval-examples",
+        "16",
+        "--adam-eps",
+        "1e-3",
+        "--activation-checkpointing",
+        "full",
+        *TWO_LAYER_BATCH,
+    ]
     eager = train(tmp_path, "eager", *common, "--compile", "false", nproc=2)
     compiled_dir = tmp_path / "compiled"
     cache = tmp_path / "compile_cache"
-    proc = ok(run_train([*common, "--compile", "true", "--compile-cache", str(cache), "--out-dir", str(compiled_dir)],
-                        nproc=2, TORCH_LOGS="recompiles,graph_breaks,torch._dynamo.backends.distributed"))
+    proc = ok(
+        run_train(
+            [*common, "--compile", "true", "--compile-cache", str(cache), "--out-dir", str(compiled_dir)],
+            nproc=2,
+            TORCH_LOGS="recompiles,graph_breaks,torch._dynamo.backends.distributed",
+        )
+    )
     assert f"compile: mode default, cache {cache}" in proc.stdout
     assert any((cache / "fxgraph").rglob("*")) and any((cache / "aotautograd").rglob("*"))  # for the next run
     for a, b in zip(read_metrics(eager), read_metrics(compiled_dir), strict=True):
@@ -293,8 +433,9 @@ def test_compiled_loss_equals_eager_under_ddp_with_checkpointing(tmp_path):
     for name in ("eval_nll_wire_llama", "eval_nll_wire_qwen"):
         assert b[name] == pytest.approx(a[name], rel=1e-4)
     rank0 = [line for line in proc.stderr.splitlines() if line.startswith("[rank0]")]
-    buckets = [int(n) for line in rank0
-               for n in re.findall(r"DDPOptimizer used bucket cap \d+ and created (\d+)", line)]
+    buckets = [
+        int(n) for line in rank0 for n in re.findall(r"DDPOptimizer used bucket cap \d+ and created (\d+)", line)
+    ]
     assert buckets == [1, 1, 1], "\n".join(rank0)  # the block, its maskless variant, the pooler: none split
     assert sum("Recompiling function" in line for line in rank0) == 2
     assert not any("Graph break" in line for line in rank0)

@@ -1,6 +1,7 @@
 """train.py as people read it and copy it: short functions, few comments per line of code, the
 block table of docs/loop.md in the file's order, and the loop lifted onto another model as
 docs/loop.md ("Lifting the loop") says."""
+
 import ast
 import io
 import json
@@ -24,8 +25,11 @@ def docstring_lines(tree: ast.Module) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body:
             first = node.body[0]
-            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                    and isinstance(first.value.value, str)):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 lines.update(range(first.lineno, first.end_lineno + 1))
     return lines
 
@@ -44,8 +48,11 @@ def comment_and_code_lines(source: str) -> tuple[set[int], set[int]]:
 
 
 def test_no_function_of_train_py_is_longer_than_a_screenful_or_two():
-    lengths = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(TRAIN_PY))
-               if isinstance(node, ast.FunctionDef)}
+    lengths = {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(ast.parse(TRAIN_PY))
+        if isinstance(node, ast.FunctionDef)
+    }
     assert max(lengths.values()) <= MAX_FUNCTION_LINES, lengths
 
 
@@ -61,8 +68,11 @@ def test_the_counts_are_measured_on_real_source():
 
 def block_titles(source: str) -> list[str]:
     """Each labelled block's title: `# --- Title: why` (or `# --- Title ---`)."""
-    return [re.match(r"\s*# --- (.*?)(?::|\s-{2,}|$)", line).group(1).strip()
-            for line in source.splitlines() if re.match(r"\s*# --- ", line)]
+    return [
+        re.match(r"\s*# --- (.*?)(?::|\s-{2,}|$)", line).group(1).strip()
+        for line in source.splitlines()
+        if re.match(r"\s*# --- ", line)
+    ]
 
 
 def test_each_block_says_why_in_at_most_three_lines():
@@ -81,8 +91,9 @@ def test_each_block_says_why_in_at_most_three_lines():
 
 
 def test_docs_list_the_blocks_of_train_py_in_its_order():
-    table = re.search(r"\| block in `train.py` \| why \|\n\|---\|---\|\n((?:\|.*\n)+)",
-                      (REPO / "docs" / "loop.md").read_text()).group(1)
+    table = re.search(
+        r"\| block in `train.py` \| why \|\n\|---\|---\|\n((?:\|.*\n)+)", (REPO / "docs" / "loop.md").read_text()
+    ).group(1)
     documented = [row.split("|")[1].strip() for row in table.splitlines()]
     assert documented == block_titles(TRAIN_PY)
 
@@ -98,13 +109,18 @@ def lifted(source: str) -> str:
     """train.py as docs/loop.md says to lift it: the harness imported as the copied folder, and the
     template's recipe named in place of LatentWire's."""
     source = source.replace("from latentwire.harness.", "from harness.")
-    return source.replace("from latentwire.recipe import LatentWire as Recipe",
-                          "from harness.template import Regression as Recipe")
+    return source.replace(
+        "from latentwire.recipe import LatentWire as Recipe", "from harness.template import Regression as Recipe"
+    )
 
 
 def lines_beyond_imports(source: str) -> list[str]:
-    imports = {line for node in ast.walk(ast.parse(source)) if isinstance(node, (ast.Import, ast.ImportFrom))
-               for line in range(node.lineno, node.end_lineno + 1)}
+    imports = {
+        line
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for line in range(node.lineno, node.end_lineno + 1)
+    }
     return [line for i, line in enumerate(source.splitlines(), 1) if i not in imports]
 
 
@@ -113,9 +129,11 @@ def profile_keys(path, key: str) -> int:
 
 
 # What a copier writes, counted: shown in the test's id (pytest -v) and stated in docs/loop.md.
-COUNTS = {"lines": len(comment_and_code_lines(TEMPLATE.read_text())[1]),
-          "cpu keys": profile_keys(REPO / "hw_profiles.json", "cpu"),
-          "toy keys": profile_keys(LIFT / "hw_profiles.json", "toy")}
+COUNTS = {
+    "lines": len(comment_and_code_lines(TEMPLATE.read_text())[1]),
+    "cpu keys": profile_keys(REPO / "hw_profiles.json", "cpu"),
+    "toy keys": profile_keys(LIFT / "hw_profiles.json", "toy"),
+}
 
 
 @pytest.mark.parametrize("counts", [COUNTS], ids=[", ".join(f"{what} {n}" for what, n in COUNTS.items())])
@@ -130,8 +148,11 @@ def test_lifting_changes_only_the_import_lines_and_the_recipe_and_profile_are_sm
     assert not [line for i, line in enumerate(copy.splitlines(), 1) if i in code and "latentwire" in line]
     assert counts["lines"] <= MAX_TEMPLATE_LINES, counts
     doc = " ".join((REPO / "docs" / "loop.md").read_text().split())
-    said = {"lines": f"{counts['lines']} lines of code", "cpu keys": f"hw_profiles.json {counts['cpu keys']} keys",
-            "toy keys": f"has {counts['toy keys']} keys"}
+    said = {
+        "lines": f"{counts['lines']} lines of code",
+        "cpu keys": f"hw_profiles.json {counts['cpu keys']} keys",
+        "toy keys": f"has {counts['toy keys']} keys",
+    }
     assert [phrase for phrase in said.values() if phrase not in doc] == []
 
 
@@ -140,14 +161,31 @@ def test_the_loop_lifted_onto_another_model_trains_it_on_two_ranks(tmp_path):
     """train.py beside latentwire/harness/ copied unchanged but for its import lines, and one
     profile, where nothing of LatentWire can be imported: the template recipe trains on 2 gloo
     ranks, logs every step and saves a checkpoint of its model."""
-    shutil.copytree(REPO / "latentwire" / "harness", tmp_path / "harness",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "latentwire" / "harness", tmp_path / "harness", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(LIFT / "hw_profiles.json", tmp_path)
     (tmp_path / "train.py").write_text(lifted(TRAIN_PY))
     env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
-    proc = ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              "train.py", "--profile", "toy", "--out-dir", "out"], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=300))
+    proc = ok(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "train.py",
+                "--profile",
+                "toy",
+                "--out-dir",
+                "out",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert all(r["loss"] == r["loss"] for r in records) and records[-1]["loss"] < records[0]["loss"]

@@ -6,6 +6,7 @@ ranks round-robin. A chunk is padded and computed the same way whatever the numb
 per-example results are gathered and reduced in example order, so N processes give exactly the
 numbers of one.
 """
+
 from __future__ import annotations
 
 import random
@@ -34,6 +35,7 @@ PAYLOADS = ("bf16", "int8")
 
 
 # --- the wire and its controls ----------------------------------------------------------------
+
 
 def cyclic_derangement(n: int, seed: int) -> list[int]:
     """A seeded random permutation with no fixed point when n > 1 (Sattolo's algorithm draws one
@@ -68,8 +70,17 @@ def wire_controls(precision: str) -> tuple[str, ...]:
 
 # --- one chunk of examples --------------------------------------------------------------------
 
-def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices: range, partners: list[int],
-                   collate: Collator, settings: EvalSettings, device: torch.device) -> list[dict]:
+
+def evaluate_chunk(
+    model: WireEncoder,
+    llms: dict,
+    examples: list[dict],
+    indices: range,
+    partners: list[int],
+    collate: Collator,
+    settings: EvalSettings,
+    device: torch.device,
+) -> list[dict]:
     """Per-example records of one chunk: NLL sums and target counts, answers, EM and F1, keyed by
     `{input}_{llm}`."""
     dataset = PromptDataset(examples)
@@ -77,15 +88,22 @@ def evaluate_chunk(model: WireEncoder, llms: dict, examples: list[dict], indices
     partner = to_device(collate([dataset[partners[i]] for i in indices]), device)
     targets = {name: answer_ids(batch["answers"][name]) for name in llms}
     golds = [examples[i]["answers"]["text"] for i in indices]
-    records = [{"index": i, "nll_sum": {}, "tokens": {}, "first_token": {}, "em": {}, "f1": {}, "answer": {}}
-               for i in indices]
+    records = [
+        {"index": i, "nll_sum": {}, "tokens": {}, "first_token": {}, "em": {}, "f1": {}, "answer": {}} for i in indices
+    ]
 
     z = model.wire(batch["bytes"], batch["byte_mask"])
-    wires = {"wire": z, "zeroed": torch.zeros_like(z), "shuffled": model.wire(partner["bytes"], partner["byte_mask"]),
-             **{p: payload_roundtrip(z, p) for p in payload_controls(settings.precision)}}
+    wires = {
+        "wire": z,
+        "zeroed": torch.zeros_like(z),
+        "shuffled": model.wire(partner["bytes"], partner["byte_mask"]),
+        **{p: payload_roundtrip(z, p) for p in payload_controls(settings.precision)},
+    }
     for key, wire in wires.items():
-        prompts = {name: wire_prompts(llm, model.adapters[name](wire), batch["answers"][name]["lead_ids"])
-                   for name, llm in llms.items()}
+        prompts = {
+            name: wire_prompts(llm, model.adapters[name](wire), batch["answers"][name]["lead_ids"])
+            for name, llm in llms.items()
+        }
         add_nll(records, key, llms, prompts, targets)
         if key == "wire":
             add_answers(records, key, llms, prompts, golds, settings)
@@ -107,11 +125,16 @@ def add_nll(records: list[dict], key: str, llms: dict, prompts: dict, targets: d
             record["first_token"][f"{key}_{name}"] = float(hit)
 
 
-def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]],
-                settings: EvalSettings) -> None:
-    answers = {name: [decode_answer(llm.tokenizer, ids) for ids in
-                      greedy_generate(llm, prompts[name], settings.max_new_tokens, stop_together=settings.lockstep)]
-               for name, llm in llms.items()}
+def add_answers(
+    records: list[dict], key: str, llms: dict, prompts: dict, golds: list[list[str]], settings: EvalSettings
+) -> None:
+    answers = {
+        name: [
+            decode_answer(llm.tokenizer, ids)
+            for ids in greedy_generate(llm, prompts[name], settings.max_new_tokens, stop_together=settings.lockstep)
+        ]
+        for name, llm in llms.items()
+    }
     answers["joint"] = joint_pick(llms, prompts, answers)
     for who, texts in answers.items():
         for record, text, gold in zip(records, texts, golds, strict=True):
@@ -121,6 +144,7 @@ def add_answers(records: list[dict], key: str, llms: dict, prompts: dict, golds:
 
 
 # --- all examples, sharded over ranks ---------------------------------------------------------
+
 
 def rank_chunks(n: int, batch_size: int, rank: int, world: int) -> list[range]:
     """Chunks of consecutive examples dealt round-robin: a chunk's padding and batch mates are the
@@ -135,12 +159,24 @@ def gather_records(local: list[dict], world: int) -> list[dict]:
     return sorted((r for part in gather_objects(local) for r in part), key=lambda r: r["index"])
 
 
-def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], settings: EvalSettings,
-                      device: torch.device, rank: int, world: int) -> list[dict] | None:
+def evaluate_examples(
+    model: WireEncoder,
+    llms: dict,
+    examples: list[dict],
+    settings: EvalSettings,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> list[dict] | None:
     """Per-example records of all `examples`, on every rank, or None when `settings.stop` stopped it. A
     collective when distributed."""
-    collate = Collator.for_llms(llms, settings.max_prompt_bytes, settings.max_answer_tokens, settings.pad_multiple,
-                                word_patch=settings.word_patch)
+    collate = Collator.for_llms(
+        llms,
+        settings.max_prompt_bytes,
+        settings.max_answer_tokens,
+        settings.pad_multiple,
+        word_patch=settings.word_patch,
+    )
     partners = cyclic_derangement(len(examples), settings.seed)
     amp_dtype = AMP_DTYPES[settings.precision]
     was_training = model.training
@@ -164,8 +200,15 @@ def evaluate_examples(model: WireEncoder, llms: dict, examples: list[dict], sett
     return gather_records(local, world)
 
 
-def evaluate_wire(model: WireEncoder, llms: dict, examples: list[dict], settings: EvalSettings, device: torch.device,
-                  rank: int, world: int) -> dict[str, float] | None:
+def evaluate_wire(
+    model: WireEncoder,
+    llms: dict,
+    examples: list[dict],
+    settings: EvalSettings,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> dict[str, float] | None:
     """The periodic evaluation of train.py: the wire's answers (EM/F1 per LLM and joint) and answer
     NLL, with the controls of `wire_controls`; flat `eval_*` scalars, equal on every rank, or None
     when `settings.stop` stopped it. A collective: every rank calls it. Pass the bare model, not its

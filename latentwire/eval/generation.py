@@ -1,6 +1,7 @@
 """Frozen LLMs reading prompts given as input embeddings: the wire's soft tokens or the prompt's
 own tokens, scored teacher-forced on an answer (summed NLL) or answering greedily (KV cache,
 stopping at EOS or a newline). What `evaluate` runs for every input and control."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,10 +17,12 @@ from ..llm import FrozenLLM
 
 # --- prompts as input embeddings --------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Prompts:
     """A batch of prompts as input embeddings, left-padded so every prompt ends at the last column
     and generated tokens append on the right. `mask` is 1 on real positions."""
+
     embeds: torch.Tensor  # [B, P, hidden]
     mask: torch.Tensor  # [B, P], long
 
@@ -53,16 +56,18 @@ def text_prompts(llm: FrozenLLM, examples: list[dict], max_prompt_tokens: int | 
     ids = torch.full((len(rows), length), llm.tokenizer.eos_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)
     for row, row_ids in enumerate(rows):
-        ids[row, length - len(row_ids):] = torch.tensor(row_ids, dtype=torch.long)
-        mask[row, length - len(row_ids):] = 1
+        ids[row, length - len(row_ids) :] = torch.tensor(row_ids, dtype=torch.long)
+        mask[row, length - len(row_ids) :] = 1
     device = table.weight.device
     return Prompts(table(ids.to(device)), mask.to(device))
 
 
 # --- teacher-forced scoring -------------------------------------------------------------------
 
-def continuation_nll(llm: FrozenLLM, prompts: Prompts,
-                     continuations: list[list[int]]) -> tuple[list[float], list[int], list[bool]]:
+
+def continuation_nll(
+    llm: FrozenLLM, prompts: Prompts, continuations: list[list[int]]
+) -> tuple[list[float], list[int], list[bool]]:
     """Per example: the summed NLL of its continuation's tokens and then EOS after its prompt, that
     target count, and whether the prompt's most likely next token is the continuation's first. With
     a wire prompt and the answer tokens, the first two are training's loss quantity; the third is
@@ -73,16 +78,21 @@ def continuation_nll(llm: FrozenLLM, prompts: Prompts,
     ids = torch.full((len(continuations), length), eos, dtype=torch.long, device=device)
     labels = torch.full((len(continuations), length + 1), IGNORE_INDEX, dtype=torch.long, device=device)
     for row, cont in enumerate(continuations):
-        ids[row, :len(cont)] = torch.tensor(cont, dtype=torch.long)
-        labels[row, :len(cont) + 1] = torch.tensor(cont + [eos], dtype=torch.long)
+        ids[row, : len(cont)] = torch.tensor(cont, dtype=torch.long)
+        labels[row, : len(cont) + 1] = torch.tensor(cont + [eos], dtype=torch.long)
     lengths = torch.tensor([len(c) for c in continuations], device=device)
     cont_mask = (torch.arange(length, device=device) < lengths[:, None]).long()
     embeds = torch.cat([prompts.embeds, llm.model.get_input_embeddings()(ids).to(prompts.embeds.dtype)], dim=1)
     mask = torch.cat([prompts.mask, cont_mask], dim=1)
     # The last prompt position predicts the first continuation token: keep the last length+1 logits.
     with padded_attention([llm.model]):
-        logits = llm.model(inputs_embeds=embeds, attention_mask=whole_sequence_mask(mask),
-                           position_ids=positions(mask), use_cache=False, logits_to_keep=length + 1).logits
+        logits = llm.model(
+            inputs_embeds=embeds,
+            attention_mask=whole_sequence_mask(mask),
+            position_ids=positions(mask),
+            use_cache=False,
+            logits_to_keep=length + 1,
+        ).logits
     ce = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
     first_hits = (logits[:, 0].argmax(-1) == labels[:, 0]).tolist()
     return ce.sum(1).tolist(), [len(c) + 1 for c in continuations], first_hits
@@ -95,6 +105,7 @@ def answer_ids(collated_answers: dict) -> list[list[int]]:
 
 
 # --- greedy generation ------------------------------------------------------------------------
+
 
 @lru_cache(maxsize=None)
 def newline_token_ids(tokenizer) -> frozenset[int]:
@@ -118,8 +129,9 @@ def all_done(done: torch.Tensor, on_every_rank: bool) -> bool:
     return bool(finished.item())
 
 
-def greedy_generate(llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_cache: bool = True,
-                    stop_together: bool = False) -> list[list[int]]:
+def greedy_generate(
+    llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_cache: bool = True, stop_together: bool = False
+) -> list[list[int]]:
     """Greedy tokens after each prompt, each row ending at its first stop token (kept) or after
     max_new_tokens. `use_cache=False` recomputes the whole sequence at every step: the reference
     that the KV-cache path must reproduce token for token. `stop_together`: every rank decodes
@@ -133,11 +145,22 @@ def greedy_generate(llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_c
         for _ in range(max_new_tokens):
             pos = positions(mask)
             if cache is None:
-                out = model(inputs_embeds=embeds, attention_mask=whole_sequence_mask(mask), position_ids=pos,
-                            use_cache=use_cache, logits_to_keep=1)
+                out = model(
+                    inputs_embeds=embeds,
+                    attention_mask=whole_sequence_mask(mask),
+                    position_ids=pos,
+                    use_cache=use_cache,
+                    logits_to_keep=1,
+                )
             else:  # only the newest token; the cache holds the keys and values of all earlier ones
-                out = model(inputs_embeds=embeds[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
-                            past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = model(
+                    inputs_embeds=embeds[:, -1:],
+                    attention_mask=mask,
+                    position_ids=pos[:, -1:],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             cache = out.past_key_values if use_cache else None
             next_ids = out.logits[:, -1].argmax(-1)
             generated.append(next_ids)
@@ -153,7 +176,7 @@ def greedy_generate(llm: FrozenLLM, prompts: Prompts, max_new_tokens: int, use_c
 def cut_after_stop(ids: list[int], stops: frozenset[int]) -> list[int]:
     for k, token in enumerate(ids):
         if token in stops:
-            return ids[:k + 1]
+            return ids[: k + 1]
     return ids
 
 

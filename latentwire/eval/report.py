@@ -1,5 +1,6 @@
 """The evaluation's numbers and its report: per-example records reduced to EM, F1 and NLL, the
 wire's margins over its controls, compression and payload, as JSON and a Markdown table."""
+
 from __future__ import annotations
 
 import json
@@ -30,6 +31,7 @@ def summarize(records: list[dict]) -> dict[str, float]:
 
 
 # --- the report -------------------------------------------------------------------------------
+
 
 def share_of_text(metrics: dict[str, float], who: str) -> dict[str, float | None]:
     """The wire's EM, F1 and first-token accuracy as a fraction of the full text prompt's, for one
@@ -63,31 +65,64 @@ def compression(llms: dict, examples: list[dict], num_latents: int) -> dict:
     return out
 
 
-def build_report(ckpt: Path, step, cfg, dataset: str, held_out: str, examples: list[dict], records: list[dict],
-                 llms: dict, settings: EvalSettings, world: int) -> dict:
+def build_report(
+    ckpt: Path,
+    step,
+    cfg,
+    dataset: str,
+    held_out: str,
+    examples: list[dict],
+    records: list[dict],
+    llms: dict,
+    settings: EvalSettings,
+    world: int,
+) -> dict:
     """`held_out` says where the examples come from (data.DataSources.describe_held_out)."""
     metrics = summarize(records)
-    margins = {name: {control: control_margin(records, control, name) for control in ("zeroed", "shuffled")}
-               for name in llms}
+    margins = {
+        name: {control: control_margin(records, control, name) for control in ("zeroed", "shuffled")} for name in llms
+    }
     return {
-        "checkpoint": str(ckpt), "step": step, "profile": cfg.invocation.profile,
-        "dataset": dataset, "split": "validation", "held_out": held_out, "examples": len(examples),
+        "checkpoint": str(ckpt),
+        "step": step,
+        "profile": cfg.invocation.profile,
+        "dataset": dataset,
+        "split": "validation",
+        "held_out": held_out,
+        "examples": len(examples),
         "answers_past_cut": answers_past_cut(examples, cfg.data.max_prompt_bytes).count(True),
-        "max_prompt_bytes": cfg.data.max_prompt_bytes, "world_size": world,
-        "settings": {"num_latents": cfg.wire.num_latents, "d_z": cfg.wire.d_z, "batch_size": settings.batch_size,
-                     "max_new_tokens": settings.max_new_tokens, "anchor_text": cfg.prompt.anchor,
-                     "chat_template": cfg.prompt.chat_template, "answer_instruction": cfg.prompt.instruction,
-                     "prompts": describe_prompts(llms)},
+        "max_prompt_bytes": cfg.data.max_prompt_bytes,
+        "world_size": world,
+        "settings": {
+            "num_latents": cfg.wire.num_latents,
+            "d_z": cfg.wire.d_z,
+            "batch_size": settings.batch_size,
+            "max_new_tokens": settings.max_new_tokens,
+            "anchor_text": cfg.prompt.anchor,
+            "chat_template": cfg.prompt.chat_template,
+            "answer_instruction": cfg.prompt.instruction,
+            "prompts": describe_prompts(llms),
+        },
         "metrics": metrics,
         "wire_vs_controls": margins,
-        "wire_carries_information": {name: all(m["margin"] > SIGNIFICANT_SE * m["se"] for m in by_control.values())
-                                     for name, by_control in margins.items()},
-        "wire_share_of_text": ({who: share_of_text(metrics, who) for who in (*llms, "joint")}
-                               if settings.text_baselines else {}),
+        "wire_carries_information": {
+            name: all(m["margin"] > SIGNIFICANT_SE * m["se"] for m in by_control.values())
+            for name, by_control in margins.items()
+        },
+        "wire_share_of_text": (
+            {who: share_of_text(metrics, who) for who in (*llms, "joint")} if settings.text_baselines else {}
+        ),
         "compression": compression(llms, examples, cfg.wire.num_latents),
         "payload_bytes": payload_bytes(cfg.wire.num_latents, cfg.wire.d_z),
-        "answers": [{"index": r["index"], "question": examples[r["index"]]["question"],
-                     "gold": examples[r["index"]]["answers"]["text"], **r["answer"]} for r in records],
+        "answers": [
+            {
+                "index": r["index"],
+                "question": examples[r["index"]]["question"],
+                "gold": examples[r["index"]]["answers"]["text"],
+                **r["answer"],
+            }
+            for r in records
+        ],
     }
 
 
@@ -116,14 +151,19 @@ def markdown(report: dict) -> str:
         "| input | LLM | EM | F1 | first token | answer NLL |",
         "|---|---|---:|---:|---:|---:|",
     ]
-    inputs = (("wire", f"wire, {M} soft tokens"), ("text", f"text, full prompt ({tokens} tokens)"),
-              ("text_cut", f"text, prompt cut to {M} tokens"))
+    inputs = (
+        ("wire", f"wire, {M} soft tokens"),
+        ("text", f"text, full prompt ({tokens} tokens)"),
+        ("text_cut", f"text, prompt cut to {M} tokens"),
+    )
     for key, label in inputs:
         for who in (*names, "joint"):
-            first, nll = ((f"{m[f'first_token_{key}_{who}']:.1f}", f"{m[f'nll_{key}_{who}']:.3f}") if who != "joint"
-                          else ("", ""))
-            lines.append(f"| {label} | {who} | {m[f'em_{key}_{who}']:.1f} | {m[f'f1_{key}_{who}']:.1f} "
-                         f"| {first} | {nll} |")
+            first, nll = (
+                (f"{m[f'first_token_{key}_{who}']:.1f}", f"{m[f'nll_{key}_{who}']:.3f}") if who != "joint" else ("", "")
+            )
+            lines.append(
+                f"| {label} | {who} | {m[f'em_{key}_{who}']:.1f} | {m[f'f1_{key}_{who}']:.1f} | {first} | {nll} |"
+            )
     lines += [
         "",
         "## The wire's share of the text baseline",
@@ -163,9 +203,12 @@ def markdown(report: dict) -> str:
         "",
         "| question | gold | " + " | ".join(f"wire {w}" for w in (*names, "joint")) + " |",
         "|---|---|" + "---|" * (len(names) + 1),
-        *(f"| {_cell(a['question'])} | {_cell(' / '.join(a['gold']))} | "
-          + " | ".join(_cell(a[f'wire_{w}']) for w in (*names, "joint")) + " |"
-          for a in report["answers"][:EXAMPLES_IN_MARKDOWN]),
+        *(
+            f"| {_cell(a['question'])} | {_cell(' / '.join(a['gold']))} | "
+            + " | ".join(_cell(a[f"wire_{w}"]) for w in (*names, "joint"))
+            + " |"
+            for a in report["answers"][:EXAMPLES_IN_MARKDOWN]
+        ),
     ]
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,6 @@
 """What an evaluation reads of a run's configuration, and how this one runs: shared by the
 evaluation and its report."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from typing import Callable
 @dataclass(frozen=True)
 class EvalSettings:
     """What an evaluation reads of a run's configuration, and how this one runs."""
+
     batch_size: int
     max_new_tokens: int
     text_baselines: bool
@@ -29,15 +31,31 @@ class EvalSettings:
     lockstep: bool = False
 
     @classmethod
-    def of(cls, config, *, text_baselines: bool, batch_size: int | None = None, max_new_tokens: int | None = None,
-           progress=None, lockstep: bool = False, stop=None) -> EvalSettings:
+    def of(
+        cls,
+        config,
+        *,
+        text_baselines: bool,
+        batch_size: int | None = None,
+        max_new_tokens: int | None = None,
+        progress=None,
+        lockstep: bool = False,
+        stop=None,
+    ) -> EvalSettings:
         """From a run's configuration; batch size and generation limit default to the run's."""
         data = config.data
-        return cls(batch_size=batch_size or config.training.micro_batch_size,
-                   max_new_tokens=max_new_tokens or config.evaluation.max_new_tokens, text_baselines=text_baselines,
-                   precision=config.numerics.precision, seed=config.training.seed, num_latents=config.wire.num_latents,
-                   max_prompt_bytes=data.max_prompt_bytes, max_answer_tokens=data.max_answer_tokens,
-                   pad_multiple=data.pad_multiple, word_patch=config.wire.word_patch, progress=progress,
-                   lockstep=lockstep, stop=stop)
-
-
+        return cls(
+            batch_size=batch_size or config.training.micro_batch_size,
+            max_new_tokens=max_new_tokens or config.evaluation.max_new_tokens,
+            text_baselines=text_baselines,
+            precision=config.numerics.precision,
+            seed=config.training.seed,
+            num_latents=config.wire.num_latents,
+            max_prompt_bytes=data.max_prompt_bytes,
+            max_answer_tokens=data.max_answer_tokens,
+            pad_multiple=data.pad_multiple,
+            word_patch=config.wire.word_patch,
+            progress=progress,
+            lockstep=lockstep,
+            stop=stop,
+        )

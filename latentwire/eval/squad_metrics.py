@@ -7,6 +7,7 @@ whose official script adds one rule not applied here: a yes/no answer that diffe
 of them has unanswerable questions, which is what SQuAD v2.0's rule (two empty answers score F1 1)
 is for.
 """
+
 from __future__ import annotations
 
 import re

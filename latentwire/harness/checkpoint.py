@@ -14,6 +14,7 @@ read without running anything it holds. Its pickles are loaded with `weights_onl
 builds tensors and plain values only, and numpy's RNG state (a uint32 array) as the one allowed
 extra; anything else makes the checkpoint unreadable, and resume falls back to an older one.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,8 +93,10 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
     bad = first_non_finite(weights)
     if bad is not None:  # the weights are DDP's, the same on every rank: every rank stops here
         newest = list_checkpoints(out_dir)
-        raise Diverged(f"the weights are not finite at step {step} ({bad}), so they were not saved; the newest "
-                       f"good checkpoint is {newest[-1].name if newest else 'none'}; is the learning rate sane?")
+        raise Diverged(
+            f"the weights are not finite at step {step} ({bad}), so they were not saved; the newest "
+            f"good checkpoint is {newest[-1].name if newest else 'none'}; is the learning rate sane?"
+        )
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
 
@@ -157,8 +160,9 @@ def _write_failed(tmp: Path, final: Path, error: Exception, rank: int) -> Checkp
         free = f"; {shutil.disk_usage(final.parent).free / 2**20:.1f} MiB free there"
     except OSError:
         free = ""
-    return CheckpointWriteFailed(f"saving checkpoint {final.name} failed: {type(error).__name__}: {reason}{free}; "
-                                 "earlier checkpoints are intact")
+    return CheckpointWriteFailed(
+        f"saving checkpoint {final.name} failed: {type(error).__name__}: {reason}{free}; earlier checkpoints are intact"
+    )
 
 
 def list_checkpoints(out_dir: Path) -> list[Path]:
@@ -212,8 +216,10 @@ def load_checkpoint(path: Path, rank: int) -> dict:
             rng = torch.load(rng_file if rng_file.exists() else path / "rng_rank0.pt", weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only refused a global: the pickle holds more than data
         refused = next((line for line in str(e).splitlines() if "but got" in line or "GLOBAL" in line), "")
-        raise CorruptCheckpoint(f"{path}: a pickle holds more than tensors and plain values, so it is not read "
-                                f"(reading it could run code){': ' + refused.strip() if refused else ''}") from None
+        raise CorruptCheckpoint(
+            f"{path}: a pickle holds more than tensors and plain values, so it is not read "
+            f"(reading it could run code){': ' + refused.strip() if refused else ''}"
+        ) from None
     except Exception as e:  # safetensors, pickle and json each raise their own types for a bad file
         raise CorruptCheckpoint(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if train_state.get("step") != meta.get("step"):
@@ -243,8 +249,10 @@ def check_weights(state: dict, expected: dict, path: Path, model: str) -> None:
         raise UserError(f"{path} does not fit {model}: it {what}")
     for name, tensor in expected.items():
         if state[name].shape != tensor.shape:
-            raise UserError(f"{path} does not fit {model}: tensor {name!r} has shape "
-                            f"{tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
+            raise UserError(
+                f"{path} does not fit {model}: tensor {name!r} has shape "
+                f"{tuple(state[name].shape)}, expected {tuple(tensor.shape)}"
+            )
 
 
 @dataclass
@@ -253,6 +261,7 @@ class TrainState:
     the data position after it (the epoch and how many of its examples the steps used) under a
     layout (world size, micro-batch, accumulation) that gives that position its meaning, in the
     training set `data` names (harness.resume.data_identity)."""
+
     step: int
     epoch: int
     examples_done: int
@@ -274,10 +283,18 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
 
     def save(self, state: TrainState) -> Path:
-        train_state = {"step": state.step, "optimizer": self.optimizer.state_dict(),
-                       "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                       "data": {"epoch": state.epoch, "examples_done": state.examples_done,
-                                "layout": list(state.layout), "identity": state.data}}
+        train_state = {
+            "step": state.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "data": {
+                "epoch": state.epoch,
+                "examples_done": state.examples_done,
+                "layout": list(state.layout),
+                "identity": state.data,
+            },
+        }
         path = save_checkpoint(self.out_dir, state.step, self.model.state_dict(), train_state, self.meta, self.rank)
         if self.rank == 0:
             prune_checkpoints(self.out_dir, self.keep)

@@ -14,6 +14,7 @@ every call of the step (`stable_shapes`) rather than flipped for the whole proce
 The compile cache. Inductor keeps what it compiled on disk, by default under /tmp, which a
 requeued job on a fresh machine does not have: `inductor_cache_dir` picks a place that lasts.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,13 +32,22 @@ from .config import setting
 class CompileConfig:
     enabled: bool = setting(False, "torch.compile the forward pass", key="compile")
     mode: Literal["default", "max-autotune-no-cudagraphs"] = setting(
-        "default", "torch.compile mode", key="compile_mode",
-        refused=dict.fromkeys(("reduce-overhead", "max-autotune"),
-                              "captures CUDA graphs, which no GPU run has yet tried with this loop's dynamic shapes, "
-                              "per-layer compiled regions and FSDP hooks"))
-    cache: str = setting("", "where inductor keeps the compiled regions for the next run, a requeued or resumed job on "
-                             "another machine included ('': $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/<app>/"
-                             "inductor; torch's own default is under /tmp)", key="compile_cache")
+        "default",
+        "torch.compile mode",
+        key="compile_mode",
+        refused=dict.fromkeys(
+            ("reduce-overhead", "max-autotune"),
+            "captures CUDA graphs, which no GPU run has yet tried with this loop's dynamic shapes, "
+            "per-layer compiled regions and FSDP hooks",
+        ),
+    )
+    cache: str = setting(
+        "",
+        "where inductor keeps the compiled regions for the next run, a requeued or resumed job on "
+        "another machine included ('': $TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/<app>/"
+        "inductor; torch's own default is under /tmp)",
+        key="compile_cache",
+    )
 
 
 def inductor_cache_dir(requested: str, app: str) -> Path:

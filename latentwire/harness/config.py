@@ -13,6 +13,7 @@ A profile is one key of a JSON file of profiles: the defaults, under what the pr
 checked, so a typo in the JSON or on the command line is a one-line error naming the field, not a
 KeyError deep inside the loop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,12 +30,19 @@ from typing import Callable, Literal
 
 from .errors import UserError
 
-BOUNDS = {"gt": (">", float.__gt__), "ge": (">=", float.__ge__), "lt": ("<", float.__lt__),
-          "le": ("<=", float.__le__)}
+BOUNDS = {"gt": (">", float.__gt__), "ge": (">=", float.__ge__), "lt": ("<", float.__lt__), "le": ("<=", float.__le__)}
 
 
-def setting(default=MISSING, help: str = "", *, key: str | None = None, refused: dict | None = None,
-            restored: bool = False, weights: bool = False, **bounds: float):
+def setting(
+    default=MISSING,
+    help: str = "",
+    *,
+    key: str | None = None,
+    refused: dict | None = None,
+    restored: bool = False,
+    weights: bool = False,
+    **bounds: float,
+):
     """A section's field as a setting: its `default` (none: every profile must name it), its
     `help`, the profile key and flag it goes by where that is not its own name (`key`), values
     refused with a reason (`refused`), its bounds (`gt`, `ge`, `lt`, `le`), whether a resume may
@@ -48,6 +56,7 @@ def setting(default=MISSING, help: str = "", *, key: str | None = None, refused:
 @dataclass(frozen=True)
 class Field:
     """One setting as profiles, flags and meta.json see it, derived from its section's field."""
+
     key: str  # the profile key and, with dashes, the flag
     section: str  # the configuration's attribute that holds the section
     name: str  # the section's attribute
@@ -70,10 +79,22 @@ def fields_of(section_attr: str, section: type) -> list[Field]:
         spec = f.metadata.get("setting")
         assert spec is not None, f"{section.__name__}.{f.name} is not declared with setting()"
         kind, nullable, choices = _kind(hints[f.name])
-        out.append(Field(key=spec["key"] or f.name, section=section_attr, name=f.name, kind=kind, help=spec["help"],
-                         default=f.default, choices=choices, nullable=nullable,
-                         bounds=tuple(spec["bounds"].items()), refused=spec["refused"], restored=spec["restored"],
-                         weights=spec["weights"]))
+        out.append(
+            Field(
+                key=spec["key"] or f.name,
+                section=section_attr,
+                name=f.name,
+                kind=kind,
+                help=spec["help"],
+                default=f.default,
+                choices=choices,
+                nullable=nullable,
+                bounds=tuple(spec["bounds"].items()),
+                refused=spec["refused"],
+                restored=spec["restored"],
+                weights=spec["weights"],
+            )
+        )
     return out
 
 
@@ -171,11 +192,15 @@ class Schema:
         """A `--field-name` flag for every field, None unless given; its help shows the value in
         `shown` (a profile's), if any."""
         for key, spec in self.fields.items():
-            value = (f" ({shown['profile']}: {_as_flag(shown['values'][key])})" if key in shown.get("values", {})
-                     else "")
-            parser.add_argument("--" + key.replace("_", "-"), dest=key, type=_flag_type(spec), default=None,
-                                metavar=_metavar(spec),
-                                help=(spec.help + value).replace("%", "%%"))  # argparse formats help
+            value = f" ({shown['profile']}: {_as_flag(shown['values'][key])})" if key in shown.get("values", {}) else ""
+            parser.add_argument(
+                "--" + key.replace("_", "-"),
+                dest=key,
+                type=_flag_type(spec),
+                default=None,
+                metavar=_metavar(spec),
+                help=(spec.help + value).replace("%", "%%"),
+            )  # argparse formats help
 
     def with_flags(self, values: dict, args: argparse.Namespace) -> dict:
         """A resolved profile's `values` with the flags given in `args` over them, every rule checked."""
@@ -235,11 +260,14 @@ def read_profiles(path: Path) -> dict:
 
 def profile_listing(described: dict) -> str:
     """--help's list of profiles: each key with its description, wrapped."""
-    return "\n".join(textwrap.fill(description, 100, initial_indent=f"  {key:<10} ", subsequent_indent=" " * 13)
-                     for key, description in described.items())
+    return "\n".join(
+        textwrap.fill(description, 100, initial_indent=f"  {key:<10} ", subsequent_indent=" " * 13)
+        for key, description in described.items()
+    )
 
 
 # --- the command line -----------------------------------------------------------------------------
+
 
 class Parser(argparse.ArgumentParser):
     """Every entry point's parser: a bad flag is one `error:` line (exit 2, not argparse's usage
@@ -254,6 +282,7 @@ class Parser(argparse.ArgumentParser):
 
 def positive(kind):
     """An argparse type: a finite number of `kind` above 0."""
+
     def parse(text: str):
         try:
             value = kind(text)
@@ -262,6 +291,7 @@ def positive(kind):
         if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
         return value
+
     return parse
 
 

@@ -2,6 +2,7 @@
 disjoint shard and can start an epoch part-way (resume), the examples a run's steps will draw,
 the DataLoader the loop reads, its global batches of accumulated micro-batches, and the copy of a
 collated batch to the device. How large those batches are is `harness.layout`'s."""
+
 from __future__ import annotations
 
 import itertools
@@ -44,23 +45,33 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return batch.to(device, non_blocking=True)
 
 
-def make_loader(dataset, sampler, collate, micro_batch_size: int, workers: Loader, device_type: str, *,
-                seed: int) -> DataLoader:
+def make_loader(
+    dataset, sampler, collate, micro_batch_size: int, workers: Loader, device_type: str, *, seed: int
+) -> DataLoader:
     """Workers tokenise and pad while the model computes; pinned host memory makes the
     host-to-device copy asynchronous (non_blocking) on CUDA; persistent workers skip a fork of
     every worker at each epoch. The loader's own generator keeps its worker seeds off the global
     RNG, so dropout draws do not depend on when an epoch starts. Workers leave the trainer's
     process group, so a preemption signal to the group cannot kill them before it has saved."""
     num_workers = workers.num_workers
-    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate, drop_last=True,
-                      num_workers=num_workers, pin_memory=device_type == "cuda", persistent_workers=num_workers > 0,
-                      worker_init_fn=shield_worker_from_stop_signals,
-                      prefetch_factor=workers.prefetch_factor if num_workers > 0 else None,
-                      generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        collate_fn=collate,
+        drop_last=True,
+        num_workers=num_workers,
+        pin_memory=device_type == "cuda",
+        persistent_workers=num_workers > 0,
+        worker_init_fn=shield_worker_from_stop_signals,
+        prefetch_factor=workers.prefetch_factor if num_workers > 0 else None,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
-def examples_visited(n: int, *, seed: int, world: int, micro: int, accum: int, epoch: int, examples_done: int,
-                     steps: int) -> list[int]:
+def examples_visited(
+    n: int, *, seed: int, world: int, micro: int, accum: int, epoch: int, examples_done: int, steps: int
+) -> list[int]:
     """The dataset indices that `steps` optimizer steps will draw, starting `examples_done` into
     `epoch` (global_batches' position), in increasing order: decided in advance by the sampler's
     permutation of each epoch (the same for any world size), of which step s takes positions
@@ -115,9 +126,15 @@ def examples_drawn(n: int, *, seed: int, state, steps: int) -> list[int]:
     in the same batches, so a run that stopped and resumed trains bitwise as the one that did not."""
     world, micro, accum = state.layout
     starts = {(0, 0, steps), (state.epoch, state.examples_done, steps - state.step)}  # one, unless resumed
-    return sorted({i for epoch, done, left in starts
-                   for i in examples_visited(n, seed=seed, world=world, micro=micro, accum=accum, epoch=epoch,
-                                             examples_done=done, steps=left)})
+    return sorted(
+        {
+            i
+            for epoch, done, left in starts
+            for i in examples_visited(
+                n, seed=seed, world=world, micro=micro, accum=accum, epoch=epoch, examples_done=done, steps=left
+            )
+        }
+    )
 
 
 def check_one_global_batch(n: int, micro: int, accum: int, world: int) -> None:

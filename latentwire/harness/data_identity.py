@@ -1,6 +1,7 @@
 """A training set's identity, which each checkpoint records: a data position means something only
 in the same examples, so a resume on other data is refused (harness.resume) unless --new-data
 starts a fresh epoch of it."""
+
 from __future__ import annotations
 
 import hashlib

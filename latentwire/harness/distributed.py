@@ -3,6 +3,7 @@
 Plain `python train.py` (no RANK in the environment) runs as a world of one without a process
 group, so every helper here also works single-process.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -61,17 +62,20 @@ def torchrun_rank(device_type: str) -> DistInfo:
     if "RANK" not in os.environ:
         return DistInfo(0, 0, 1, select_device(device_type, 0), joins_group=False)
     local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    return DistInfo(int(os.environ["RANK"]), local_rank, world, select_device(device_type, local_rank),
-                    joins_group=world > 1)
+    return DistInfo(
+        int(os.environ["RANK"]), local_rank, world, select_device(device_type, local_rank), joins_group=world > 1
+    )
 
 
 def group_options(device: torch.device, timeout_s: int) -> dict:
     """dist.init_process_group's arguments: NCCL moves CUDA tensors over NVLink/InfiniBand, gloo is
     the CPU backend; an explicit timeout, so a rank that dies or hangs makes the others fail instead
     of waiting forever; on CUDA the rank's GPU, so NCCL binds its communicator to it at once."""
-    return {"backend": "nccl" if device.type == "cuda" else "gloo",
-            "timeout": datetime.timedelta(seconds=timeout_s),
-            "device_id": device if device.type == "cuda" else None}
+    return {
+        "backend": "nccl" if device.type == "cuda" else "gloo",
+        "timeout": datetime.timedelta(seconds=timeout_s),
+        "device_id": device if device.type == "cuda" else None,
+    }
 
 
 @contextmanager
@@ -145,4 +149,3 @@ def broadcast_from_main(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-

@@ -10,6 +10,7 @@ line and that code, and the exit code of a preempted run, which saved and exits 
     75  PREEMPTED_EXIT_CODE    SIGTERM / SIGUSR1 / SIGHUP: the step was saved; continue with --resume
     130 INTERRUPTED_EXIT_CODE  Ctrl-C: the step was saved (a second Ctrl-C: not); continue with --resume
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ INTERRUPTED_EXIT_CODE = 130
 
 class HarnessExit(Exception):
     """Ends the run with one `error: ...` line and `exit_code`, no traceback."""
+
     exit_code = 1
 
 
@@ -64,5 +66,6 @@ def out_of_memory(advice: str, micro_batch_size: int | None = None, snapshots=No
         print(CAUGHT_OUT_OF_MEMORY.format(micro_batch_size), flush=True)
         path = snapshots.dump()
         where = f"memory snapshot: {path}" if path else "no memory snapshot on this device"
-        raise OutOfMemory(f"out of memory at micro-batch {micro_batch_size} ({where}); lower --micro-batch-size; "
-                          f"{advice}") from None
+        raise OutOfMemory(
+            f"out of memory at micro-batch {micro_batch_size} ({where}); lower --micro-batch-size; {advice}"
+        ) from None

@@ -2,6 +2,7 @@
 `error: ...` line and the exit code of `harness.errors` (or, under the launcher, each rank's
 outcome for it, `harness.outcomes`), and `leave` exits without hanging on a process group's
 threads."""
+
 from __future__ import annotations
 
 import gc

@@ -1,6 +1,7 @@
 """Counting a loop's host syncs on any device, a CPU included: every call that reads a tensor's
 value on the host is one on CUDA, where it stalls the host until the device has caught up. A loop
 that promises one sync per step tests it with `HostReads`: run N and M steps, compare the counts."""
+
 from __future__ import annotations
 
 import traceback
@@ -26,5 +27,4 @@ class HostReads(TorchFunctionMode):
 
     @staticmethod
     def _host_side() -> bool:
-        return any(("torch/utils/data" in f.filename or "torch/optim" in f.filename)
-                   for f in traceback.extract_stack())
+        return any(("torch/utils/data" in f.filename or "torch/optim" in f.filename) for f in traceback.extract_stack())

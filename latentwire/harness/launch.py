@@ -9,6 +9,7 @@ non-zero code (2 bad input, 3 diverged, 4 checkpoint write failed, 5 out of memo
 else 1 with one line naming what failed (a rank's traceback is above it). Under SLURM each node
 runs one launcher, so each node prints the line.
 """
+
 from __future__ import annotations
 
 import logging

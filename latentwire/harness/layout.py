@@ -6,6 +6,7 @@ A profile means a global batch (micro-batch x accumulation x the ranks it is lai
 where it splits, else each rank keeps the profile's micro-batch and accumulation and the lr follows
 the profile's `lr_scaling` rule. A micro-batch or accumulation given as a flag is taken as given.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,13 +45,22 @@ def layout_for_world(micro: int, accum: int, laid_out_for: int, world: int, lr: 
         share = int(share)
         split = max(d for d in range(1, min(micro, share) + 1) if share % d == 0)
         if 2 * split >= min(micro, share):
-            return Layout(split, share // split, lr, f"{said} kept on {world} rank(s) as {split} x "
-                                                     f"{share // split} x {world}; lr {lr:.3g} unchanged")
+            return Layout(
+                split,
+                share // split,
+                lr,
+                f"{said} kept on {world} rank(s) as {split} x {share // split} x {world}; lr {lr:.3g} unchanged",
+            )
     new_batch = micro * accum * world
     new_lr = scaled_lr(lr, profile_batch, new_batch, rule)
-    return Layout(micro, accum, new_lr, f"{said} does not split well over {world} rank(s), so each keeps "
-                                        f"{micro} x {accum}: global batch {new_batch}, lr {lr:.3g} -> {new_lr:.3g} by "
-                                        f"the {rule} rule")
+    return Layout(
+        micro,
+        accum,
+        new_lr,
+        f"{said} does not split well over {world} rank(s), so each keeps "
+        f"{micro} x {accum}: global batch {new_batch}, lr {lr:.3g} -> {new_lr:.3g} by "
+        f"the {rule} rule",
+    )
 
 
 def config_for_world(cfg, world: int):
@@ -60,10 +70,18 @@ def config_for_world(cfg, world: int):
     given, training = set(cfg.invocation.given), cfg.training
     if {"micro_batch_size", "grad_accum_steps"} & given:
         return cfg, None
-    layout = layout_for_world(training.micro_batch_size, training.grad_accum_steps, training.num_gpus, world,
-                              cfg.optimizer.lr, training.lr_scaling)
+    layout = layout_for_world(
+        training.micro_batch_size,
+        training.grad_accum_steps,
+        training.num_gpus,
+        world,
+        cfg.optimizer.lr,
+        training.lr_scaling,
+    )
     lr = cfg.optimizer.lr if "lr" in given else layout.lr
-    cfg = replace(cfg, training=replace(training, micro_batch_size=layout.micro_batch_size,
-                                        grad_accum_steps=layout.grad_accum_steps),
-                  optimizer=replace(cfg.optimizer, lr=lr))
+    cfg = replace(
+        cfg,
+        training=replace(training, micro_batch_size=layout.micro_batch_size, grad_accum_steps=layout.grad_accum_steps),
+        optimizer=replace(cfg.optimizer, lr=lr),
+    )
     return cfg, f"batch: {layout.why}" + ("; --lr as given" if lr != layout.lr else "")

@@ -8,6 +8,7 @@ setting has a default but the card's name, device and memory: a profile names it
 differs (docs/loop.md lists the loop's fields). `load_config` reads the command line for any such
 class.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,12 @@ from .recompute import Recompute
 
 @dataclass(frozen=True)
 class Training:
-    num_gpus: int = setting(1, "ranks the profile is laid out for (train.py runs with as many as torchrun starts, "
-                               "keeping the profile's global batch where it splits)", gt=0)
+    num_gpus: int = setting(
+        1,
+        "ranks the profile is laid out for (train.py runs with as many as torchrun starts, "
+        "keeping the profile's global batch where it splits)",
+        gt=0,
+    )
     micro_batch_size: int = setting(8, "examples per rank per forward pass", gt=0)
     grad_accum_steps: int = setting(1, "micro-batches per optimizer step", gt=0)
     # how lr follows a global batch the profile did not tune it for (harness.layout)
@@ -44,6 +49,7 @@ class Training:
 @dataclass(frozen=True)
 class Loader:
     """The DataLoader's workers (harness.data.make_loader)."""
+
     num_workers: int = setting(0, "DataLoader worker processes per rank", ge=0)
     prefetch_factor: int = setting(2, "batches each worker loads ahead", gt=0)
 
@@ -51,17 +57,18 @@ class Loader:
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW's (the lr is also OneCycle's peak)."""
+
     lr: float = setting(3e-4, "peak learning rate of OneCycle", gt=0, restored=True)
     weight_decay: float = setting(0.01, "AdamW weight decay", ge=0, restored=True)
     beta1: float = setting(0.9, "AdamW beta1", key="adam_beta1", ge=0, lt=1, restored=True)
     beta2: float = setting(0.95, "AdamW beta2", key="adam_beta2", ge=0, lt=1, restored=True)
-    eps: float = setting(1e-8, "AdamW epsilon, added to the gradient's RMS before dividing by it", key="adam_eps",
-                         gt=0)
+    eps: float = setting(1e-8, "AdamW epsilon, added to the gradient's RMS before dividing by it", key="adam_eps", gt=0)
 
 
 @dataclass(frozen=True)
 class Schedule:
     """OneCycle's shape around the optimizer's lr."""
+
     pct_start: float = setting(0.05, "fraction of steps spent warming up", gt=0, lt=1, restored=True)
     anneal_strategy: Literal["cos", "linear"] = setting("cos", "OneCycle annealing", restored=True)
     div_factor: float = setting(25.0, "initial lr = lr / div_factor", gt=0, restored=True)
@@ -71,6 +78,7 @@ class Schedule:
 @dataclass(frozen=True)
 class Output:
     """What the run writes, and how often: logs, checkpoints, evaluations."""
+
     out_dir: str = setting("", "where metrics, traces and checkpoints go ('': runs/<profile>)")
     log_every: int = setting(10, "log every N optimizer steps", gt=0)
     checkpoint_every: int = setting(500, "checkpoint every N steps (0: only at the end)", ge=0)
@@ -81,6 +89,7 @@ class Output:
 @dataclass(frozen=True)
 class Invocation:
     """Flags that describe this invocation rather than the hardware."""
+
     profile: str
     resume: bool = False
     overwrite: bool = False
@@ -103,6 +112,7 @@ class LoopConfig:
     """The resolved configuration: a profile plus command-line overrides, validated, in typed
     sections (a function takes the section it reads). A model's configuration extends it with its
     own sections."""
+
     card: Card
     numerics: Numerics
     compile: CompileConfig
@@ -132,8 +142,10 @@ class LoopConfig:
     def of(cls, values: dict, invocation: Invocation):
         """From checked flat values (every field of the schema)."""
         hints = typing.get_type_hints(cls)
-        return cls(**{attr: hints[attr](**kwargs) for attr, kwargs in cls.schema().sections(values).items()},
-                   invocation=invocation)
+        return cls(
+            **{attr: hints[attr](**kwargs) for attr, kwargs in cls.schema().sections(values).items()},
+            invocation=invocation,
+        )
 
     def flat(self) -> dict:
         """The flat fields (profile keys), in the schema's order."""
@@ -156,6 +168,7 @@ class LoopConfig:
 
 # --- the command line -----------------------------------------------------------------------------
 
+
 def build_parser(schema: Schema, profiles: Path, prog: str, argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The loop's flags and every field of `schema`, defaulting to the profile's value. --help lists
     the profiles of the file, and shows the values of the one named with --profile in `argv`."""
@@ -166,25 +179,41 @@ def build_parser(schema: Schema, profiles: Path, prog: str, argv: list[str] | No
     described, shown = schema.describe_profiles(Path(known.hw_profiles), known.profile)
     if shown:
         shown["values"]["out_dir"] = default_out_dir(shown["values"]["out_dir"], known.profile)
-    p = Parser(prog=prog, usage=f"{prog} --profile KEY [--resume [--new-data] | --overwrite] [--FIELD VALUE ...]",
-               description="Train from a hardware profile. Every field of the profile is also a flag, which "
-               "overrides it.", formatter_class=argparse.RawDescriptionHelpFormatter,
-               epilog=f"profiles in {known.hw_profiles}:\n{profile_listing(described)}" if described else None)
+    p = Parser(
+        prog=prog,
+        usage=f"{prog} --profile KEY [--resume [--new-data] | --overwrite] [--FIELD VALUE ...]",
+        description="Train from a hardware profile. Every field of the profile is also a flag, which overrides it.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"profiles in {known.hw_profiles}:\n{profile_listing(described)}" if described else None,
+    )
     p.add_argument("--profile", required=True, help="a key of the profile file (listed below)")
     p.add_argument("--hw-profiles", default=str(profiles), help="the profile file")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--overwrite", action="store_true", help="start afresh in an out_dir that holds a run")
-    p.add_argument("--stop-at-step", type=int, default=None,
-                   help="save and exit 0 after this optimizer step (the schedule is unchanged)")
-    p.add_argument("--init-from", metavar="RUN_OR_CHECKPOINT",
-                   help="a new run whose trainable weights start from this run's newest checkpoint (or this "
-                        "checkpoint), with its own optimizer and schedule: to train a model further")
-    p.add_argument("--requeued", action="store_true",
-                   help="a requeued job (launch.sh adds it under SLURM): --resume where the run has a checkpoint, "
-                        "else start the run, saying which")
-    p.add_argument("--new-data", action="store_true",
-                   help="with --resume: continue the weights, optimizer and schedule on this run's training data, "
-                        "which may differ from the checkpoint's, from the start of a fresh epoch")
+    p.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        help="save and exit 0 after this optimizer step (the schedule is unchanged)",
+    )
+    p.add_argument(
+        "--init-from",
+        metavar="RUN_OR_CHECKPOINT",
+        help="a new run whose trainable weights start from this run's newest checkpoint (or this "
+        "checkpoint), with its own optimizer and schedule: to train a model further",
+    )
+    p.add_argument(
+        "--requeued",
+        action="store_true",
+        help="a requeued job (launch.sh adds it under SLURM): --resume where the run has a checkpoint, "
+        "else start the run, saying which",
+    )
+    p.add_argument(
+        "--new-data",
+        action="store_true",
+        help="with --resume: continue the weights, optimizer and schedule on this run's training data, "
+        "which may differ from the checkpoint's, from the start of a fresh epoch",
+    )
     schema.add_flags(p, shown)
     return p
 
@@ -207,8 +236,15 @@ def load_config(config_type: type[LoopConfig], argv: list[str] | None, profiles:
         raise UserError(f"--stop-at-step must be > 0, got {args.stop_at_step}")
     if args.new_data and not args.resume:
         raise UserError("--new-data continues a run on other data: it needs --resume")
-    invocation = Invocation(profile=args.profile, resume=args.resume, overwrite=args.overwrite,
-                   stop_at_step=args.stop_at_step, new_data=args.new_data,
-                   given=tuple(name for name in schema.fields if getattr(args, name) is not None),
-                   init_from=args.init_from, requeued=args.requeued, hw_profiles=str(path))
+    invocation = Invocation(
+        profile=args.profile,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        stop_at_step=args.stop_at_step,
+        new_data=args.new_data,
+        given=tuple(name for name in schema.fields if getattr(args, name) is not None),
+        init_from=args.init_from,
+        requeued=args.requeued,
+        hw_profiles=str(path),
+    )
     return config_type.of(values, invocation)

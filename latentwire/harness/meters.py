@@ -2,6 +2,7 @@
 steps, this rank's memory, the GPU's utilisation and power (`StepMeter`). A step's FLOPs are the
 model's count (`StepMeter(flops=...)`, a `harness.recipe.StepFlops`): the harness knows no model.
 Where the records go is `harness.metrics`'s."""
+
 from __future__ import annotations
 
 import sys
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 def _cpu_resident() -> tuple[int, int]:
@@ -50,9 +51,13 @@ class MemoryMeter:
     def _raw(self) -> dict:
         if self.device.type == "cuda":
             s = torch.cuda.memory_stats(self.device)
-            return {"mem": s["allocated_bytes.all.current"], "peak": s["allocated_bytes.all.peak"],
-                    "reserved_gb": s["reserved_bytes.all.current"] / GIB,
-                    "peak_reserved_gb": s["reserved_bytes.all.peak"] / GIB, "alloc_retries": s["num_alloc_retries"]}
+            return {
+                "mem": s["allocated_bytes.all.current"],
+                "peak": s["allocated_bytes.all.peak"],
+                "reserved_gb": s["reserved_bytes.all.current"] / GIB,
+                "peak_reserved_gb": s["reserved_bytes.all.peak"] / GIB,
+                "alloc_retries": s["num_alloc_retries"],
+            }
         current, peak = _cpu_resident()
         return {"mem": current, "peak": peak, "reserved_gb": None, "peak_reserved_gb": None, "alloc_retries": None}
 
@@ -61,8 +66,12 @@ class MemoryMeter:
         self.run_peak = max(self.run_peak, raw["peak"])
         if raw["alloc_retries"] is not None:  # the allocator counts from the process's start
             raw["alloc_retries"] -= self.retries_before
-        return {"mem_gb": raw.pop("mem") / GIB, "peak_mem_gb": raw.pop("peak") / GIB,
-                "run_peak_mem_gb": self.run_peak / GIB, **raw}
+        return {
+            "mem_gb": raw.pop("mem") / GIB,
+            "peak_mem_gb": raw.pop("peak") / GIB,
+            "run_peak_mem_gb": self.run_peak / GIB,
+            **raw,
+        }
 
     def start_window(self) -> None:
         """The peak so far counts for the run; the next window's peak starts from what is in use now."""
@@ -101,15 +110,20 @@ class GpuMonitor:
 
     def give_up(self, error: Exception) -> None:
         self.handle = None
-        print(f"note: no GPU utilisation or power in the metrics (NVML: {type(error).__name__}: {error})",
-              file=sys.stderr, flush=True)
+        print(
+            f"note: no GPU utilisation or power in the metrics (NVML: {type(error).__name__}: {error})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def read(self) -> dict:
         if self.handle is None:
             return dict(self.NULL)
         try:
-            return {"gpu_util_pct": float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu),
-                    "gpu_power_w": self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0}
+            return {
+                "gpu_util_pct": float(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu),
+                "gpu_power_w": self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0,
+            }
         except Exception as e:
             self.give_up(e)
             return dict(self.NULL)
@@ -119,6 +133,7 @@ class GpuMonitor:
 class Window:
     """Accumulates the steps between two log lines. Consecutive windows share their boundary,
     so logging itself is inside the measured time, not between windows."""
+
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
     counts: dict = field(default_factory=dict)  # name -> what the window's steps processed, e.g. samples
@@ -128,8 +143,9 @@ class Window:
     data_wait: float = 0.0
     end: float | None = None
 
-    def add(self, counts: dict, flops: float, hardware_flops: float, useful_flops: float | None,
-            data_wait: float) -> None:
+    def add(
+        self, counts: dict, flops: float, hardware_flops: float, useful_flops: float | None, data_wait: float
+    ) -> None:
         self.steps += 1
         for name, n in counts.items():
             self.counts[name] = self.counts.get(name, 0) + n
@@ -185,8 +201,13 @@ class StepMeter:
         if self.flops is None:
             self.window.add(counts, 0.0, 0.0, None, data_wait)
             return
-        self.window.add(counts, self.flops.step_flops(micro_batches), self.flops.step_hardware_flops(micro_batches),
-                        useful_flops if self.useful_counted else None, data_wait)
+        self.window.add(
+            counts,
+            self.flops.step_flops(micro_batches),
+            self.flops.step_hardware_flops(micro_batches),
+            useful_flops if self.useful_counted else None,
+            data_wait,
+        )
 
     def read(self) -> dict:
         rates = self.window.rates(self.peak_flops)

@@ -1,6 +1,7 @@
 """Where a logged step's record goes, on rank 0 only: `metrics.jsonl`, TensorBoard (`tb/`) and the
 console. What the record measures is `harness.meters`'s. A resumed run's log keeps every whole
 record before its step, whatever a killed run left at its end (`keep_log_before`)."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,15 @@ class MetricsLogger:
     bar (step, loss, tokens/s, ETA) when stdout is a terminal, and a line per logged step saying
     where the run is (`step 10/2400`), how long it has run and how long it has left."""
 
-    def __init__(self, out_dir: Path, enabled: bool, first_step: int = 1, total_steps: int | None = None,
-                 first_record: dict | None = None, started: float | None = None):
+    def __init__(
+        self,
+        out_dir: Path,
+        enabled: bool,
+        first_step: int = 1,
+        total_steps: int | None = None,
+        first_record: dict | None = None,
+        started: float | None = None,
+    ):
         """`first_step` > 1 continues a resumed run: whatever the stopped run logged from that
         step on (after its last checkpoint) is dropped, so every step appears once. `first_record`
         joins the first record this process logs (facts of the run, such as its data). `started`:
@@ -31,6 +39,7 @@ class MetricsLogger:
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
+
         path = out_dir / "metrics.jsonl"
         if path.exists():
             keep_log_before(path, first_step)
@@ -40,6 +49,7 @@ class MetricsLogger:
         self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step if first_step > 1 else None)
         if sys.stdout.isatty() and total_steps is not None:
             from tqdm import tqdm
+
             self.bar = tqdm(total=total_steps, initial=first_step - 1, unit="step", dynamic_ncols=True, file=sys.stdout)
 
     def step_done(self) -> None:
@@ -56,8 +66,9 @@ class MetricsLogger:
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.tb.add_scalar(key, value, record["step"])
         self.tb.flush()  # on disk now, like the JSON line: a run that ends in an error may not close it
-        line = format_line(record, self.total_steps, time.monotonic() - self.started,
-                           first=record["step"] == self.first_step)
+        line = format_line(
+            record, self.total_steps, time.monotonic() - self.started, first=record["step"] == self.first_step
+        )
         mute_a_lost_console()  # a terminal hung up before this rank heard its SIGHUP
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
@@ -84,11 +95,17 @@ def keep_log_before(path: Path, first_step: int) -> None:
     if damaged:
         aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
         aside.write_bytes(raw)
-        print(f"warning: {path} has {damaged + torn} damaged line(s), left out; the file as it was is kept "
-              f"as {aside}", file=sys.stderr, flush=True)
+        print(
+            f"warning: {path} has {damaged + torn} damaged line(s), left out; the file as it was is kept as {aside}",
+            file=sys.stderr,
+            flush=True,
+        )
     elif torn:
-        print(f"note: dropped the torn last line of {path} (its run was stopped while writing it)", file=sys.stderr,
-              flush=True)
+        print(
+            f"note: dropped the torn last line of {path} (its run was stopped while writing it)",
+            file=sys.stderr,
+            flush=True,
+        )
     kept = b"".join(line + b"\n" for step, line in records if step < first_step)
     if kept != raw:
         tmp = path.with_name(f".{path.name}.tmp")
@@ -139,9 +156,11 @@ def format_line(r: dict, total_steps: int | None = None, elapsed: float | None =
             clock += f", first step {r['step_time_s']:.1f} s"
         elif total_steps is not None:
             clock += f", {hms((total_steps - r['step']) * r['step_time_s'])} left"
-    return (f"step {step} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f}"
-            f" | {r['samples_per_s']:.1f} samples/s | {r['tokens_per_s']:.0f} tok/s{mfu}"
-            f" | mem {r['peak_mem_gb']:.2f} GiB | data wait {100 * r['data_wait_frac']:.1f}%{clock}")
+    return (
+        f"step {step} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f}"
+        f" | {r['samples_per_s']:.1f} samples/s | {r['tokens_per_s']:.0f} tok/s{mfu}"
+        f" | mem {r['peak_mem_gb']:.2f} GiB | data wait {100 * r['data_wait_frac']:.1f}%{clock}"
+    )
 
 
 def hms(seconds: float) -> str:

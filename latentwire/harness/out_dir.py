@@ -12,6 +12,7 @@
 - The run must be able to write where it writes (the directory and its `checkpoints/`): checked
   before anything heavy loads, not found at the first save after hours of training.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -43,8 +44,10 @@ def one_run_at_a_time(out_dir: Path, di: DistInfo) -> Iterator[None]:
         except UserError as e:
             refusal = str(e)
         if fd is None and refusal is None:
-            refusal = (f"{out_dir} is in use by another run, which holds its lock; wait for it to end, or give this "
-                       "run another --out-dir")
+            refusal = (
+                f"{out_dir} is in use by another run, which holds its lock; wait for it to end, or give this "
+                "run another --out-dir"
+            )
     refusal = broadcast_from_main(refusal)
     if refusal is not None:
         raise UserError(refusal)

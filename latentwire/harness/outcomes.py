@@ -1,6 +1,7 @@
 """Each rank's outcome, left for the launcher (`harness.launch`): its exit code and error line, in
 a directory the launcher names in HARNESS_OUTCOME_DIR. The launcher waits for every rank's, prints
 the error line once for all of them, and exits with the run's own code rather than torchrun's."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,7 @@ def a_peer_left_with(code: int) -> bool:
     want of it, and that failure is the stop, not an error of this rank's: the launcher's relayed
     signal can reach this rank after its peer has gone, under load."""
     directory = os.environ.get(OUTCOME_DIR)
-    return bool(directory) and any(o["rank"] != this_rank() and o["code"] == code
-                                   for o in recorded_outcomes(directory))
+    return bool(directory) and any(o["rank"] != this_rank() and o["code"] == code for o in recorded_outcomes(directory))
 
 
 def recorded_outcomes(directory: str | Path) -> list[dict]:

@@ -4,6 +4,7 @@ train.py makes the calls itself (torch.autocast, the GradScaler, the TF32 switch
 context); what it decides them with lives here. Every choice that only a GPU makes is a function
 of plain inputs (compute capability, dtype), so CPU tests take each branch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,11 +19,13 @@ from .config import setting
 class Card:
     """The profile's device: what it is, its memory, and the peaks MFU is measured against (null:
     unknown, no MFU)."""
+
     description: str = setting(help="what this profile is for")
     device: Literal["cuda", "cpu"] = setting(help="cuda or cpu")
     memory_gb: float = setting(help="memory of one device in GB (GiB for CUDA cards)", gt=0)
-    cap_memory: bool = setting(True, "hold a run on a card with more memory than memory_gb to memory_gb "
-                                     "(harness.memory_cap)")
+    cap_memory: bool = setting(
+        True, "hold a run on a card with more memory than memory_gb to memory_gb (harness.memory_cap)"
+    )
     supports_bf16: bool = setting(False, "whether the card has bf16 tensor cores (sm80 and newer)")
     peak_tflops_bf16: float | None = setting(None, "dense bf16 peak TFLOP/s of one device", gt=0)
     peak_tflops_fp16: float | None = setting(None, "dense fp16 peak TFLOP/s of one device", gt=0)
@@ -33,8 +36,11 @@ class Card:
 @dataclass(frozen=True)
 class Numerics:
     precision: Literal["bf16", "fp16", "fp32"] = setting("fp32", "autocast dtype", restored=True)
-    tf32: bool = setting(False, "TF32 tensor cores for fp32 matmuls on Ampere and newer (--precision fp32 --tf32 "
-                                "false: the IEEE fp32 reference)")
+    tf32: bool = setting(
+        False,
+        "TF32 tensor cores for fp32 matmuls on Ampere and newer (--precision fp32 --tf32 "
+        "false: the IEEE fp32 reference)",
+    )
 
 
 # The autocast dtype of each --precision; fp32 runs without autocast.
@@ -69,6 +75,7 @@ def matmul_arithmetic(precision: str, tf32: bool) -> str:
 
 # --- attention kernels ------------------------------------------------------------------------
 
+
 def sdpa_backends(capability: tuple[int, int] | None, dtype: torch.dtype) -> tuple[list, str | None]:
     """The SDPA kernels this card (None: not CUDA) may pick for this compute dtype, for
     `torch.nn.attention.sdpa_kernel`, and a warning where the math kernel has to be among them.
@@ -89,9 +96,11 @@ def sdpa_backends(capability: tuple[int, int] | None, dtype: torch.dtype) -> tup
     if capability >= (8, 0) and dtype in (torch.bfloat16, torch.float16):
         return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], None
     dtype_name = str(dtype).removeprefix("torch.")
-    why = (f"attention: flash and cuDNN kernels need an sm80+ card and bf16/fp16, this is sm{capability[0]}"
-           f"{capability[1]} with {dtype_name}; grouped-query attention runs in the math kernel (the "
-           "memory-efficient one has no grouped-query support), masked attention in the memory-efficient one")
+    why = (
+        f"attention: flash and cuDNN kernels need an sm80+ card and bf16/fp16, this is sm{capability[0]}"
+        f"{capability[1]} with {dtype_name}; grouped-query attention runs in the math kernel (the "
+        "memory-efficient one has no grouped-query support), masked attention in the memory-efficient one"
+    )
     return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], why
 
 
@@ -100,8 +109,9 @@ def sdpa_backends(capability: tuple[int, int] | None, dtype: torch.dtype) -> tup
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) on
 
 
-def fp8_refusal(device_type: str, capability: tuple[int, int] | None, precision: str,
-                eager_backward: bool) -> str | None:
+def fp8_refusal(
+    device_type: str, capability: tuple[int, int] | None, precision: str, eager_backward: bool
+) -> str | None:
     """Why frozen linears in float8 (either of torchao's recipes) cannot run or cannot help here,
     or None where they may. `capability` None: the CPU, or a CUDA card not known yet (a profile
     checked before its run starts); `eager_backward`: the backward runs eagerly (--compile false),
@@ -112,13 +122,19 @@ def fp8_refusal(device_type: str, capability: tuple[int, int] | None, precision:
     On the CPU torch._scaled_mm runs as an emulation (dequantised operands, an fp32 matmul): the
     numerics of float8, none of its speed, which is what the CPU tests need."""
     if precision != "bf16":
-        return (f"float8 matmuls replace the bf16 ones of --precision bf16 (this run: {precision}); fp32 is the "
-                "reference and fp16 the cards without FP8 tensor cores")
+        return (
+            f"float8 matmuls replace the bf16 ones of --precision bf16 (this run: {precision}); fp32 is the "
+            "reference and fp16 the cards without FP8 tensor cores"
+        )
     if eager_backward:
-        return ("eagerly (--compile false) the casts to float8 run as kernels of their own, and torchao's "
-                "tensorwise linear also computes the weight gradient of every frozen weight, a third GEMM thrown "
-                "away; compiled (--compile true), inductor fuses the casts and AOTAutograd drops that GEMM")
+        return (
+            "eagerly (--compile false) the casts to float8 run as kernels of their own, and torchao's "
+            "tensorwise linear also computes the weight gradient of every frozen weight, a third GEMM thrown "
+            "away; compiled (--compile true), inductor fuses the casts and AOTAutograd drops that GEMM"
+        )
     if device_type == "cuda" and capability is not None and capability < FP8_CAPABILITY:
-        return (f"this card (sm{capability[0]}{capability[1]}) has no FP8 tensor cores (sm89 and newer: Ada, "
-                "Hopper); the run would be slower, not faster")
+        return (
+            f"this card (sm{capability[0]}{capability[1]}) has no FP8 tensor cores (sm89 and newer: Ada, "
+            "Hopper); the run would be slower, not faster"
+        )
     return None

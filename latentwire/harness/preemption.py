@@ -8,6 +8,7 @@ signal or a hangup (errors.PREEMPTED_EXIT_CODE: resume), 130 for Ctrl-C
 once, without saving the step; a second hangup does not (one dropped connection can deliver two:
 the login shell's to its jobs and the kernel's when that shell exits). DataLoader workers are kept
 out of the way of all of them (`shield_worker_from_stop_signals`): the trainer decides when to stop."""
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@
 
 Reading either afterwards is `harness.recordings`'.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -39,6 +40,7 @@ class NoProfiler:
 class ProfilerConfig:
     """What a run records to be looked at later: a torch.profiler trace (the schedule in steps and
     what it records) and the CUDA allocator's history."""
+
     enabled: bool = setting(False, "run torch.profiler and write traces under out_dir", key="profiler")
     wait: int = setting(5, "profiler schedule: steps skipped", key="profiler_wait", ge=0)
     warmup: int = setting(2, "profiler schedule: steps traced but discarded", key="profiler_warmup", ge=0)
@@ -53,10 +55,14 @@ def profiler_options(config: ProfilerConfig, out_dir: Path, rank: int, device: t
     """torch.profiler.profile's arguments: CPU and, on a GPU, CUDA activity; the schedule once; a
     TensorBoard trace per rank."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return dict(activities=activities,
-                schedule=schedule(wait=config.wait, warmup=config.warmup, active=config.active, repeat=1),
-                on_trace_ready=tensorboard_trace_handler(str(Path(out_dir) / "traces"), worker_name=f"rank{rank}"),
-                record_shapes=config.shapes, profile_memory=config.memory, with_stack=config.stacks)
+    return dict(
+        activities=activities,
+        schedule=schedule(wait=config.wait, warmup=config.warmup, active=config.active, repeat=1),
+        on_trace_ready=tensorboard_trace_handler(str(Path(out_dir) / "traces"), worker_name=f"rank{rank}"),
+        record_shapes=config.shapes,
+        profile_memory=config.memory,
+        with_stack=config.stacks,
+    )
 
 
 HISTORY_ENTRIES = 200_000

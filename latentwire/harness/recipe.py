@@ -8,6 +8,7 @@ a task's `counts`, `loss_sums` and `objective`. Everything else has a default he
 with no FLOP count (no MFU), no evaluation and no memory planner. `harness.template` is the whole
 of a recipe for a toy regression (docs/loop.md, "Lifting the loop").
 """
+
 from __future__ import annotations
 
 import functools
@@ -76,6 +77,7 @@ class StepFlops:
 class TrainingStep:
     """train.py's optimizer and step, handed to whatever plans or measures them (a recipe's memory
     planner), so what is planned is what trains and nothing imports the script."""
+
     adamw: Callable  # (model, OptimizerConfig, device_type) -> the optimizer
     train_step: Callable  # train.py's train_step
 

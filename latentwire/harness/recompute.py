@@ -22,6 +22,7 @@ where there is none (torch 2.11 on); the hash here is of this module's source, w
 policy. Dynamo takes a context function that is a plain function (or a functools.partial), so it
 is one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -43,9 +44,12 @@ POLICIES = typing.get_args(Policy)
 @dataclass(frozen=True)
 class Recompute:
     policy: Policy = setting(
-        "none", "what backward recomputes of the model's checkpointed regions: none (every activation kept), "
-                "selective (attention's and every second matmul's outputs kept, the rest recomputed), full (each "
-                "region's forward run again)", key="activation_checkpointing")
+        "none",
+        "what backward recomputes of the model's checkpointed regions: none (every activation kept), "
+        "selective (attention's and every second matmul's outputs kept, the rest recomputed), full (each "
+        "region's forward run again)",
+        key="activation_checkpointing",
+    )
 
 
 def checkpoint_options(policy: str) -> dict | None:
@@ -73,8 +77,12 @@ def _ops(*names: str) -> frozenset:
 # A linear's matmul: mm without a bias, addmm with one, _scaled_mm in float8.
 MATMULS = _ops("mm", "addmm", "_scaled_mm")
 # Attention's fused kernels: their outputs are kept, so the recompute never runs attention.
-ATTENTION = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+ATTENTION = _ops(
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
 
 
 def selective_policy():

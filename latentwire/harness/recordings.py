@@ -7,6 +7,7 @@
   replayed to the moment the most memory was allocated, the blocks live then grouped by the lines
   that allocated them (bench/peak_allocations.py).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -30,8 +31,11 @@ def summarize_trace(path: Path, top: int = 15) -> dict:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    steps = [e for e in events if e.get("cat") in ("user_annotation", "cpu_op")
-             and e.get("name", "").startswith("ProfilerStep#")]
+    steps = [
+        e
+        for e in events
+        if e.get("cat") in ("user_annotation", "cpu_op") and e.get("name", "").startswith("ProfilerStep#")
+    ]
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES]
     work = device or [e for e in events if e.get("cat") == "cpu_op" and not e["name"].startswith("ProfilerStep#")]
     timed = steps or work
@@ -47,10 +51,15 @@ def summarize_trace(path: Path, top: int = 15) -> dict:
         calls[e["name"]] += 1
     total = sum(spent.values()) or 1.0
     ranked = sorted(spent, key=spent.get, reverse=True)[:top]
-    return {"activity": "device kernels" if device else "CPU operators", "steps": len(steps),
-            "span_ms": (end - start) / 1e3, "busy_ms": busy / 1e3, "idle_share": 1 - busy / max(end - start, 1e-9),
-            "total_ms": total / 1e3,
-            "top": [{"name": n, "ms": spent[n] / 1e3, "share": spent[n] / total, "calls": calls[n]} for n in ranked]}
+    return {
+        "activity": "device kernels" if device else "CPU operators",
+        "steps": len(steps),
+        "span_ms": (end - start) / 1e3,
+        "busy_ms": busy / 1e3,
+        "idle_share": 1 - busy / max(end - start, 1e-9),
+        "total_ms": total / 1e3,
+        "top": [{"name": n, "ms": spent[n] / 1e3, "share": spent[n] / total, "calls": calls[n]} for n in ranked],
+    }
 
 
 def _self_times(ops: list[dict]) -> list[float]:
@@ -72,17 +81,22 @@ def _self_times(ops: list[dict]) -> list[float]:
 
 def format_trace_summary(summary: dict) -> str:
     """summarize_trace's numbers as a short text: the idle share, then the top kernels."""
-    lines = [f"{summary['steps']} profiled steps, {summary['span_ms']:.1f} ms: {summary['activity']} busy "
-             f"{summary['busy_ms']:.1f} ms, idle {100 * summary['idle_share']:.1f}%",
-             f"top {summary['activity']} by time (of {summary['total_ms']:.1f} ms summed):"]
-    lines += [f"  {100 * t['share']:5.1f}%  {t['ms']:9.1f} ms  {t['calls']:6d} calls  {t['name'][:140]}"
-              for t in summary["top"]]
+    lines = [
+        f"{summary['steps']} profiled steps, {summary['span_ms']:.1f} ms: {summary['activity']} busy "
+        f"{summary['busy_ms']:.1f} ms, idle {100 * summary['idle_share']:.1f}%",
+        f"top {summary['activity']} by time (of {summary['total_ms']:.1f} ms summed):",
+    ]
+    lines += [
+        f"  {100 * t['share']:5.1f}%  {t['ms']:9.1f} ms  {t['calls']:6d} calls  {t['name'][:140]}"
+        for t in summary["top"]
+    ]
     return "\n".join(lines) + "\n"
 
 
 # Allocations the history keeps, the newest ones: torch's own default for the memory visualizer.
 
 # --- What was live at the peak ----------------------------------------------------------------
+
 
 class _DataOnly(pickle.Unpickler):
     """A snapshot is dicts, lists, strings and numbers: a pickle naming any class or function is
@@ -109,6 +123,7 @@ def read_snapshot(path: Path) -> dict:
 @dataclass(frozen=True)
 class Site:
     """Blocks of one size live at the peak that the same lines allocated."""
+
     block_bytes: int
     blocks: int
     frames: tuple[str, ...]  # innermost first: "file:line name"
@@ -135,7 +150,7 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
         if total > peak:
             peak, at = total, i
     live = {}
-    for event in trace[:at + 1]:
+    for event in trace[: at + 1]:
         _apply(event, live)
     return peak, list(live.values())
 
@@ -149,5 +164,7 @@ def by_site(events: list[dict], skip: tuple[str, ...] = ("/site-packages/torch/"
         frames = [f for f in event.get("frames", []) if not any(part in f["filename"] for part in skip)]
         where = tuple(f"{f['filename']}:{f['line']} {f['name']}" for f in frames[:depth]) or ("(no Python frame)",)
         sites[event["size"], where] += 1
-    return sorted((Site(size, count, where) for (size, where), count in sites.items()),
-                  key=lambda site: -site.block_bytes * site.blocks)
+    return sorted(
+        (Site(size, count, where) for (size, where), count in sites.items()),
+        key=lambda site: -site.block_bytes * site.blocks,
+    )

@@ -14,6 +14,7 @@ is `harness.checkpoint`'s.
 - `--init-from` starts a new run from a checkpoint's weights, refused where they were trained for
   another shape (the settings declared `weights=True`).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ from .distributed import gather_objects
 from .errors import UserError
 
 # --- which checkpoint ---------------------------------------------------------------------------------
+
 
 def newest_meta(out_dir: Path) -> tuple[Path, dict] | None:
     """The newest checkpoint whose meta.json reads, and what it says: what a resume can be checked
@@ -86,17 +88,24 @@ def resolve_checkpoint(path: Path, flag: str) -> Path:
 
 # --- what a resume may not change ---------------------------------------------------------------------
 
-def check_restored_settings(config: dict, saved: dict, restored: tuple[str, ...], setting=None,
-                            new_run: str = "start a new run") -> None:
+
+def check_restored_settings(
+    config: dict, saved: dict, restored: tuple[str, ...], setting=None, new_run: str = "start a new run"
+) -> None:
     """Refuse, in one line, a resume that changes one of the `restored` settings, each named as it
     was given (`setting(name, value)`: its flag, or its profile's field; by default the flag).
     `new_run`: what the line offers instead."""
     setting = setting or (lambda name, value: f"--{name.replace('_', '-')} {value}")
-    changed = [f"{setting(name, config[name])} (the run's: {saved.get(name)})"
-               for name in restored if config[name] != saved.get(name)]
+    changed = [
+        f"{setting(name, config[name])} (the run's: {saved.get(name)})"
+        for name in restored
+        if config[name] != saved.get(name)
+    ]
     if changed:
-        raise UserError(f"{', '.join(changed)}: the checkpoint's state (its optimizer and schedule, or its weights' "
-                        f"shape) holds the run's values; resume without changing them, or {new_run}")
+        raise UserError(
+            f"{', '.join(changed)}: the checkpoint's state (its optimizer and schedule, or its weights' "
+            f"shape) holds the run's values; resume without changing them, or {new_run}"
+        )
 
 
 def check_stop_at_step(stop_at_step: int | None, saved_step: int) -> None:
@@ -107,9 +116,11 @@ def check_stop_at_step(stop_at_step: int | None, saved_step: int) -> None:
 def check_same_data(path: Path, saved: dict, fresh: dict, new_data: bool) -> None:
     """Refuse a resume on other training data than the checkpoint's, unless `new_data`."""
     if not same_data(saved, fresh) and not new_data:
-        raise UserError(f"--resume on other training data: {path.name} trained on {describe_data(saved)}, this "
-                        f"run loads {describe_data(fresh)}; resume with the same data, or add --new-data to "
-                        "train on this data from a fresh epoch with the resumed weights and optimizer")
+        raise UserError(
+            f"--resume on other training data: {path.name} trained on {describe_data(saved)}, this "
+            f"run loads {describe_data(fresh)}; resume with the same data, or add --new-data to "
+            "train on this data from a fresh epoch with the resumed weights and optimizer"
+        )
 
 
 def check_resume_settings(out_dir: Path, config: dict, restored: tuple[str, ...], flags) -> None:
@@ -123,8 +134,13 @@ def check_resume_settings(out_dir: Path, config: dict, restored: tuple[str, ...]
     if found is None:  # none reads: resume says why, once it has tried each
         return
     path, meta = found
-    check_restored_settings(config, meta.get("config", {}), restored, flags.setting,
-                            new_run=f"start a new run from its weights: --init-from {out_dir} with another --out-dir")
+    check_restored_settings(
+        config,
+        meta.get("config", {}),
+        restored,
+        flags.setting,
+        new_run=f"start a new run from its weights: --init-from {out_dir} with another --out-dir",
+    )
     check_stop_at_step(flags.stop_at_step, meta["step"])
 
 
@@ -142,11 +158,15 @@ def check_init_from(path: Path, config: dict, weight_fields: tuple[str, ...]) ->
         saved = json.loads((path / META).read_text(encoding="utf-8"))["config"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"--init-from {path}: its {META} does not read ({type(e).__name__}: {e})") from None
-    different = [f"{name} {saved.get(name)} (this run: {config[name]})" for name in weight_fields
-                 if saved.get(name) != config[name]]
+    different = [
+        f"{name} {saved.get(name)} (this run: {config[name]})"
+        for name in weight_fields
+        if saved.get(name) != config[name]
+    ]
     if different:
-        raise UserError(f"--init-from {path}: its weights were trained with {', '.join(different)}; give this run "
-                        "the same shape")
+        raise UserError(
+            f"--init-from {path}: its weights were trained with {', '.join(different)}; give this run the same shape"
+        )
 
 
 def flags_for_requeue(flags, out_dir: Path):
@@ -163,8 +183,17 @@ def flags_for_requeue(flags, out_dir: Path):
 
 # --- the continued run -------------------------------------------------------------------------------
 
-def resume(checkpointer: Checkpointer, fresh: TrainState, config: dict, restored: tuple[str, ...], max_steps: int,
-           flags=None, say=print, warn=print) -> TrainState | None:
+
+def resume(
+    checkpointer: Checkpointer,
+    fresh: TrainState,
+    config: dict,
+    restored: tuple[str, ...],
+    max_steps: int,
+    flags=None,
+    say=print,
+    warn=print,
+) -> TrainState | None:
     """Collective: the newest checkpoint every rank loads, restored, and continued with this run's
     layout and data (`fresh`'s); None when the run has already finished. `config`: this run's
     settings, of which `restored` may not differ from the checkpoint's; `flags`: the invocation's
@@ -184,10 +213,14 @@ def resume(checkpointer: Checkpointer, fresh: TrainState, config: dict, restored
     fresh_epoch = new_data and not same_data(saved.data, fresh.data)  # the same data: its position holds
     if fresh_epoch:
         saved = replace(saved, epoch=saved.epoch + 1, examples_done=0)
-    say(f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, {saved.examples_done} examples into it)"
-        + (f"; --new-data: a fresh epoch of {describe_data(fresh.data)}" if fresh_epoch else ""))
+    say(
+        f"resumed from {path} (step {saved.step}, epoch {saved.epoch}, {saved.examples_done} examples into it)"
+        + (f"; --new-data: a fresh epoch of {describe_data(fresh.data)}" if fresh_epoch else "")
+    )
     if saved.layout != fresh.layout:
-        warn(f"note: layout (world, micro-batch, accumulation) is {fresh.layout}, the checkpoint's was "
-             f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an unbroken one only "
-             "for the same layout")
+        warn(
+            f"note: layout (world, micro-batch, accumulation) is {fresh.layout}, the checkpoint's was "
+            f"{saved.layout}: the sample order is kept, but the run is bitwise identical to an unbroken one only "
+            "for the same layout"
+        )
     return replace(saved, layout=fresh.layout, data=fresh.data)

@@ -3,6 +3,7 @@ regression over rows of 1 to 6 real positions whose loss is normalised by its re
 a language model's is by its tokens. Copy it and change the model, the data and the loss; name
 it in train.py's recipe import (docs/loop.md, "Lifting the loop"). The harness's own tests train it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -14,6 +14,7 @@ Bytes per parameter, by role:
   high by 4 bytes per trainable parameter (0.37 GiB for 100M).
 Activations are not here: they depend on the batch, and `latentwire.plan` traces them.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from ..harness.precision import AMP_DTYPES
 from .budget import GIB, GRAD_BYTES
 
-GB = 10 ** 9
+GB = 10**9
 STEP_BYTES = 4  # torch keeps an optimizer step count per tensor as an fp32 scalar tensor
 # bitsandbytes' 8-bit optimizers: one absmax (fp32) per 256-element block per moment, and fp32
 # moments for tensors smaller than min_8bit_size.
@@ -34,9 +35,9 @@ OPTIMIZERS = {
     "sgd-momentum": "SGD with momentum: an fp32 momentum buffer, 4 bytes/param",
     "adamw": "AdamW: two fp32 moments, 8 bytes/param, + a 4-byte step per tensor",
     "adafactor": "Adafactor: an fp32 row and column second moment per matrix (4 x (rows + cols) bytes), "
-                 "4 bytes/param for vectors, + a 4-byte step per tensor; no first moment",
+    "4 bytes/param for vectors, + a 4-byte step per tensor; no first moment",
     "adamw-8bit": "8-bit AdamW (bitsandbytes): two uint8 moments, 2 bytes/param, + 8 bytes per 256-element "
-                  "block; tensors under 4096 elements keep fp32 moments",
+    "block; tensors under 4096 elements keep fp32 moments",
 }
 
 
@@ -72,6 +73,7 @@ def optimizer_state_bytes(optimizer: str, shapes: list[tuple[int, ...]]) -> int:
 @dataclass(frozen=True)
 class StaticMemory:
     """Per GPU, in bytes."""
+
     frozen_params: int
     trainable_params: int
     precision: str
@@ -87,14 +89,22 @@ class StaticMemory:
         return self.frozen + self.trainable + self.gradients + self.optimizer_state
 
     def to_json(self) -> dict:
-        return {"params_frozen": self.frozen_params, "params_trainable": self.trainable_params,
-                "precision": self.precision, "optimizer": self.optimizer,
-                "params_frozen_bytes": self.frozen, "params_trainable_bytes": self.trainable,
-                "grads_bytes": self.gradients, "optimizer_bytes": self.optimizer_state, "static_bytes": self.total}
+        return {
+            "params_frozen": self.frozen_params,
+            "params_trainable": self.trainable_params,
+            "precision": self.precision,
+            "optimizer": self.optimizer,
+            "params_frozen_bytes": self.frozen,
+            "params_trainable_bytes": self.trainable,
+            "grads_bytes": self.gradients,
+            "optimizer_bytes": self.optimizer_state,
+            "static_bytes": self.total,
+        }
 
 
-def static_memory(frozen_params: int, trainable: list[tuple[int, ...]] | int, precision: str,
-                  optimizer: str) -> StaticMemory:
+def static_memory(
+    frozen_params: int, trainable: list[tuple[int, ...]] | int, precision: str, optimizer: str
+) -> StaticMemory:
     """`trainable` is the trainable tensors' shapes (exact optimizer state) or a parameter count,
     taken as one flat tensor (exact for all but Adafactor, whose state depends on the shapes)."""
     if isinstance(trainable, int):
@@ -103,10 +113,16 @@ def static_memory(frozen_params: int, trainable: list[tuple[int, ...]] | int, pr
         shapes = [tuple(s) for s in trainable]
     n_trainable = sum(math.prod(s) for s in shapes)
     return StaticMemory(
-        frozen_params=frozen_params, trainable_params=n_trainable, precision=precision, optimizer=optimizer,
-        frozen=frozen_params * frozen_bytes_per_param(precision), trainable=GRAD_BYTES * n_trainable,
-        gradients=GRAD_BYTES * n_trainable, optimizer_state=optimizer_state_bytes(optimizer, shapes),
-        shapes_known=not isinstance(trainable, int))
+        frozen_params=frozen_params,
+        trainable_params=n_trainable,
+        precision=precision,
+        optimizer=optimizer,
+        frozen=frozen_params * frozen_bytes_per_param(precision),
+        trainable=GRAD_BYTES * n_trainable,
+        gradients=GRAD_BYTES * n_trainable,
+        optimizer_state=optimizer_state_bytes(optimizer, shapes),
+        shapes_known=not isinstance(trainable, int),
+    )
 
 
 def format_static(m: StaticMemory) -> list[str]:
@@ -114,14 +130,17 @@ def format_static(m: StaticMemory) -> list[str]:
         per_param = f"{nbytes / n:.2f}" if n else "-"
         return f"  {name:<34}{n:>16,}{per_param:>8}{nbytes / GB:>10.2f}{nbytes / GIB:>10.2f}"
 
-    lines = [f"  {'':<34}{'parameters':>16}{'B/param':>8}{'GB':>10}{'GiB':>10}",
-             row(f"frozen weights ({m.precision})", m.frozen_params, m.frozen),
-             row("trainable weights (fp32)", m.trainable_params, m.trainable),
-             row("gradients (trainable only)", m.trainable_params, m.gradients),
-             row(f"optimizer state ({m.optimizer})", m.trainable_params, m.optimizer_state)]
+    lines = [
+        f"  {'':<34}{'parameters':>16}{'B/param':>8}{'GB':>10}{'GiB':>10}",
+        row(f"frozen weights ({m.precision})", m.frozen_params, m.frozen),
+        row("trainable weights (fp32)", m.trainable_params, m.trainable),
+        row("gradients (trainable only)", m.trainable_params, m.gradients),
+        row(f"optimizer state ({m.optimizer})", m.trainable_params, m.optimizer_state),
+    ]
     lines.append(f"  {'static total per GPU':<34}{'':>24}{m.total / GB:>10.2f}{m.total / GIB:>10.2f}")
     lines.append(f"  optimizer: {OPTIMIZERS[m.optimizer]}")
     if m.optimizer == "adafactor" and not m.shapes_known:
-        lines.append("  (a bare parameter count is taken as one vector: Adafactor's factored state for matrices is "
-                     "far smaller)")
+        lines.append(
+            "  (a bare parameter count is taken as one vector: Adafactor's factored state for matrices is far smaller)"
+        )
     return lines

@@ -21,12 +21,13 @@ caching allocator's fragmentation. The numbers, and why:
 
 On a CPU there is no CUDA context and gloo needs no device buffers; fragmentation stays.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-GIB = 2 ** 30
+GIB = 2**30
 CUDA_CONTEXT_BYTES = 1 * GIB
 NCCL_BYTES = 1 * GIB
 FRAGMENTATION = 0.10
@@ -62,28 +63,34 @@ class Budget:
         def gib(n: float) -> str:
             return f"{n / GIB:.2f} GiB"
 
-        return [f"card {gib(self.card_bytes)} x target_util {self.target_util:g} = {gib(self.target_bytes)}, "
-                "of which reserved:",
-                f"  CUDA context, cuBLAS/cuDNN workspaces, loaded kernels  {gib(self.cuda_context)}",
-                f"  NCCL buffers (more than one rank)                      {gib(self.nccl)}",
-                f"  DDP gradient buckets (more than one rank)              {gib(self.ddp_buckets)}",
-                f"  allocator fragmentation: {100 * self.fragmentation:g}% of the memory that is not weights"]
+        return [
+            f"card {gib(self.card_bytes)} x target_util {self.target_util:g} = {gib(self.target_bytes)}, "
+            "of which reserved:",
+            f"  CUDA context, cuBLAS/cuDNN workspaces, loaded kernels  {gib(self.cuda_context)}",
+            f"  NCCL buffers (more than one rank)                      {gib(self.nccl)}",
+            f"  DDP gradient buckets (more than one rank)              {gib(self.ddp_buckets)}",
+            f"  allocator fragmentation: {100 * self.fragmentation:g}% of the memory that is not weights",
+        ]
 
 
 def budget_for(device: str, memory_gb: float, target_util: float, world_size: int, trainable_params: int) -> Budget:
     """`memory_gb` is the card's memory in GiB, as hw_profiles.json gives it."""
     cuda = device == "cuda"
     distributed = world_size > 1
-    return Budget(card_bytes=round(memory_gb * GIB), target_util=target_util,
-                  cuda_context=CUDA_CONTEXT_BYTES if cuda else 0,
-                  nccl=NCCL_BYTES if cuda and distributed else 0,
-                  ddp_buckets=GRAD_BYTES * trainable_params if distributed else 0,
-                  fragmentation=FRAGMENTATION)
+    return Budget(
+        card_bytes=round(memory_gb * GIB),
+        target_util=target_util,
+        cuda_context=CUDA_CONTEXT_BYTES if cuda else 0,
+        nccl=NCCL_BYTES if cuda and distributed else 0,
+        ddp_buckets=GRAD_BYTES * trainable_params if distributed else 0,
+        fragmentation=FRAGMENTATION,
+    )
 
 
 @dataclass(frozen=True)
 class Fit:
     """peak = fixed + per_sample x micro-batch, least squares."""
+
     fixed: float
     per_sample: float
     r2: float

@@ -3,6 +3,7 @@
 nearest the answer, and the largest micro-batch whose peak with the reserve of `budget` fits the
 card. What `python -m latentwire.plan` prints and what --elastic-batch takes its micro-batch from.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,9 @@ class Plan:
     cfg: object
     world_size: int
     specs: dict[str, LLMSpec]
-    frozen_params: dict[str, int]       # per LLM, counted on the traced model
-    params_frozen_bytes: int            # what one rank holds: a shard of each LLM under fsdp
-    gathered_bytes: int                 # fsdp: the all-gathered units whole at once (0 unsharded)
+    frozen_params: dict[str, int]  # per LLM, counted on the traced model
+    params_frozen_bytes: int  # what one rank holds: a shard of each LLM under fsdp
+    gathered_bytes: int  # fsdp: the all-gathered units whole at once (0 unsharded)
     params_trainable_bytes: int
     traces: tuple[StepTrace, ...]
     fit: Fit
@@ -65,12 +66,18 @@ class Plan:
     def to_json(self) -> dict:
         cfg = self.cfg
         return {
-            "profile": cfg.invocation.profile, "world_size": self.world_size, "device": cfg.card.device,
-            "precision": cfg.numerics.precision, "activation_checkpointing": cfg.recompute.policy,
+            "profile": cfg.invocation.profile,
+            "world_size": self.world_size,
+            "device": cfg.card.device,
+            "precision": cfg.numerics.precision,
+            "activation_checkpointing": cfg.recompute.policy,
             "frozen_fp8": cfg.frozen.fp8,
-            "frozen_sharding": self.sharding, "fsdp_gathered_bytes": self.gathered_bytes,
-            "llms": {name: {"source": spec.source, "config_from": spec.origin, "params": self.frozen_params[name]}
-                     for name, spec in self.specs.items()},
+            "frozen_sharding": self.sharding,
+            "fsdp_gathered_bytes": self.gathered_bytes,
+            "llms": {
+                name: {"source": spec.source, "config_from": spec.origin, "params": self.frozen_params[name]}
+                for name, spec in self.specs.items()
+            },
             "params_frozen_bytes": self.params_frozen_bytes,
             "params_trainable_bytes": self.params_trainable_bytes,
             "grads_bytes": self.gradients,
@@ -83,9 +90,12 @@ class Plan:
             "max_micro_batch": self.max_micro_batch,
             "card_bytes": self.budget.card_bytes,
             "target_util": self.budget.target_util,
-            "reserve": {"cuda_context_bytes": self.budget.cuda_context, "nccl_bytes": self.budget.nccl,
-                        "ddp_bucket_bytes": self.budget.ddp_buckets,
-                        "fragmentation_of_non_weight_memory": self.budget.fragmentation},
+            "reserve": {
+                "cuda_context_bytes": self.budget.cuda_context,
+                "nccl_bytes": self.budget.nccl,
+                "ddp_bucket_bytes": self.budget.ddp_buckets,
+                "fragmentation_of_non_weight_memory": self.budget.fragmentation,
+            },
             "allowed_peak_bytes": self.budget.allowed_peak(self.weight_bytes),
             "analytic": self.analytic.to_json(),
             "seconds": self.seconds,
@@ -93,6 +103,7 @@ class Plan:
 
 
 # --- the traced plan --------------------------------------------------------------------------
+
 
 def trainable_shapes(wire: WireConfig, specs: dict[str, LLMSpec]) -> list[tuple[int, ...]]:
     """The shapes of the encoder's and adapters' parameters (built on the meta device: no memory)."""
@@ -119,6 +130,7 @@ def fsdp_frozen_memory(llms: dict, world_size: int) -> tuple[int, int]:
     forward (or backward) to the end of it, and FSDP gathers the next one meanwhile: at most two of
     the largest at once. Computed, not traced: the trace runs the unsharded step, and this replaces
     its frozen weights."""
+
     def held(p) -> int:
         return math.ceil(p.shape[0] / world_size) * (p.numel() // p.shape[0]) * p.element_size()
 
@@ -136,8 +148,7 @@ def shard_trace(trace: StepTrace, frozen_bytes: int, held_bytes: int, gathered_b
     all-gathered units (at the peak at most; an upper bound)."""
     if not gathered_bytes:
         return trace
-    peak = dict(trace.peak, parameters=trace.peak["parameters"] - frozen_bytes + held_bytes,
-                gathered=gathered_bytes)
+    peak = dict(trace.peak, parameters=trace.peak["parameters"] - frozen_bytes + held_bytes, gathered=gathered_bytes)
     peak["total"] = trace.peak["total"] - frozen_bytes + held_bytes + gathered_bytes
     return replace(trace, peak=peak)
 
@@ -183,23 +194,34 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
     specs = {name: llm_spec(name, cfg.frozen.source(name)) for name in LLM_NAMES}
     answers = planned_rows(cfg.prompt, specs)
     shapes = trainable_shapes(cfg.wire, specs)
-    budget = budget_for(cfg.card.device, cfg.card.memory_gb, cfg.planning.target_util, world_size,
-                        sum(math.prod(s) for s in shapes))
+    budget = budget_for(
+        cfg.card.device, cfg.card.memory_gb, cfg.planning.target_util, world_size, sum(math.prod(s) for s in shapes)
+    )
     sharded = cfg.frozen.sharding == "fsdp" and world_size > 1
     # fork_rng: building and stepping fake models must not move the caller's random stream
     # (train.py plans before it seeds and builds its real models).
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         llms = fake_llms(specs, cfg.numerics.precision)
-        prepare_frozen_llms(llms, checkpointing=checkpoint_options(cfg.recompute.policy), compile_options=None,
-                            mesh=None, device=None, fp8=cfg.frozen.fp8)
+        prepare_frozen_llms(
+            llms,
+            checkpointing=checkpoint_options(cfg.recompute.policy),
+            compile_options=None,
+            mesh=None,
+            device=None,
+            fp8=cfg.frozen.fp8,
+        )
         frozen_params = {name: parameter_count(llm.model) for name, llm in llms.items()}
         frozen_bytes = sum(held_bytes(llm.model) for llm in llms.values())
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
         tracer = StepTracer(cfg, llms, answers, step)
         first = shard_trace(tracer.trace(cfg.training.micro_batch_size, steps=2), frozen_bytes, held, gathered)
         weight_bytes = first.peak["parameters"]
-        traces = [first, shard_trace(tracer.trace(next_micro_batch(first, budget, weight_bytes), steps=1),
-                                     frozen_bytes, held, gathered)]
+        traces = [
+            first,
+            shard_trace(
+                tracer.trace(next_micro_batch(first, budget, weight_bytes), steps=1), frozen_bytes, held, gathered
+            ),
+        ]
         fit = fit_line({t.micro_batch: t.peak["total"] for t in traces})
         # A part of the first peak that does not grow with the batch (the loss's chunk of logits,
         # latentwire.head_losses) was counted per sample and sent the second trace short of the
@@ -209,11 +231,24 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
             traces.append(shard_trace(tracer.trace(best, steps=1), frozen_bytes, held, gathered))
             fit = fit_line({t.micro_batch: t.peak["total"] for t in traces[1:]})
     total_params = sum(llm_parameter_count(spec.config) for spec in specs.values())
-    analytic = static_memory(math.ceil(total_params / world_size) if sharded else total_params, shapes,
-                             cfg.numerics.precision, "adamw")
-    return Plan(cfg, world_size, specs, frozen_params, held, gathered, weight_bytes - held,
-                tuple(sorted(traces, key=lambda t: t.micro_batch)), fit, budget,
-                largest_fitting(fit, budget, weight_bytes), analytic, time.perf_counter() - start)
+    analytic = static_memory(
+        math.ceil(total_params / world_size) if sharded else total_params, shapes, cfg.numerics.precision, "adamw"
+    )
+    return Plan(
+        cfg,
+        world_size,
+        specs,
+        frozen_params,
+        held,
+        gathered,
+        weight_bytes - held,
+        tuple(sorted(traces, key=lambda t: t.micro_batch)),
+        fit,
+        budget,
+        largest_fitting(fit, budget, weight_bytes),
+        analytic,
+        time.perf_counter() - start,
+    )
 
 
 def plan_max_micro_batch(cfg, world_size: int, step: TrainingStep) -> int:

@@ -13,6 +13,7 @@ bf16, where oneDNN runs bf16 matmuls too.
 
 The step traced here is the one `find_batch` runs for real: the same function on real tensors.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -33,14 +34,26 @@ from ..model import WireEncoder
 from ..objectives import Objectives
 from .step import run_step
 
-CATEGORY = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "buffers", _MemRefType.GRAD: "gradients",
-            _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
-            _MemRefType.OTH: "other", _TOTAL_KEY: "total"}
+CATEGORY = {
+    _MemRefType.PARAM: "parameters",
+    _MemRefType.BUFFER: "buffers",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "temporaries",
+    _MemRefType.OTH: "other",
+    _TOTAL_KEY: "total",
+}
 
 
-def planning_batch(data: DataConfig, objectives: Objectives, answers: dict[str, tuple[int, int, int]],
-                   micro_batch: int, device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
-                   word_patch: int = 0) -> dict:
+def planning_batch(
+    data: DataConfig,
+    objectives: Objectives,
+    answers: dict[str, tuple[int, int, int]],
+    micro_batch: int,
+    device: torch.device = torch.device("cpu"),  # noqa: B008 (immutable)
+    word_patch: int = 0,
+) -> dict:
     """The largest batch `data.Collator` can emit for this configuration.
 
     Every prompt is cut at max_prompt_bytes and every answer at max_answer_tokens, padded as the
@@ -59,14 +72,21 @@ def planning_batch(data: DataConfig, objectives: Objectives, answers: dict[str, 
     for name, (lead, tail, vocab) in answers.items():
         width = round_up(tail + data.max_answer_tokens, ANSWER_PAD_MULTIPLE)
         labels = torch.full((micro_batch, width + 1), IGNORE_INDEX, dtype=torch.long, device=device)
-        labels[:, tail:tail + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
+        labels[:, tail : tail + targets] = torch.randint(0, vocab, (micro_batch, targets), device=device)
         # Where data.label_positions finds them, built as the labels are: a fake tensor has no
         # values to search.
-        at = torch.stack([torch.arange(micro_batch, device=device).repeat_interleave(targets),
-                          torch.arange(tail, tail + targets, device=device).repeat(micro_batch)])
-        rows = {"lead_ids": torch.randint(0, vocab, (micro_batch, lead), device=device),
-                "input_ids": torch.randint(0, vocab, (micro_batch, width), device=device), "labels": labels,
-                "label_positions": padded_positions(at)}
+        at = torch.stack(
+            [
+                torch.arange(micro_batch, device=device).repeat_interleave(targets),
+                torch.arange(tail, tail + targets, device=device).repeat(micro_batch),
+            ]
+        )
+        rows = {
+            "lead_ids": torch.randint(0, vocab, (micro_batch, lead), device=device),
+            "input_ids": torch.randint(0, vocab, (micro_batch, width), device=device),
+            "labels": labels,
+            "label_positions": padded_positions(at),
+        }
         if objectives.teacher:
             kept = (micro_batch, width + 1)
             per_position = target_width(data.num_examples, objectives.k_tokens, vocab, objectives.kd_top_k)
@@ -80,6 +100,7 @@ def planning_batch(data: DataConfig, objectives: Objectives, answers: dict[str, 
 
 # --- CUDA's kernels and autocast on a CPU trace ------------------------------------------------
 
+
 def cuda_kernels():
     """Within it, the functions whose CUDA tensors differ from the CPU's run as they do on CUDA:
     the trace's fake tensors are CPU tensors (a CPU-only torch makes no fake CUDA ones), and an H100
@@ -87,8 +108,9 @@ def cuda_kernels():
     7% of the h100 profile's memory per sample, until these). Patches of the functions, not a
     TorchFunctionMode: a mode is off inside its own handler, which is where backward, and so the
     recomputation of checkpointed layers, runs."""
-    return mock.patch.multiple(F, scaled_dot_product_attention=cuda_sdpa, layer_norm=cuda_layer_norm,
-                               dropout=cuda_dropout)
+    return mock.patch.multiple(
+        F, scaled_dot_product_attention=cuda_sdpa, layer_norm=cuda_layer_norm, dropout=cuda_dropout
+    )
 
 
 def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -97,14 +119,16 @@ def cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     L, L] scores that the CUDA kernels never store (about 10 GiB per sample for the h100 profile's
     4096-byte prompts)."""
     if attn_mask is None:  # the LLMs: causal, no mask; flash reads grouped K/V heads as they are
-        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
-                                                                  scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[
+            0
+        ]
     # The encoder's padded attention (a step runs no masked LLM attention, so no grouped heads). As on
     # CUDA: the boolean mask becomes an additive bias in the query's dtype, broadcast (a view).
     bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~attn_mask, float("-inf"))
     bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p,
-                                                                  is_causal, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, True, dropout_p, is_causal, scale=scale
+    )[0]
 
 
 _layer_norm, _dropout = F.layer_norm, F.dropout
@@ -131,6 +155,7 @@ def cuda_dropout(input, p=0.5, training=True, inplace=False):
 
 
 # --- tracing ----------------------------------------------------------------------------------
+
 
 class FrozenAwareMemTracker(MemTracker):
     """torch 2.13's MemTracker, made to trace a frozen-backbone model.
@@ -167,7 +192,8 @@ class FrozenAwareMemTracker(MemTracker):
                 if p.requires_grad and p not in self._param_to_grad_hook_handles:
                     self._param_to_grad_hook_handles[p] = (
                         p.register_hook(self._track_grad),
-                        p.register_post_accumulate_grad_hook(lambda q: self._track_grad(q.grad)))
+                        p.register_post_accumulate_grad_hook(lambda q: self._track_grad(q.grad)),
+                    )
         return sizes
 
     def _track_grad(self, grad: torch.Tensor) -> None:
@@ -191,17 +217,18 @@ class FrozenAwareMemTracker(MemTracker):
 @dataclass(frozen=True)
 class StepTrace:
     micro_batch: int
-    peak: dict[str, int]   # bytes per category at the moment of the peak, and 'total'
-    gradients: int         # after backward
-    optimizer: int         # after the optimizer step
+    peak: dict[str, int]  # bytes per category at the moment of the peak, and 'total'
+    gradients: int  # after backward
+    optimizer: int  # after the optimizer step
 
 
 def fake_llms(specs: dict, precision: str) -> dict[str, FrozenLLM]:
     """The profile's frozen LLMs from their configurations, unwrapped (the step's prepare_llms wraps
     them as train.py does); call under an active FakeTensorMode."""
     dtype = frozen_weight_dtype(precision)
-    return {name: FrozenLLM(name, freeze(build_model(spec.config, dtype)), tokenizer=None)
-            for name, spec in specs.items()}
+    return {
+        name: FrozenLLM(name, freeze(build_model(spec.config, dtype)), tokenizer=None) for name, spec in specs.items()
+    }
 
 
 class StepTracer:
@@ -220,16 +247,17 @@ class StepTracer:
         self.optimizer = step.adamw(self.model, cfg.optimizer, cfg.card.device)
 
     def trace(self, micro_batch: int, steps: int) -> StepTrace:
-        batch = planning_batch(self.cfg.data, self.cfg.objectives, self.answers, micro_batch,
-                               word_patch=self.cfg.wire.word_patch)
+        batch = planning_batch(
+            self.cfg.data, self.cfg.objectives, self.answers, micro_batch, word_patch=self.cfg.wire.word_patch
+        )
         tracker = FrozenAwareMemTracker()
         tracker.track_external(self.model, self.optimizer, *(llm.model for llm in self.llms.values()), batch)
         seen = {}
         # Gradients are complete when the optimizer steps; its state exists once it has stepped.
-        hooks = (self.optimizer.register_step_pre_hook(
-                     lambda *_: seen.update(gradients=tracker.categories()["gradients"])),
-                 self.optimizer.register_step_post_hook(
-                     lambda *_: seen.update(optimizer=tracker.categories()["optimizer"])))
+        hooks = (
+            self.optimizer.register_step_pre_hook(lambda *_: seen.update(gradients=tracker.categories()["gradients"])),
+            self.optimizer.register_step_post_hook(lambda *_: seen.update(optimizer=tracker.categories()["optimizer"])),
+        )
         # Around backward too: activation checkpointing recomputes the frozen layers there.
         kernels = cuda_kernels() if self.cfg.card.device == "cuda" else nullcontext()
         every_kernel, _ = sdpa_backends(None, frozen_weight_dtype(self.cfg.numerics.precision))  # traced on the CPU

@@ -2,6 +2,7 @@
 (`harness.recipe.TrainingStep`: train.py's `adamw` and `train_step`) and run on one LatentWire
 micro-batch. A module of its own, light to import: train.py's recipe needs it on every run, the
 tracer only with --elastic-batch."""
+
 from __future__ import annotations
 
 import runpy
@@ -22,10 +23,19 @@ def run_step(step: TrainingStep, cfg, model, llms: dict, optimizer, batch: dict,
     GradScaler: its fp16 loss scaling costs a few scalars)."""
     task = WireTask(llms, cfg.objectives, cfg.wire.num_latents)
     scaler = torch.amp.GradScaler(batch["bytes"].device.type, enabled=False)
-    step.train_step(model, task, [batch], n_targets=task.counts(batch).float(),
-                    amp_dtype=AMP_DTYPES[cfg.numerics.precision], attention_backends=attention_backends,
-                    scaler=scaler, optimizer=optimizer, max_grad_norm=cfg.training.max_grad_norm, world_size=1,
-                    no_sync=nullcontext)
+    step.train_step(
+        model,
+        task,
+        [batch],
+        n_targets=task.counts(batch).float(),
+        amp_dtype=AMP_DTYPES[cfg.numerics.precision],
+        attention_backends=attention_backends,
+        scaler=scaler,
+        optimizer=optimizer,
+        max_grad_norm=cfg.training.max_grad_norm,
+        world_size=1,
+        no_sync=nullcontext,
+    )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

@@ -3,6 +3,7 @@ the harness most wants to take along. Each run is a real process (torchrun's, on
 
     python -m pytest harness/tests        # from the folder that holds harness/
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,11 @@ STEPS = 6
 
 def env() -> dict:
     """A child's environment: one thread, unbuffered, no torchrun variables inherited."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                               "MASTER_PORT")}
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     return {**clean, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -43,8 +47,14 @@ def toy(out: Path, *flags: str, nproc: int = 1, code: int = 0) -> Path:
 
 
 def run_toy(out: Path, *flags: str, nproc: int = 1, code: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*command(nproc), "--profile", "toy", "--out-dir", str(out), *flags], env=env(),
-                          cwd=HOME, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*command(nproc), "--profile", "toy", "--out-dir", str(out), *flags],
+        env=env(),
+        cwd=HOME,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
@@ -102,7 +112,7 @@ def test_a_torn_log_line_never_stops_a_resume(unbroken, tmp_path, torn):
     shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
     lines = (out / "metrics.jsonl").read_bytes().splitlines(keepends=True)
     cut = STEPS - 1 if torn == "last" else STEPS - 2
-    lines[cut] = lines[cut][:len(lines[cut]) // 2] + (b"" if torn == "last" else b"\n")
+    lines[cut] = lines[cut][: len(lines[cut]) // 2] + (b"" if torn == "last" else b"\n")
     (out / "metrics.jsonl").write_bytes(b"".join(lines))
     [events] = (out / "tb").iterdir()
     events.write_bytes(events.read_bytes()[:-9])  # its last record's data cut short
@@ -110,27 +120,42 @@ def test_a_torn_log_line_never_stops_a_resume(unbroken, tmp_path, torn):
     said = [line for line in proc.stderr.splitlines() if "metrics.jsonl" in line]
     aside = sorted(out.glob("metrics.jsonl.damaged-*"))
     if torn == "last":
-        assert said == [f"note: dropped the torn last line of {out / 'metrics.jsonl'} (its run was stopped while "
-                        "writing it)"] and aside == []
+        assert (
+            said
+            == [f"note: dropped the torn last line of {out / 'metrics.jsonl'} (its run was stopped while writing it)"]
+            and aside == []
+        )
     else:
-        assert said == [f"warning: {out / 'metrics.jsonl'} has 1 damaged line(s), left out; the file as it was is "
-                        f"kept as {aside[0]}"] and aside[0].read_bytes() == b"".join(lines)
+        assert said == [
+            f"warning: {out / 'metrics.jsonl'} has 1 damaged line(s), left out; the file as it was is "
+            f"kept as {aside[0]}"
+        ] and aside[0].read_bytes() == b"".join(lines)
     assert all(torch.equal(weights(out)[name], tensor) for name, tensor in weights(unbroken).items())
     assert losses(out) == losses(unbroken)
     board = EventAccumulator(str(out / "tb"))
     board.Reload()
     assert [e.step for e in board.Scalars("loss")] == list(range(1, STEPS + 1))
-    assert [e.value for e in board.Scalars("loss")] == pytest.approx(losses(out), rel=2 ** -24)  # float32's rounding
+    assert [e.value for e in board.Scalars("loss")] == pytest.approx(losses(out), rel=2**-24)  # float32's rounding
 
 
-@pytest.mark.parametrize("log, kept, says", [
-    (b'{"step": 1}\n{"step": 2}\n{"step": 3, "lo', b'{"step": 1}\n{"step": 2}\n', "note: dropped the torn last"),
-    (b'{"step": 1}\n{"step": 2}\n\0\0\0\0', b'{"step": 1}\n{"step": 2}\n', "note: dropped the torn last"),
-    (b'{"step": 1}\n\xff\xfe\n42\n{"nostep": 1}\n{"step": 2}', b'{"step": 1}\n{"step": 2}\n',
-     "has 3 damaged line(s)"),
-    (b'{"step": 1}\n{"step": 2, "l\n{"step": 3}\n{"step": 4}\n', b'{"step": 1}\n{"step": 3}\n',
-     "has 1 damaged line(s)"),
-], ids=["torn", "zeros", "garbage", "torn_in_the_middle"])
+@pytest.mark.parametrize(
+    "log, kept, says",
+    [
+        (b'{"step": 1}\n{"step": 2}\n{"step": 3, "lo', b'{"step": 1}\n{"step": 2}\n', "note: dropped the torn last"),
+        (b'{"step": 1}\n{"step": 2}\n\0\0\0\0', b'{"step": 1}\n{"step": 2}\n', "note: dropped the torn last"),
+        (
+            b'{"step": 1}\n\xff\xfe\n42\n{"nostep": 1}\n{"step": 2}',
+            b'{"step": 1}\n{"step": 2}\n',
+            "has 3 damaged line(s)",
+        ),
+        (
+            b'{"step": 1}\n{"step": 2, "l\n{"step": 3}\n{"step": 4}\n',
+            b'{"step": 1}\n{"step": 3}\n',
+            "has 1 damaged line(s)",
+        ),
+    ],
+    ids=["torn", "zeros", "garbage", "torn_in_the_middle"],
+)
 def test_a_resumed_log_keeps_every_whole_record_before_its_step(tmp_path, capsys, log, kept, says):
     """Whatever else the file holds (a torn last line, a tail of zeros a crash left, bytes that
     are not text, JSON that is no record), the whole records before the resumed step (4) stay, one
@@ -185,8 +210,18 @@ def test_one_host_sync_per_step(tmp_path):
 
     def reads(steps: int) -> int:
         with HostReads() as counter:
-            toy_train.main(["--profile", "toy", "--out-dir", str(tmp_path / str(steps)), "--max-steps", str(steps),
-                            "--log-every", "1000"])
+            toy_train.main(
+                [
+                    "--profile",
+                    "toy",
+                    "--out-dir",
+                    str(tmp_path / str(steps)),
+                    "--max-steps",
+                    str(steps),
+                    "--log-every",
+                    "1000",
+                ]
+            )
         return counter.count
 
     assert (reads(5) - reads(2)) / 3 == 1
@@ -196,9 +231,15 @@ def test_a_stop_signal_saves_the_step_and_exits_75(tmp_path):
     """SIGTERM (a scheduler's preemption) mid-run: the ranks agree at the end of the step, save it
     and exit 75; the run resumes from that step."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([*command(2), "--profile", "toy", "--out-dir", str(out), "--max-steps", "100000"],
-                            env=env(), cwd=HOME, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [*command(2), "--profile", "toy", "--out-dir", str(out), "--max-steps", "100000"],
+        env=env(),
+        cwd=HOME,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         for line in proc.stdout:  # the run is under way once it has logged a step
             if line.startswith("step"):
@@ -232,9 +273,16 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    checkpointer = Checkpointer(tmp_path, rank=0, keep=2, meta={"config": {"lr": 0.1}}, model=model,
-                                optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                                scheduler=torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4))
+    checkpointer = Checkpointer(
+        tmp_path,
+        rank=0,
+        keep=2,
+        meta={"config": {"lr": 0.1}},
+        model=model,
+        optimizer=optimizer,
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        scheduler=torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=4),
+    )
     data = {"dataset": "rows", "examples": 16, "fingerprint": "0"}
     for step in (1, 2):
         newest = checkpointer.save(TrainState(step, 0, 8 * step, layout=(1, 8, 1), data=data))
@@ -242,8 +290,15 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
     state = torch.load(newest / "train_state.pt", weights_only=True)
     torch.save({**state, "planted": Planted(marker)}, newest / "train_state.pt")
     warnings, said = [], []
-    resumed = resume(checkpointer, TrainState(0, 0, 0, layout=(1, 8, 1), data=data), {"lr": 0.1}, ("lr",), 4,
-                     say=said.append, warn=warnings.append)
+    resumed = resume(
+        checkpointer,
+        TrainState(0, 0, 0, layout=(1, 8, 1), data=data),
+        {"lr": 0.1},
+        ("lr",),
+        4,
+        say=said.append,
+        warn=warnings.append,
+    )
     assert not marker.exists()
     assert resumed.step == 1 and "step_00000001" in said[0], said
     assert len(warnings) == 1 and "more than tensors and plain values" in warnings[0], warnings
@@ -263,8 +318,9 @@ def test_the_examples_a_run_draws_are_known_in_advance(epoch, done, steps):
         batches = global_batches(loader, sampler, accum, epoch, done, micro * accum * world)
         for _ in range(steps):
             drawn.update(i for batch in next(batches)[2] for i in batch.tolist())
-    assert examples_visited(n, seed=seed, world=world, micro=micro, accum=accum, epoch=epoch, examples_done=done,
-                            steps=steps) == sorted(drawn)
+    assert examples_visited(
+        n, seed=seed, world=world, micro=micro, accum=accum, epoch=epoch, examples_done=done, steps=steps
+    ) == sorted(drawn)
 
 
 # Two Ctrl-Cs delivered while the main thread is inside one call that does not return to the
@@ -291,8 +347,9 @@ print("went on after", "one Ctrl-C" if stop.interrupted else "none", flush=True)
 def test_two_ctrl_cs_within_one_call_stop_at_once():
     """They are a second Ctrl-C, as when they come apart: the process stops at once with 130 (before,
     its handler saw one, and the rank went on to save the step while its peers had stopped)."""
-    proc = subprocess.run([sys.executable, "-c", TWO_CTRL_CS_IN_ONE_CALL], cwd=HOME, env=env(), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", TWO_CTRL_CS_IN_ONE_CALL], cwd=HOME, env=env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 130 and "went on" not in proc.stdout, proc.stdout + proc.stderr
     assert "interrupted again: stopping now, without saving this step" in proc.stderr
 
@@ -307,24 +364,30 @@ def test_a_snapshot_is_replayed_to_its_peak_and_read_without_running_code(tmp_pa
     from harness.recordings import by_site, live_at_peak, read_snapshot
 
     def at(*names):
-        return [{"filename": "/venv/lib/python3.12/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
-                *({"filename": "/repo/model.py", "line": line, "name": name} for line, name in names)]
+        return [
+            {"filename": "/venv/lib/python3.12/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+            *({"filename": "/repo/model.py", "line": line, "name": name} for line, name in names),
+        ]
 
     a, b, c = at((10, "forward"), (20, "step")), at((30, "loss"), (20, "step")), at((40, "backward"))
-    trace = [{"action": "free_requested", "addr": 99, "size": 7},            # allocated before recording
-             {"action": "alloc", "addr": 1, "size": 100, "frames": a},
-             {"action": "alloc", "addr": 2, "size": 100, "frames": a},
-             {"action": "alloc", "addr": 3, "size": 50, "frames": b},
-             {"action": "free_requested", "addr": 3, "size": 50},
-             {"action": "free_completed", "addr": 3, "size": 50},
-             {"action": "alloc", "addr": 4, "size": 120, "frames": c},            # the peak: 320
-             {"action": "free_requested", "addr": 1, "size": 100},
-             {"action": "alloc", "addr": 5, "size": 60, "frames": b}]             # 280
+    trace = [
+        {"action": "free_requested", "addr": 99, "size": 7},  # allocated before recording
+        {"action": "alloc", "addr": 1, "size": 100, "frames": a},
+        {"action": "alloc", "addr": 2, "size": 100, "frames": a},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": b},
+        {"action": "free_requested", "addr": 3, "size": 50},
+        {"action": "free_completed", "addr": 3, "size": 50},
+        {"action": "alloc", "addr": 4, "size": 120, "frames": c},  # the peak: 320
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 5, "size": 60, "frames": b},
+    ]  # 280
     peak, live = live_at_peak(trace)
     assert peak == 320 and sorted(e["addr"] for e in live) == [1, 2, 4]
     sites = by_site(live, depth=2)
     assert [(s.block_bytes, s.blocks, s.frames) for s in sites] == [
-        (100, 2, ("/repo/model.py:10 forward", "/repo/model.py:20 step")), (120, 1, ("/repo/model.py:40 backward",))]
+        (100, 2, ("/repo/model.py:10 forward", "/repo/model.py:20 step")),
+        (120, 1, ("/repo/model.py:40 backward",)),
+    ]
 
     (tmp_path / "snapshot.pickle").write_bytes(pickle.dumps({"segments": [], "device_traces": [trace]}))
     assert read_snapshot(tmp_path / "snapshot.pickle")["device_traces"] == [trace]
@@ -358,8 +421,12 @@ def test_a_run_directory_holds_one_run_and_a_killed_run_leaves_it_free(tmp_path)
         return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
 
     out, di = tmp_path / "run", DistInfo(0, 0, 1, torch.device("cpu"), joins_group=False)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_DIRECTORY.format(home=str(HOME), out=str(out))],
-                              env=env(), stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_DIRECTORY.format(home=str(HOME), out=str(out))],
+        env=env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "holding\n"
         assert listing() == ["run"]

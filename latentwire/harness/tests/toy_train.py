@@ -7,6 +7,7 @@ resume, a preemption signal saved with exit 75.
     python toy_train.py --profile toy --out-dir /tmp/toy [--resume] [--stop-at-step N] [--FIELD VALUE ...]
     torchrun --nproc_per_node=2 toy_train.py --profile toy --out-dir /tmp/toy
 """
+
 from __future__ import annotations
 
 import sys
@@ -51,16 +52,25 @@ def train(cfg, di) -> None:
     model, task = recipe.build_model(compile_options=None, checkpointing=None)
     ddp_model = DDP(model) if di.is_distributed else model
     sampler = ShardSampler(recipe.dataset, num_replicas=world, rank=rank, seed=seed)
-    loader = make_loader(recipe.dataset, sampler, recipe.collator([]), micro, cfg.loader, di.device.type,
-                         seed=seed + rank)
+    loader = make_loader(
+        recipe.dataset, sampler, recipe.collator([]), micro, cfg.loader, di.device.type, seed=seed + rank
+    )
     # SGD, not Adam: Adam divides by each gradient's own size, which turns the rounding of different
     # summation orders into different steps where a gradient is near zero.
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optimizer.lr)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=steps)
     scaler = torch.amp.GradScaler(di.device.type, enabled=False)
     state = TrainState(0, 0, 0, layout=(world, micro, accum), data=recipe.data_identity)
-    checkpointer = Checkpointer(out, rank=rank, keep=2, meta={"config": cfg.to_dict(), "data": recipe.data_identity},
-                                model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    checkpointer = Checkpointer(
+        out,
+        rank=rank,
+        keep=2,
+        meta={"config": cfg.to_dict(), "data": recipe.data_identity},
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+    )
     if cfg.invocation.resume:
         state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), steps)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, global_batch)
@@ -86,7 +96,8 @@ def train(cfg, di) -> None:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         # The step's one host sync.
         finite, scheduler_stops, person_stops, tokens = torch.stack(
-            [torch.isfinite(grad_norm).long(), *reduced[-2:], task.target_tokens(n_targets)]).tolist()
+            [torch.isfinite(grad_norm).long(), *reduced[-2:], task.target_tokens(n_targets)]
+        ).tolist()
         lr = scheduler.get_last_lr()[0]
         if finite:
             optimizer.step()
@@ -94,8 +105,15 @@ def train(cfg, di) -> None:
         optimizer.zero_grad(set_to_none=True)
         meter.add(micro_batches, samples=global_batch, tokens=tokens, data_wait=0.0)
         if state.step % cfg.output.log_every == 0 or state.step == steps:
-            logger.log({"step": state.step, **task.record(all_reduce(step_terms)), "lr": lr,
-                        "grad_norm": grad_norm.item(), **meter.read()})
+            logger.log(
+                {
+                    "step": state.step,
+                    **task.record(all_reduce(step_terms)),
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    **meter.read(),
+                }
+            )
             meter.next_window(after_pause=False)
         code = stop_code(scheduler_stops, person_stops)
         if code:  # 75 preempted, 130 interrupted: saved below
