@@ -34,13 +34,15 @@ tests/test_train.py: the errors of the n converted GEMMs in series on a reader's
 decoder layer: a query/key/value projection, the output projection, the gate or up projection,
 the down projection) add like a random walk, so the loss moves by about sqrt(n) eps_f of itself,
 and the gradient the readers send back, which each forward error and each backward one reaches,
-by r = sqrt(n (eps_f^2 + eps_b^2)) of its norm: a cosine of at least sqrt(1 - r^2). That holds for
-the trainable parameters' gradient, a sum over the batch; one example's gradient at one reader's
-soft tokens can move more than r where the reader's attention is peaked (an error in a query or key
-moves a logit by itself times the logit's size, and the softmax passes that on): reported per
-reader, not bounded. Past r = 1 (over about 100 GEMMs in series, the 8B readers) the estimate says
-nothing and the per-GEMM bounds are the check; the residual stream, to which each branch adds a
-part, makes the real error smaller.
+by r = sqrt(n (eps_f^2 + eps_b^2)) of its norm: a cosine of at least sqrt(1 - r^2), where the
+network passes a relative error on at its own size. The tiny readers do not: an error in a query or
+key moves an attention logit by itself times the logit's size, which the softmax passes on, and the
+tiny Llama's attention is peaked. Over fourteen draws of the trainable model's weights and the two
+recipes its gradient at the trainable parameters moved past r in seven (docs/performance.md), so
+the loss is held to its estimate and the gradients, the trainable parameters' and each reader's
+at its soft tokens, are reported, not bounded. Past r = 1 (over about 100 GEMMs in series, the 8B
+readers) the estimate says nothing and the per-GEMM bounds are the check; the residual stream, to
+which each branch adds a part, makes the real error smaller.
 
 Ends with `ratio=<fp8 loss / bf16 loss>`.
 """
