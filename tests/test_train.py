@@ -15,6 +15,24 @@ from latentwire.settings import load_config
 # The cpu profile's shape and batch before November 2026 (one encoder layer, 16 x 1 x 2 since): what the
 # counts and measurements in the bf16 and compile-under-DDP tests were made for.
 TWO_LAYER_BATCH = ["--encoder-layers", "2", "--grad-accum-steps", "2"]
+# Three steps of the cpu profile, the profiler recording steps 2-3 (its trace names the collectives).
+PROFILED_STEPS = [
+    "--profile",
+    "cpu",
+    *FAST,
+    "--max-steps",
+    "3",
+    "--micro-batch-size",
+    "2",
+    "--profiler",
+    "true",
+    "--profiler-wait",
+    "1",
+    "--profiler-warmup",
+    "0",
+    "--profiler-active",
+    "2",
+]
 
 
 def train(tmp_path, name, *args, nproc=1, torchrun=None):
@@ -285,25 +303,8 @@ def all_reduces_per_step(out) -> float:
 def test_one_gradient_all_reduce_per_optimizer_step(tmp_path):
     """With accumulation 4, DDP must not all-reduce on the first three micro-steps (no_sync):
     the collectives per optimizer step are the same as with no accumulation."""
-    common = [
-        "--profile",
-        "cpu",
-        *FAST,
-        "--max-steps",
-        "3",
-        "--micro-batch-size",
-        "2",
-        "--profiler",
-        "true",
-        "--profiler-wait",
-        "1",
-        "--profiler-warmup",
-        "0",
-        "--profiler-active",
-        "2",
-    ]
-    single = train(tmp_path, "accum1", *common, "--grad-accum-steps", "1", nproc=2)
-    accum = train(tmp_path, "accum4", *common, "--grad-accum-steps", "4", nproc=2)
+    single = train(tmp_path, "accum1", *PROFILED_STEPS, "--grad-accum-steps", "1", nproc=2)
+    accum = train(tmp_path, "accum4", *PROFILED_STEPS, "--grad-accum-steps", "4", nproc=2)
     assert {p.name.split(".")[0] for p in (single / "traces").iterdir()} == {"rank0", "rank1"}  # one per rank
     assert all_reduces_per_step(single) >= 2  # the token count and at least one gradient bucket
     assert all_reduces_per_step(accum) == all_reduces_per_step(single)
@@ -355,21 +356,7 @@ def test_one_process_under_torchrun_runs_no_collective(tmp_path):
     run = train(
         tmp_path,
         "torchrun1",
-        "--profile",
-        "cpu",
-        *FAST,
-        "--max-steps",
-        "3",
-        "--micro-batch-size",
-        "2",
-        "--profiler",
-        "true",
-        "--profiler-wait",
-        "1",
-        "--profiler-warmup",
-        "0",
-        "--profiler-active",
-        "2",
+        *PROFILED_STEPS,
         torchrun=True,
     )
     names = {
