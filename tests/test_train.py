@@ -374,8 +374,8 @@ def test_compiled_loss_equals_eager_under_ddp_with_checkpointing(tmp_path):
     and the evaluation after it (run eagerly) reads the same weights. Inside DDP's forward dynamo's
     DDP optimizer may split a compiled region at gradient-bucket boundaries: each region here holds
     less than one bucket (25 MiB), so every graph stays whole, and the regions compile as the
-    single-process run does: no graph break, one recompile for the encoder block (the pooler's
-    latents call it without a mask) and one for the decoder layer (the two LLMs' widths). What
+    single-process run does: no graph break, and one recompile, the decoder layer's (the two LLMs'
+    widths). What
     inductor compiled is cached where --compile-cache says, for the next run to read."""
     # As in the accumulation test: Adam at its default epsilon turns the reordered reductions'
     # rounding into different weights from step 2 (the step-3 loss differed by 1.06e-5 on an
@@ -423,6 +423,9 @@ def test_compiled_loss_equals_eager_under_ddp_with_checkpointing(tmp_path):
     buckets = [
         int(n) for line in rank0 for n in re.findall(r"DDPOptimizer used bucket cap \d+ and created (\d+)", line)
     ]
-    assert buckets == [1, 1, 1], "\n".join(rank0)  # the block, its maskless variant, the pooler: none split
-    assert sum("Recompiling function" in line for line in rank0) == 2
+    # One graph for both encoder blocks and one for the pooler, neither split into buckets. (Without
+    # the hashed patch code the first block's input is the patch Linear's output, a view, and the
+    # second's not: dynamo's guard on the view's base recompiled the block.)
+    assert buckets == [1, 1], "\n".join(rank0)
+    assert sum("Recompiling function" in line for line in rank0) == 1
     assert not any("Graph break" in line for line in rank0)
