@@ -3,6 +3,7 @@ it wrote."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -184,12 +185,21 @@ def wrapped_readers(readers: dict, policy: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def default_cpu_run(tmp_path_factory):
-    """`torchrun --nproc_per_node=2 train.py --profile cpu`, unchanged but for out_dir: run once,
-    read by the smoke and the evaluation tests."""
-    out = tmp_path_factory.mktemp("cpu") / "run"
-    ok(run_train(["--profile", "cpu", "--out-dir", str(out)], nproc=2))
-    return out
+def default_cpu_run(tmp_path_factory, worker_id):
+    """`torchrun --nproc_per_node=2 train.py --profile cpu`, unchanged but for out_dir: run once a
+    session, read by the smoke and the evaluation tests. Under pytest-xdist the worker that asks
+    first runs it while the other waits on the lock (its three minutes take both cores), then both
+    read the same run, from the directory the session's workers share."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+    with open(shared / "default_cpu_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        done = shared / "default_cpu_run.done"
+        if not done.exists():
+            out = tmp_path_factory.mktemp("cpu") / "run"
+            ok(run_train(["--profile", "cpu", "--out-dir", str(out)], nproc=2))
+            done.write_text(str(out))
+        return Path(done.read_text())
 
 
 def processes_mentioning(text: str) -> list[int]:
