@@ -20,19 +20,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from wire_levers import evaluate_wire, run
+from wire_levers import evaluate_wire, train_cpu
 
-from common import REPO, launcher, summary
-
-
-def train(repo: Path, out_dir: Path, extra: list[str], threads: int) -> float:
-    """The default run from `repo`'s train.py; its wall time in seconds."""
-    start = time.perf_counter()
-    run([*launcher(2, repo), "--profile", "cpu", "--out-dir", str(out_dir), "--overwrite", *extra], threads, repo)
-    return time.perf_counter() - start
+from common import REPO, summary
 
 
 def median_step_s(out_dir: Path) -> float:
@@ -67,7 +59,7 @@ def main() -> None:
             rows = {}
             for name, repo in (("before", before_repo), ("after", REPO)):
                 out_dir = args.out_root / name
-                train_s = train(repo, out_dir, extra, args.threads)
+                train_s = train_cpu(out_dir, extra, args.threads, repo=repo)
                 rows[name] = {
                     "train_s": train_s,
                     "step_s": median_step_s(out_dir),

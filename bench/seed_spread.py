@@ -26,12 +26,12 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from wire_levers import READERS, evaluate_wire, run
+from wire_levers import READERS, evaluate_wire, train_cpu
 
-from common import REPO, launcher, summary
+from common import REPO, summary
+from latentwire.dataset import DataSources
 from latentwire.settings import load_config
 
 RESULTS = REPO / "bench" / "results" / "seed_spread.jsonl"
@@ -48,10 +48,8 @@ def settings_digest(cfg) -> str:
 
 def train_and_evaluate(name: str, flags: list[str], seed: int, data_seed: int, settings: str, args) -> dict:
     out_dir = args.out_root / name.replace(" ", "_") / f"seed{seed}"
-    command = ["--profile", "cpu", "--seed", str(seed), "--data-seed", str(data_seed), *flags]
-    start = time.perf_counter()
-    run([*launcher(args.nproc), *command, "--out-dir", str(out_dir), "--overwrite"], args.threads)
-    train_s = time.perf_counter() - start
+    seeds = ["--seed", str(seed), "--data-seed", str(data_seed)]
+    train_s = train_cpu(out_dir, [*seeds, *flags], args.threads, args.nproc)
     n, wire = evaluate_wire(out_dir, args.eval_examples, args.threads)
     return {
         "name": name,
@@ -59,7 +57,7 @@ def train_and_evaluate(name: str, flags: list[str], seed: int, data_seed: int, s
         "settings": settings,
         "seed": seed,
         "data_seed": data_seed,
-        "command": shlex.join([f"torchrun --nproc_per_node={args.nproc} train.py", *command]),
+        "command": shlex.join([f"torchrun --nproc_per_node={args.nproc} train.py", "--profile", "cpu", *seeds, *flags]),
         "revision": revision(),
         "date": datetime.date.today().isoformat(),
         "train_s": round(train_s, 1),
@@ -148,7 +146,7 @@ def main() -> None:
     if args.quick:
         args.seeds, args.nproc, args.eval_examples, flags = 2, 1, 8, [*QUICK_FLAGS, *flags]
     cfg = load_config(["--profile", "cpu", *flags])  # a bad flag is train.py's one error line, before any run
-    data_seed, settings = cfg.data.seed if cfg.data.seed is not None else cfg.training.seed, settings_digest(cfg)
+    data_seed, settings = DataSources.of(cfg.data, cfg.training.seed).seed, settings_digest(cfg)
     print("command: " + shlex.join([Path(sys.executable).name, *sys.argv]), flush=True)
     rows = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):

@@ -48,12 +48,17 @@ LEVERS = {
 }
 
 
+def train_cpu(out_dir: Path, flags: list[str], threads: int, nproc: int = 2, repo: Path = REPO) -> float:
+    """`torchrun --nproc_per_node=NPROC train.py --profile cpu FLAGS` from `repo` into `out_dir`
+    (overwritten): the default run with `flags`; its wall time in seconds."""
+    start = time.perf_counter()
+    run([*launcher(nproc, repo), "--profile", "cpu", *flags, "--out-dir", str(out_dir), "--overwrite"], threads, repo)
+    return time.perf_counter() - start
+
+
 def train_and_evaluate(name: str, flags: str, out_root: Path, examples: int, threads: int) -> dict:
     out_dir = out_root / name.replace(" ", "_")
-    train = [*launcher(2), "--profile", "cpu", "--out-dir", str(out_dir), "--overwrite", *shlex.split(flags)]
-    start = time.perf_counter()
-    run(train, threads)
-    train_s = time.perf_counter() - start
+    train_s = train_cpu(out_dir, shlex.split(flags), threads)
     n, wire = evaluate_wire(out_dir, examples, threads)
     return {
         "lever": name,
