@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -164,6 +166,36 @@ def child_env(threads: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
     env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     return env
+
+
+def timed_run(nproc: int, s, out_dir: Path, threads: int, what: str, *extra) -> tuple[str, list[dict]]:
+    """train.py on the cpu profile at the settings' batch and steps (steps only: STEPS_ONLY), with
+    `extra` flags: its stdout and its per-step metrics records. A failed run ends the script with
+    one line, `error: train.py WHAT exited N`, and the end of its stderr."""
+    flags = [
+        "--profile",
+        "cpu",
+        "--micro-batch-size",
+        s.micro_batch_size,
+        "--grad-accum-steps",
+        s.grad_accum_steps,
+        "--max-steps",
+        s.steps,
+        "--num-examples",
+        s.num_examples,
+        "--log-every",
+        1,
+        *STEPS_ONLY,
+        *extra,
+        "--out-dir",
+        out_dir,
+    ]
+    proc = subprocess.run(
+        [*launcher(nproc), *map(str, flags)], cwd=REPO, env=child_env(threads), capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        sys.exit(f"error: train.py {what} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc.stdout, [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # --- timing and the summary line --------------------------------------------------------------

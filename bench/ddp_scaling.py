@@ -18,15 +18,12 @@ how the harness scales on GPUs.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import REPO, STEPS_ONLY, child_env, launcher, median, parse_settings, summary
+from common import median, parse_settings, summary, timed_run
 
 
 @dataclass(frozen=True)
@@ -45,29 +42,7 @@ QUICK = Settings(rounds=1, steps=3, warmup=1, micro_batch_size=4, grad_accum_ste
 
 def run(nproc: int, s: Settings, out_dir: Path, threads: int) -> float:
     """Median global samples/s of one train.py run after warm-up."""
-    flags = [
-        "--profile",
-        "cpu",
-        "--micro-batch-size",
-        s.micro_batch_size,
-        "--grad-accum-steps",
-        s.grad_accum_steps,
-        "--max-steps",
-        s.steps,
-        "--num-examples",
-        s.num_examples,
-        "--log-every",
-        1,
-        *STEPS_ONLY,
-        "--out-dir",
-        out_dir,
-    ]
-    proc = subprocess.run(
-        [*launcher(nproc), *map(str, flags)], cwd=REPO, env=child_env(threads), capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        sys.exit(f"error: train.py with {nproc} process(es) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    _, records = timed_run(nproc, s, out_dir, threads, f"with {nproc} process(es)")
     return median([r["samples_per_s"] for r in records if r["step"] > s.warmup])
 
 

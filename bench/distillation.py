@@ -14,15 +14,12 @@ Summary: ratio = median step time with distillation / without, after warm-up.
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import REPO, STEPS_ONLY, child_env, launcher, median, parse_settings, summary
+from common import median, parse_settings, summary, timed_run
 
 PASS_SECONDS = re.compile(r"distillation targets of (\d+) examples .* computed once in ([\d.]+) s")
 
@@ -43,35 +40,9 @@ QUICK = Settings(rounds=1, steps=3, warmup=1, micro_batch_size=4, grad_accum_ste
 
 def run(kd: bool, s: Settings, out_dir: Path, threads: int) -> tuple[float, float | None]:
     """(median step time after warm-up, seconds of the teacher's one-off pass or None)."""
-    flags = [
-        "--profile",
-        "cpu",
-        "--micro-batch-size",
-        s.micro_batch_size,
-        "--grad-accum-steps",
-        s.grad_accum_steps,
-        "--max-steps",
-        s.steps,
-        "--num-examples",
-        s.num_examples,
-        "--log-every",
-        1,
-        *STEPS_ONLY,
-        "--kd-weight",
-        1 if kd else 0,
-        "--out-dir",
-        out_dir,
-    ]
-    proc = subprocess.run(
-        [*launcher(2), *map(str, flags)], cwd=REPO, env=child_env(threads), capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        sys.exit(
-            f"error: train.py {'with' if kd else 'without'} distillation exited {proc.returncode}:\n"
-            f"{proc.stderr[-3000:]}"
-        )
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    found = PASS_SECONDS.search(proc.stdout)
+    what = f"{'with' if kd else 'without'} distillation"
+    stdout, records = timed_run(2, s, out_dir, threads, what, "--kd-weight", 1 if kd else 0)
+    found = PASS_SECONDS.search(stdout)
     return median([r["step_time_s"] for r in records if r["step"] > s.warmup]), float(found[2]) if found else None
 
 
