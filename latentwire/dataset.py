@@ -303,6 +303,8 @@ class DataConfig:
         "on the same examples",
         key="data_seed",
         ge=0,
+        since=4,
+        before=None,
     )
 
 

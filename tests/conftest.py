@@ -281,6 +281,46 @@ def run_module(
     )
 
 
+class Preloaded:
+    """tests/preloaded.py: commands forked from an interpreter that has made their imports, one at
+    a time, all in the environment it was started with."""
+
+    def __init__(self, env: dict, timeout: int = 300):
+        self.timeout = timeout
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "preloaded.py")],
+            cwd=REPO,
+            env=child_env(**env),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def run(self, target: str, args: list[str], outputs: Path) -> subprocess.CompletedProcess:
+        out, err = outputs / "stdout", outputs / "stderr"
+        self.proc.stdin.write(
+            json.dumps(
+                {
+                    "target": target,
+                    "args": args,
+                    "cwd": str(REPO),
+                    "stdout": str(out),
+                    "stderr": str(err),
+                    "timeout": self.timeout,
+                }
+            )
+            + "\n"
+        )
+        self.proc.stdin.flush()
+        said = self.proc.stdout.readline()
+        assert said, f"tests/preloaded.py exited with code {self.proc.wait()}"
+        return subprocess.CompletedProcess([target, *args], int(said), out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
     """`python -m latentwire.evaluate`, or under torchrun with `nproc` ranks."""
     args = [

@@ -17,7 +17,7 @@ import functools
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from .compiling import CompileConfig
 from .config import Parser, Schema, profile_listing, read_profiles, setting
@@ -125,6 +125,11 @@ class LoopConfig:
     profiler: ProfilerConfig
     invocation: Invocation
 
+    # The version of these settings, which each checkpoint records (harness.config, "Settings have
+    # versions"): a configuration that extends them declares its own, bumped by every change to a
+    # setting of its own or of these.
+    version: ClassVar[int] = 3
+
     @classmethod
     def rules(cls, v: dict, where: str) -> None:
         """The checks that tie fields together (a model's configuration adds its own, after these)."""
@@ -136,7 +141,7 @@ class LoopConfig:
     def schema(cls) -> Schema:
         hints = typing.get_type_hints(cls)
         sections = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "invocation"}
-        return Schema.of(sections, cls.rules)
+        return Schema.of(sections, cls.rules, cls.version)
 
     @classmethod
     def of(cls, values: dict, invocation: Invocation):
@@ -154,16 +159,6 @@ class LoopConfig:
     def to_dict(self) -> dict:
         """What meta.json records: the profile's key and the flat fields."""
         return {"profile": self.invocation.profile, **self.flat()}
-
-    @classmethod
-    def restored(cls) -> tuple[str, ...]:
-        """The settings a resume may not change: the checkpoint's state depends on them."""
-        return tuple(key for key, f in cls.schema().fields.items() if f.restored)
-
-    @classmethod
-    def weight_fields(cls) -> tuple[str, ...]:
-        """The settings the trained weights depend on (--init-from compares them)."""
-        return tuple(key for key, f in cls.schema().fields.items() if f.weights)
 
 
 # --- the command line -----------------------------------------------------------------------------

@@ -269,6 +269,7 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
     """A newest checkpoint whose training state pickles a callable is not run, only refused (its
     one line says why), and resume falls back to the older intact one."""
     from harness.checkpoint import Checkpointer, TrainState
+    from harness.config import Field, Schema
     from harness.resume import resume
 
     model = torch.nn.Linear(2, 2)
@@ -294,7 +295,7 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
         checkpointer,
         TrainState(0, 0, 0, layout=(1, 8, 1), data=data),
         {"lr": 0.1},
-        ("lr",),
+        Schema([Field(key="lr", section="optimizer", name="lr", kind=float, help="", default=0.1, restored=True)]),
         4,
         say=said.append,
         warn=warnings.append,
