@@ -41,6 +41,7 @@ from latentwire.harness.distributed import (
     ddp_buffer_options,
     group_options,
     leave_together,
+    restarted_by_torchrun,
     torchrun_rank,
 )
 from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, out_of_memory
@@ -117,10 +118,11 @@ def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
     """Every input checked before anything heavy loads or anything on disk changes, and the batch
     this world runs: the configuration returned is final."""
     out_dir = Path(cfg.output.out_dir)
-    flags, why = flags_for_requeue(cfg.invocation, out_dir)  # resumed where it saved, started where it never did
+    # --- Requeued by SLURM, or restarted by torchrun: resumed where it saved, started where it never did
+    flags, why = flags_for_requeue(cfg.invocation, out_dir, restarted_by_torchrun())
     cfg = replace(cfg, invocation=flags)
     di.say(why)
-    check_out_dir(out_dir, cfg.invocation.resume, cfg.invocation.overwrite)
+    check_out_dir(out_dir, cfg.invocation.resume or cfg.invocation.restarted, cfg.invocation.overwrite)
     if cfg.invocation.resume:  # a setting newer than the checkpoint: the value it ran with, not the profile's
         cfg, why = config_for_resume(cfg, out_dir)
         di.say(why)

@@ -98,6 +98,7 @@ class Invocation:
     given: tuple[str, ...] = ()  # the fields given as flags, over the profile's values
     init_from: str | None = None  # a run or checkpoint whose trainable weights start this new run
     requeued: bool = False  # a requeued job: resume where the run saved, else start it (launch.sh adds it)
+    restarted: bool = False  # torchrun restarted this job before the run's first checkpoint: out_dir's run is its own
     hw_profiles: str = ""  # the profile file
 
     def setting(self, field: str, value) -> str:

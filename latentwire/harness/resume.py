@@ -30,6 +30,7 @@ from .config import Schema, flag
 from .data_identity import describe_data, same_data
 from .distributed import gather_objects
 from .errors import UserError
+from .out_dir import started_by_this_job
 
 # --- which checkpoint ---------------------------------------------------------------------------------
 
@@ -195,16 +196,24 @@ def check_init_from(path: Path, config: dict, schema: Schema) -> None:
         )
 
 
-def flags_for_requeue(flags, out_dir: Path):
+def flags_for_requeue(flags, out_dir: Path, restarted: bool):
     """A requeued job's flags (`--requeued`): it resumes where its run has a checkpoint, even if
     the command said --overwrite (its first start did that), and starts the run where it has none
     (preempted before the first save: while loading, or at a multi-node rendezvous); and the line
-    that says which."""
-    if not flags.requeued or flags.resume:
+    that says which. A run torchrun `restarted` is continued alike where this torchrun job started
+    it (out_dir names the job: an attempt refused before it started leaves the refusal standing),
+    and where it has no checkpoint starts again over what its first attempt left (`restarted` in
+    the flags: out_dir holds this run's own files, which its new log replaces step by step)."""
+    ours = restarted and started_by_this_job(out_dir)
+    if not (flags.requeued or ours) or flags.resume:
         return flags, None
+    who = "requeued" if flags.requeued else "restarted by torchrun"
     if list_checkpoints(out_dir):
-        return replace(flags, resume=True, overwrite=False), "requeued: resuming the run from its newest checkpoint"
-    return flags, "requeued before the run's first checkpoint: starting it"
+        return replace(flags, resume=True, overwrite=False), f"{who}: resuming the run from its newest checkpoint"
+    before = f"{who} before the run's first checkpoint"
+    if ours:
+        return replace(flags, overwrite=False, restarted=True), f"{before}: starting it over"
+    return flags, f"{before}: starting it"
 
 
 # --- the continued run -------------------------------------------------------------------------------

@@ -345,6 +345,24 @@ print("went on after", "one Ctrl-C" if stop.interrupted else "none", flush=True)
 """
 
 
+def test_the_launcher_reads_the_outcomes_of_the_last_attempt_s_ranks(tmp_path, monkeypatch):
+    """torchrun restarts ranks whose files of outcomes keep their names: each names the process that
+    left it, and the launcher reads those of the ranks torchrun last ran (or stopped)."""
+    from harness.launch import run_outcome
+    from harness.outcomes import OUTCOME_DIR, record_outcome
+
+    monkeypatch.setenv(OUTCOME_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    assert record_outcome(2, "a refusal of this process")
+    assert run_outcome(tmp_path, {os.getpid()}) == {
+        "rank": 1,
+        "pid": os.getpid(),
+        "code": 2,
+        "error": "a refusal of this process",
+    }
+    assert run_outcome(tmp_path, {os.getpid() + 1}) is None  # an earlier attempt's: not the run's
+
+
 def test_two_ctrl_cs_within_one_call_stop_at_once():
     """They are a second Ctrl-C, as when they come apart: the process stops at once with 130 (before,
     its handler saw one, and the rank went on to save the step while its peers had stopped)."""
