@@ -63,7 +63,8 @@ from .parallelize import frozen_llms
 from .planner.budget import GIB, Fit, fit_line
 from .planner.memory_plan import write_json
 from .planner.memtrace import planning_batch
-from .planner.step import run_step, script_step
+from .planner.script import script_step
+from .planner.step import run_step
 from .settings import load_config
 
 PROG = "python -m latentwire.find_batch"

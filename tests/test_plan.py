@@ -25,7 +25,7 @@ from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fi
 from latentwire.planner.elastic import elastic_batch
 from latentwire.planner.memory_plan import make_plan, planned_rows
 from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, cuda_kernels, fake_llms, planning_batch
-from latentwire.planner.step import script_step
+from latentwire.planner.script import script_step
 from latentwire.prompting import CHAT_FRAMING_TOKENS, DEFAULT_ANCHOR, PromptFormat
 from latentwire.settings import load_config
 
