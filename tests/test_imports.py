@@ -190,6 +190,54 @@ def test_the_harness_names_no_part_of_latentwire():
     assert not said, said
 
 
+# The distribution (pip's name) of each module the harness imports from outside the standard library.
+DISTRIBUTIONS = {
+    "torch": "torch",
+    "numpy": "numpy",
+    "safetensors": "safetensors",
+    "tensorboard": "tensorboard",  # also what torch.utils.tensorboard imports
+    "tqdm": "tqdm",
+    "pynvml": "nvidia-ml-py",
+    "pytest": "pytest",
+}
+
+
+def harness_needs() -> set[str]:
+    """The top-level modules from outside the standard library that the harness (its tests
+    included) imports, and what torch imports on its behalf."""
+    needs = set()
+    for path in harness_files():
+        if path.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            else:
+                continue
+            needs.update(n.split(".")[0] for n in names)
+            needs.update("tensorboard" for n in names if n == "torch.utils.tensorboard")
+    return needs - set(sys.stdlib_module_names) - {"harness", "toy_train"}
+
+
+def test_the_harness_requirements_name_what_it_imports():
+    """harness/requirements.txt, what a copy of the harness installs, pins each distribution the
+    harness imports (or names it as optional) and nothing else, and the project's requirements
+    install it as it is."""
+    import importlib.metadata
+
+    lines = (HARNESS / "requirements.txt").read_text().splitlines()
+    pinned = {line.split("==")[0] for line in lines if "==" in line and not line.startswith("#")}
+    optional = {m.group(1) for line in lines if (m := re.match(r"# optional[^:]*: ([\w.-]+)", line))}
+    needs = harness_needs()
+    assert needs <= DISTRIBUTIONS.keys(), needs - DISTRIBUTIONS.keys()
+    assert pinned | optional == {DISTRIBUTIONS[m] for m in needs}
+    installed = importlib.metadata.packages_distributions()
+    assert all(DISTRIBUTIONS[m] in installed[m] for m in needs & installed.keys())
+    assert "-r latentwire/harness/requirements.txt" in (REPO / "requirements.txt").read_text().splitlines()
+
+
 @pytest.mark.slow
 def test_the_harness_copied_alone_runs_its_own_tests(tmp_path):
     """latentwire/harness/ copied into an empty directory: its own tests (the toy loop's exact
