@@ -190,6 +190,57 @@ def test_the_harness_names_no_part_of_latentwire():
     assert not said, said
 
 
+# The harness's public names that neither train.py, the template nor the harness itself uses: each
+# with what any model would want it for (LatentWire's package, its commands or bench/ use it).
+USED_BESIDE_THE_LOOP = {
+    "HostReads": "counting a loop's host syncs: how its tests hold it to one per step",
+    "summarize_trace": "a profiler trace the run wrote (profiler true), read back as a few lines",
+    "format_trace_summary": "the same, as text",
+    "read_snapshot": "a memory snapshot the run wrote (memory_snapshot true), read back as data",
+    "live_at_peak": "the same, replayed to its peak",
+    "by_site": "the same, the blocks live at its peak by the lines that allocated them",
+    "positive": "an argparse type for the numbers of a model's own commands (evaluation, planning)",
+    "process_group": "a model's own commands joining the ranks torchrun starts, as train.py joins them",
+    "recomputed_matmuls": "what selective activation checkpointing recomputes: a model's HFU counts it",
+    "stable_shapes": "dynamo's settings around a compiled forward whose input sizes vary, which the recipe owns",
+}
+
+
+def public_names(path: Path) -> set[str]:
+    """The names a module defines at its top level, but those with a leading underscore."""
+    defined = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+    return {name for name in defined if not name.startswith("_")}
+
+
+def names_used(path: Path) -> set[str]:
+    """The names a module reads: as names, as attributes, and those it imports."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.alias):
+            used.add(node.name.rpartition(".")[2])
+    return used
+
+
+def test_every_public_name_of_the_harness_is_used_by_the_loop_the_template_or_the_harness():
+    """The harness holds what any model's loop uses: each public name is used by train.py, the
+    template recipe or the harness itself, or listed (USED_BESIDE_THE_LOOP) with why any model
+    would want it. The template's own names are the copier's, not the harness's."""
+    modules = [p for p in sorted(HARNESS.glob("*.py")) if p.name not in ("__init__.py", "template.py")]
+    defined = set().union(*map(public_names, modules))
+    used = set().union(*map(names_used, [REPO / "train.py", HARNESS / "template.py", *modules]))
+    assert defined - used == USED_BESIDE_THE_LOOP.keys()
+
+
 # The distribution (pip's name) of each module the harness imports from outside the standard library.
 DISTRIBUTIONS = {
     "torch": "torch",
