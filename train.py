@@ -242,7 +242,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
             return None
 
     # --- The loader: workers collate while the model computes -----------------------------------------
-    # Work done once per example (a teacher's targets, say), in the step's numerics, covers
+    # Work done once per example (a distillation's targets, say), in the step's numerics, covers
     # the examples the run's steps draw, which the sampler decides in advance.
     with sdpa_kernel(attention_backends), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         collate = recipe.collator(examples_drawn(len(recipe.dataset), seed=seed, state=state, steps=steps))
