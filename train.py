@@ -474,8 +474,8 @@ def train_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over one optimizer step's micro-batches, then clipping. Returns the
     loss terms over `n_targets` (the task's counts in the whole global batch) and the pre-clip
-    gradient norm; the update is the caller's, once it has read whether the norm is finite. The
-    memory planner traces and measures this same function (a TrainingStep)."""
+    gradient norm; the update is the caller's, once it has read whether the norm is finite. A
+    recipe's memory planner traces and measures this same function (handed it as a TrainingStep)."""
     step_terms = torch.zeros_like(n_targets)
     # --- Attention kernels: the card's, around backward too, where activation checkpointing
     # recomputes (a recompute in another kernel saves other tensors: CheckpointError).
