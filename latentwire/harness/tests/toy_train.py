@@ -1,7 +1,8 @@
 """The smallest loop built from the harness, for the template recipe (harness.template: a
 per-position regression whose loss is normalised by its real positions, as a language model's is by
 its tokens). It trains the way the project's train.py does, so the harness's guarantees are tested
-on their own: exact accumulation over micro-batches and ranks, one host sync per step, bitwise
+on their own: each step's gradient and loss the whole global batch's over micro-batches and ranks
+(--optimizer adamw --save-gradients true), SGD's weights with them, one host sync per step, bitwise
 resume, a preemption signal saved with exit 75.
 
     python toy_train.py --profile toy --out-dir /tmp/toy [--resume] [--stop-at-step N] [--FIELD VALUE ...]
