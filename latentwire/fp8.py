@@ -40,7 +40,7 @@ same two GEMMs, but cast each weight twice every step (three times under recompu
 bytes of memory traffic per weight per step more.
 
 Eagerly the casts run as kernels of their own (and tensorwise's weight-gradient GEMM runs), so
-`harness.precision.fp8_refusal` refuses --compile false for both recipes, as it refuses cards
+`fp8_refusal` refuses --compile false for both recipes, as it refuses cards
 without FP8 tensor cores and precisions but bf16.
 
 --frozen-sharding fsdp is refused (latentwire.settings): FSDP2 shards a weight before it is read and
@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from .harness.errors import UserError
-from .harness.precision import cuda_capability, fp8_refusal
+from .harness.precision import cuda_capability
 from .llm import FrozenLLM, decoder_layers
 
 FP8_ALIGNMENT = 16
@@ -93,6 +93,40 @@ def torchao_float8() -> SimpleNamespace:
 def recipe_config(recipe: str):
     """torchao's Float8LinearConfig of the recipe: which float8 format and scale each operand takes."""
     return torchao_float8().Config.from_recipe_name(recipe)
+
+
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) on
+
+
+def fp8_refusal(
+    device_type: str, capability: tuple[int, int] | None, precision: str, eager_backward: bool
+) -> str | None:
+    """Why frozen linears in float8 (either of torchao's recipes) cannot run or cannot help here,
+    or None where they may. `capability` None: the CPU, or a CUDA card not known yet (a profile
+    checked before its run starts); `eager_backward`: the backward runs eagerly (--compile false),
+    where the casts to float8 run as kernels of their own and torchao's tensorwise linear also
+    computes the weight gradient a frozen weight never uses, which AOTAutograd drops from a
+    compiled backward.
+
+    On the CPU torch._scaled_mm runs as an emulation (dequantised operands, an fp32 matmul): the
+    numerics of float8, none of its speed, which is what the CPU tests need."""
+    if precision != "bf16":
+        return (
+            f"float8 matmuls replace the bf16 ones of --precision bf16 (this run: {precision}); fp32 is the "
+            "reference and fp16 the cards without FP8 tensor cores"
+        )
+    if eager_backward:
+        return (
+            "eagerly (--compile false) the casts to float8 run as kernels of their own, and torchao's "
+            "tensorwise linear also computes the weight gradient of every frozen weight, a third GEMM thrown "
+            "away; compiled (--compile true), inductor fuses the casts and AOTAutograd drops that GEMM"
+        )
+    if device_type == "cuda" and capability is not None and capability < FP8_CAPABILITY:
+        return (
+            f"this card (sm{capability[0]}{capability[1]}) has no FP8 tensor cores (sm89 and newer: Ada, "
+            "Hopper); the run would be slower, not faster"
+        )
+    return None
 
 
 def check_fp8(device: torch.device, precision: str, eager_backward: bool) -> None:

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from conftest import FAST, REPO, ok, read_metrics, run_train
-from latentwire.fp8 import RECIPES
+from latentwire.fp8 import RECIPES, fp8_refusal
 from latentwire.harness.errors import UserError
-from latentwire.harness.precision import fp8_refusal
 from latentwire.llm import decoder_layers, held_bytes
 from latentwire.parallelize import frozen_llms
 from latentwire.settings import load_config
