@@ -46,8 +46,14 @@ and of the activations and gradients each step, is torchao's `hp_tensor_to_float
 format's largest, so the scaled values pass the largest only by fp32's rounding of that product, and
 the clamp takes them back whatever the torch (tests/test_fp8.py watches every cast's input).
 
-torchao's version: see TORCHAO_NEEDED; `check_fp8` refuses in one line a torchao older than the
-run's torch needs.
+torchao's version (TORCHAO_NEEDED, `check_fp8` refusing in one line a torchao older than the run's
+torch needs): from torch 2.14 (its nightlies from 2026-06-14; 2.13 was cut on 2026-06-10,
+pytorch/pytorch#186934, and its inductor still emits the `tl.where` form) inductor emits min/max as
+Triton's NaN-propagating `tl.minimum/maximum` (pytorch/pytorch#186933, then #190404 for its
+helpers), whose PTX makes Triton miscompile a neighbouring transposed float8 store
+(triton-lang/triton#11111): NaN or Inf losses in about a quarter of compiled runs. torchao 0.18.0
+puts the `tl.where` form back (pytorch/ao#4652 and #4657, torchao/float8/_inductor_patch.py), from
+`convert_to_float8_training`, which this module does not call: `convert_frozen_linears` applies it.
 
 Eagerly the casts run as kernels of their own (and tensorwise's weight-gradient GEMM runs), so
 `harness.precision.fp8_refusal` refuses --compile false for both recipes, as it refuses cards
@@ -77,14 +83,8 @@ from .llm import FrozenLLM, decoder_layers
 
 FP8_ALIGNMENT = 16
 RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values
-# The torchao a torch needs for float8 under torch.compile: (from this torch on, this torchao or newer).
-# From torch 2.14 (its nightlies from 2026-06-14; 2.13 was cut on 2026-06-10, pytorch/pytorch#186934,
-# and its inductor still emits the `tl.where` form) inductor emits min/max as Triton's NaN-propagating
-# `tl.minimum/maximum` (pytorch/pytorch#186933, then #190404 for its helpers), whose PTX makes Triton
-# miscompile a neighbouring transposed float8 store (triton-lang/triton#11111): NaN or Inf losses in
-# about a quarter of compiled runs. torchao 0.18.0 puts the `tl.where` form back (pytorch/ao#4652 and
-# #4657, torchao/float8/_inductor_patch.py), from `convert_to_float8_training`, which this module does
-# not call: `convert_frozen_linears` applies it.
+# The torchao a torch needs for float8 under torch.compile, (from this torch on, this torchao or
+# newer): the module's docstring says why.
 TORCHAO_NEEDED = (("2.14.0.dev0", "0.18.0"),)
 
 

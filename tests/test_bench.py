@@ -134,7 +134,7 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path, 
     folder, the kernel summary of the fastest (the CPU's operators here), and everything written
     whole within the deadline."""
     import torch
-    from gpu_validation import GRACE_S, TORCHAO_FOR_FP8, largest_split
+    from gpu_validation import GRACE_S, TORCHAO_FOR_FP8, global_batch, largest_split
 
     bf16, after = CARD_PARTS[card]
     deadline, site = 400, str(tmp_path / "torchao")  # where the card's torchao would be; the cpu check refuses FP8
@@ -211,8 +211,7 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path, 
         assert (run["compile_cache"], run["cache_hits"], run["cache_misses"]) == (None, 0, 0), name
         assert run["first_step_s"] > 0
     if card == "h100":  # without recompute at the largest micro-batch its plan fits, the global batch kept
-        none, shipped = runs["h100_none"], runs["h100"]
-        batch = shipped["micro_batch_size"] * shipped["grad_accum_steps"]
+        none, batch = runs["h100_none"], global_batch(runs["h100"]["flags"])  # the cpu profile's 16 x 1 x 2 ranks
         assert none["micro_batch_size"] == largest_split(results["plans"]["h100_none"]["max_micro_batch"], batch)
         assert none["micro_batch_size"] * none["grad_accum_steps"] == batch
     for name in after:  # the cpu profile's fp32 refuses FP8 plans before a process
