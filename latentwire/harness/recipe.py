@@ -119,7 +119,7 @@ class Recipe:
     @functools.cached_property
     def data_identity(self) -> dict:
         """What a checkpoint records of the data, to refuse resuming on other data. Default: its
-        length alone; `harness.resume.data_identity` fingerprints examples that are plain values."""
+        length alone; `harness.data_identity.data_identity` fingerprints examples that are plain values."""
         return {"dataset": type(self).__name__, "examples": len(self.dataset), "fingerprint": "not computed"}
 
     @functools.cached_property
