@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Preloaded, ok, read_metrics
-from latentwire.harness.config import FIRST_VERSION, SETTINGS_VERSION, Field, Schema, flag
+from latentwire.harness.config import FIRST_VERSION, SETTINGS_VERSION, Field, Schema, flag_and_value
 from latentwire.harness.errors import UserError
 from latentwire.settings import Config
 
@@ -105,7 +105,7 @@ def test_a_checkpoint_of_every_version_evaluates_resumes_and_extends(fixture, co
     shape = Config.schema().weight_fields()
     assert {key: resumed["config"][key] for key in shape} == {key: saved[key] for key in shape}
 
-    shape_flags = [part for key in shape for part in flag(key, saved[key]).split(" ", 1)]
+    shape_flags = [part for key in shape for part in flag_and_value(key, saved[key]).split(" ", 1)]
     new = tmp_path / "new"
     extend = [*command, *shape_flags, "--init-from", str(fixture), "--max-steps", "1", "--out-dir", str(new)]
     proc = ok(commands.run("train.py", extend, tmp_path))

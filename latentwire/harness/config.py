@@ -415,7 +415,7 @@ def _as_flag(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)  # true, false, null as the flags take them
 
 
-def flag(key: str, value) -> str:
+def flag_and_value(key: str, value) -> str:
     """A setting as the command line gives it: `--patch-hash-buckets 0`."""
     return f"--{key.replace('_', '-')} {_as_flag(value)}"
 

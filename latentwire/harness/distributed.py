@@ -7,7 +7,7 @@ torchrun (--max-restarts, or an elastic --nnodes=MIN:MAX job) starts the ranks a
 or the nodes change. With its c10d rendezvous its agent hosts the TCP store the workers connect
 their process group through (TORCHELASTIC_USE_AGENT_STORE), and that store outlives them: a
 restarted rank can read the addresses the previous attempt's ranks wrote there and fail to connect
-(pytorch/pytorch#135712; #167288 with NCCL; on torch 2.13 with gloo, in 3 of 5 restarts here). Its
+(pytorch/pytorch#135712; #167288 with NCCL; with gloo on torch 2.13 too, docs/faults.md). Its
 keys would need a prefix every rank of an attempt agrees on, and TORCHELASTIC_RESTART_COUNT is not
 one: each agent counts its own restarts, and one restarted for a node that joined counts none. So
 each attempt's rank 0 hosts the group's store itself, found through the agent's store

@@ -53,14 +53,14 @@ class RunEnd:
     not restart them). `ranks`: the processes of that attempt, whose outcomes are the run's."""
 
     def __init__(self):
-        self.ranks: set[int] = set()
+        self.ranks: set[int] | None = None  # None: no rank has ended the run
         signal.signal(RUN_ENDED, self)
 
     def __call__(self, signum, frame) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        if not self.ranks:  # once: torchrun is stopping
-            self.ranks = set(ranks())
+        if self.ranks is None:  # once: torchrun is stopping
+            self.ranks = set(ranks())  # an exited rank too: torchrun reaps it in this thread, after the handler
             raise SignalException("a rank ended the run", sigval=signal.SIGTERM)
 
 
@@ -78,7 +78,7 @@ def pass_stop_signals_to_ranks(args, run_end: RunEnd) -> None:
         if signum == signal.SIGHUP:  # the run's own code and error line must still come out
             mute_a_lost_console()
         pids = ranks()
-        if not pids and not run_end.ranks:
+        if not pids and run_end.ranks is None:
             raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
         stop_passed_on()  # the ranks' preemption (75) ends the run: torchrun must not restart it
         for pid in pids:
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             failed = f"rank {rank} failed with exit code {failure.exitcode} (see its output above)"
             attempt = {f.pid for f in e.failures.values()}
         except SignalException as e:
-            attempt = run_end.ranks
-            if not attempt and e.sigval == signal.SIGINT:  # before the ranks started: torchrun has stopped
+            attempt = run_end.ranks or set()
+            if run_end.ranks is None and e.sigval == signal.SIGINT:  # before the ranks started: torchrun has stopped
                 print("interrupted before the ranks started: nothing to save", file=sys.stderr, flush=True)
                 return INTERRUPTED_EXIT_CODE
             failed = f"torchrun received {e.sigval.name} and stopped the ranks"

@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import META, WEIGHTS, Checkpointer, CorruptCheckpoint, TrainState, list_checkpoints, load_checkpoint
-from .config import Schema, flag
+from .config import Schema, flag_and_value
 from .data_identity import describe_data, same_data
 from .distributed import gather_objects
 from .errors import UserError
@@ -192,7 +192,7 @@ def check_init_from(path: Path, config: dict, schema: Schema) -> None:
         trained = ", ".join(f"{name} {saved.get(name)} (this run: {config[name]})" for name in different)
         raise UserError(
             f"--init-from {path}: its weights were trained with {trained}; give this run the same shape "
-            f"({' '.join(flag(name, saved.get(name)) for name in different)})"
+            f"({' '.join(flag_and_value(name, saved.get(name)) for name in different)})"
         )
 
 
