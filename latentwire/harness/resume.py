@@ -140,8 +140,8 @@ def config_for_resume(cfg, out_dir: Path):
     path, meta = found
     schema = cfg.schema()
     saved = schema.saved(meta, str(path / META))
-    predated = [key for key in schema.fields if key not in meta["config"] and key not in cfg.invocation.given]
-    taken = {key: saved[key] for key in predated if saved[key] != cfg.flat()[key]}
+    predated = [key for key in saved.keys() - meta["config"].keys() if key not in cfg.invocation.given]
+    taken = {key: saved[key] for key in schema.fields if key in predated and saved[key] != cfg.flat()[key]}
     if not taken:
         return cfg, None
     values = cfg.flat() | taken
