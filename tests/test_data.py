@@ -5,6 +5,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from latentwire.data_store import hotpot_to_squad
 from latentwire.dataset import (
     PAD_BYTE,
     Collator,
@@ -14,7 +15,6 @@ from latentwire.dataset import (
     answer_end_byte,
     answer_text,
     answers_past_cut,
-    hotpot_to_squad,
     load_examples,
     prompt_text,
     round_up,
@@ -240,7 +240,7 @@ def test_answers_past_the_cut_are_counted_dropped_on_request_and_refused_when_al
     )
     dropped = TrainingSet.load(sources, 100, 512, drop_cut_answers=True)
     assert dropped.dropped == past and not any(answers_past_cut(dropped.examples, 512))
-    assert dropped.facts() == {
+    assert dropped.facts([18 - past]) == {
         "train_examples": 18 - past,
         "train_answers_past_cut": past,
         "train_examples_dropped": past,
@@ -257,7 +257,7 @@ def test_a_local_file_holds_out_a_seeded_part_that_training_never_sees(tmp_path)
     sources = DataSources(path, None, 0.1, seed=3)
     train, held = sources.train_examples(100), sources.held_out_examples(100, sources.held_out_source())
     assert len(held) == 5 and len(train) == 45
-    assert sorted(ex["question"] for ex in train + held) == sorted(r["question"] for r in records)
+    assert sorted(ex["question"] for ex in [*train, *held]) == sorted(r["question"] for r in records)
     assert all(ex in held for ex in sources.held_out_examples(2, path))  # fewer asked for: some of the same
     assert held == DataSources(path, None, 0.1, seed=3).held_out_examples(100, path)  # the same at evaluation
     assert held != DataSources(path, None, 0.1, seed=4).held_out_examples(100, path)

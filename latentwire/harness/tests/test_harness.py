@@ -308,19 +308,21 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
 def test_the_examples_a_run_draws_are_known_in_advance(epoch, done, steps):
     """examples_visited names exactly what the sampler and global_batches deal every rank over the
     next steps, from any position, across epochs (a cache computed for them covers every draw)."""
-    from harness.data import ShardSampler, examples_visited, global_batches
+    from harness.data import Mixture, ShardSampler, examples_visited, global_batches
 
     n, seed, world, micro, accum = 50, 3, 2, 2, 3
+    draws = Mixture.single(n, seed)
     drawn = set()
     for rank in range(world):
-        sampler = ShardSampler(range(n), num_replicas=world, rank=rank, seed=seed)
+        sampler = ShardSampler(draws, num_replicas=world, rank=rank)
         loader = torch.utils.data.DataLoader(range(n), batch_size=micro, sampler=sampler, drop_last=True)
         batches = global_batches(loader, sampler, accum, epoch, done, micro * accum * world)
         for _ in range(steps):
             drawn.update(i for batch in next(batches)[2] for i in batch.tolist())
-    assert examples_visited(
-        n, seed=seed, world=world, micro=micro, accum=accum, epoch=epoch, examples_done=done, steps=steps
-    ) == sorted(drawn)
+    visited = examples_visited(
+        draws, world=world, micro=micro, accum=accum, epoch=epoch, examples_done=done, steps=steps
+    )
+    assert visited.tolist() == sorted(drawn)
 
 
 # Two Ctrl-Cs delivered while the main thread is inside one call that does not return to the
