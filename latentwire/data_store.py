@@ -16,8 +16,9 @@ Under the cache's directory (`--data-cache`, else datasets' own cache, HF_DATASE
     <entry>/verdict.json            how many examples passed: written last, so an entry holding it is whole
     <entry>/selections/<key>.*      a seeded part of the entry (a split, a subset), its indices and fingerprint
 
-An entry is made in a temporary directory and renamed into place, under a lock, so ranks starting
-together convert once and a killed conversion leaves nothing that reads as an entry.
+An entry is made in a temporary directory and renamed into place, under a lock on the cache's
+directory, so ranks starting together convert once and a killed conversion leaves nothing that
+reads as an entry.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class StoredExamples(Sequence):
         import pyarrow as pa
 
         self.entry = entry
-        self.table = pa.ipc.open_file(pa.memory_map(str(entry / EXAMPLES))).read_all()
+        self.table = pa.ipc.open_stream(pa.memory_map(str(entry / EXAMPLES))).read_all()
         self.columns = [self.table.column(name) for name in ("context", "question", "answers_text", "answer_start")]
 
     def __len__(self) -> int:
@@ -158,7 +159,7 @@ def convert_once(entry: Path, records: Callable[[], Iterable], source: str, chec
         raise UserError(
             f"cannot write the dataset cache {entry.parent} ({e.strerror}): name another with --data-cache"
         ) from None
-    with locked(entry.parent / f".{entry.name}.lock"):
+    with locked(entry.parent):
         if not (entry / VERDICT).is_file():
             work = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
             try:
@@ -170,10 +171,15 @@ def convert_once(entry: Path, records: Callable[[], Iterable], source: str, chec
 
 
 @contextmanager
-def locked(path: Path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+def locked(directory: Path):
+    """The cache's directory locked (flock on the directory itself: no lock file is left behind),
+    so that one process converts while the others wait for its entry."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the descriptor closes
         yield
+    finally:
+        os.close(fd)
 
 
 def convert(records: Iterable, source: str, check, work: Path) -> None:
@@ -190,7 +196,7 @@ def convert(records: Iterable, source: str, check, work: Path) -> None:
         ]
     )
     ends, batch = array("q"), {name: [] for name in schema.names}
-    with pa.OSFile(str(work / EXAMPLES), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+    with pa.OSFile(str(work / EXAMPLES), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for i, record in enumerate(records):
             ex, end = check(record, i, source)
             for name, value in zip(

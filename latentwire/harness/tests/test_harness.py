@@ -325,6 +325,43 @@ def test_the_examples_a_run_draws_are_known_in_advance(epoch, done, steps):
     assert visited.tolist() == sorted(drawn)
 
 
+def test_one_source_draws_what_distributed_sampler_always_drew():
+    """A run on one source deals every rank what torch's DistributedSampler dealt it, from any
+    position: a checkpoint written before mixtures resumes on the same order."""
+    from harness.data import Mixture, ShardSampler
+
+    for n, world, seed in ((50, 2, 3), (101, 3, 0)):
+        for rank in range(world):
+            for epoch in range(3):
+                ours = ShardSampler(Mixture.single(n, seed), num_replicas=world, rank=rank)
+                ours.start_epoch(epoch, 2 * world)
+                torch_s = torch.utils.data.DistributedSampler(
+                    range(n), world, rank, shuffle=True, seed=seed, drop_last=True
+                )
+                torch_s.set_epoch(epoch)
+                assert list(ours) == list(torch_s)[2:]
+
+
+def test_a_mixture_draws_each_source_by_its_quota_of_every_period_and_each_source_whole():
+    """Weights 3:1:1 make every 5 consecutive draws 3, 1 and 1 of the sources (the counts say so
+    without drawing), and each source goes through all of its examples before one repeats."""
+    from harness.data import Mixture, draws_per_source
+
+    sizes = (40, 7, 12)
+    draws = Mixture(sizes, (3, 1, 1), seed=4)
+    assert (draws.period, draws.quotas, draws.epoch_length) == (5, (3, 1, 1), 60)
+    order = torch.cat([draws.order(epoch) for epoch in range(3)])
+    source = torch.bucketize(order, torch.tensor(draws.offsets[1:]), right=True)
+    assert (source.view(-1, 5).sort(dim=1).values == torch.tensor([0, 0, 0, 1, 2])).all()
+    for i, n in enumerate(sizes):
+        mine = order[source == i] - draws.offsets[i]
+        passes = mine[: len(mine) // n * n].view(-1, n)
+        assert (passes.sort(dim=1).values == torch.arange(n)).all()
+    assert draws.counts(1, 23) == [(source[60:83] == i).sum().item() for i in range(3)]
+    # 2 steps of 25 per epoch (the last 10 of each dropped), over 3 epochs
+    assert draws_per_source(draws, world=1, micro=5, accum=5, steps=6) == [90, 30, 30]
+
+
 # Two Ctrl-Cs delivered while the main thread is inside one call that does not return to the
 # interpreter (here a lock wait with SIGINT blocked in that thread; in a run, a step's backward):
 # the interpreter runs the Python handler once, after both.
