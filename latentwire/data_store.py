@@ -131,7 +131,10 @@ def stored_file(path: Path, root: Path, check: Callable[[object, int, str], tupl
         known = saved["content"] if saved["stamp"] == stamp else None
     except (OSError, ValueError, KeyError, TypeError):  # not seen, or an index from elsewhere
         pass
-    content = known or file_digest(path)
+    try:
+        content = known or file_digest(path)
+    except OSError as e:
+        raise UserError(f"could not read dataset file {path}: {e.strerror}") from None
     kind = "parquet" if path.suffix == ".parquet" else "json"
     entry = convert_once(root / f"v{FORMAT}-{kind}-{content}", lambda: local_records(path), str(path), check)
     if known is None:  # only for a file that converted: a bad one leaves no trace

@@ -599,8 +599,8 @@ class TrainingSet:
 
 def describe_mixture(sources: dict[str, dict]) -> str:
     """A mixture's sources (TrainingSet.sources) in a line: what each gives and draws."""
-    return ", ".join(
-        f"{label} {s['examples']} examples, weight {s['weight']:.3g}, {s['share_of_draws']:.1%} of the draws"
+    return "; ".join(
+        f"{label}: {s['examples']} examples, weight {s['weight']:.3g}, {s['share_of_draws']:.1%} of the draws"
         for label, s in sources.items()
     )
 

@@ -290,17 +290,23 @@ def test_the_fingerprint_changes_with_any_example_and_their_order():
     )
 
 
-def test_hotpot_conversion_joins_paragraph_sentences():
+def test_hotpot_conversion_joins_paragraph_sentences(monkeypatch):
+    """...and a hub dataset, as datasets caches it, is stored so, each split of it on its own."""
+    import datasets
+
+    import latentwire.data_store as store
+
     record = {
         "question": "Who?",
         "answer": "Ada",
         "context": {"title": ["A", "B"], "sentences": [["Ada was born.", " She wrote."], ["Bo ran."]]},
     }
-    assert hotpot_to_squad(record) == {
-        "context": "Ada was born. She wrote.\nBo ran.",
-        "question": "Who?",
-        "answers": {"text": ["Ada"]},
-    }
+    squad = {"context": "Ada was born. She wrote.\nBo ran.", "question": "Who?", "answers": {"text": ["Ada"]}}
+    assert hotpot_to_squad(record) == squad
+    hub = {"validation": [record], "train": [{**record, "question": "Who, then?"}]}
+    monkeypatch.setattr(store, "load_hub", lambda name, split: datasets.Dataset.from_list(hub[split]))
+    assert load_examples("hotpot_qa", "validation", 10, seed=0) == [squad]
+    assert load_examples("hotpot_qa", "train", 10, seed=0) == [{**squad, "question": "Who, then?"}]
 
 
 def legacy_records() -> list[dict]:
