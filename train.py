@@ -209,7 +209,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     # the sampler deals every world_size-th index to each rank: the same global batches on any world
     # size, and an epoch can start part-way (resume).
     draws = recipe.draws(seed)
-    check_one_global_batch(draws.epoch_length, micro, accum, world)
+    check_one_global_batch(len(recipe.dataset), micro, accum, world)
     sampler = ShardSampler(draws, num_replicas=world, rank=rank)
 
     # --- Optimizer: AdamW over the trainable parameters only, fused (see adamw) ----------------------

@@ -241,6 +241,16 @@ def cached_selection(examples: StoredExamples, spec: dict, choose: Callable[[], 
     return Selected(examples, indices_file, spec), json.loads(facts_file.read_text())["fingerprint"]
 
 
+def remembered(selected: Selected, key: str, compute: Callable[[], object]):
+    """A fact about a selection (a count under some setting, say), computed once and kept with it."""
+    facts_file = selected.indices_file.with_suffix(".json")
+    saved = json.loads(facts_file.read_text())
+    if key not in saved.setdefault("facts", {}):
+        saved["facts"][key] = compute()
+        write_atomically(facts_file, json.dumps(saved).encode())
+    return saved["facts"][key]
+
+
 # --- small helpers --------------------------------------------------------------------------------
 
 

@@ -23,7 +23,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data_store import HUB_SOURCES, Selected, StoredExamples, cache_root, cached_selection, stored_file, stored_hub
+from .data_store import (
+    HUB_SOURCES,
+    Selected,
+    StoredExamples,
+    cache_root,
+    cached_selection,
+    remembered,
+    stored_file,
+    stored_hub,
+)
 from .harness.config import setting
 from .harness.data import Mixture
 from .harness.data_identity import data_identity, fingerprint, mixture_identity
@@ -34,7 +43,7 @@ IGNORE_INDEX = -100  # cross_entropy's default ignore_index
 ANSWER_PAD_MULTIPLE = 8
 HELD_OUT_SEED_OFFSET = 1_000_003
 HUB_DATASETS = tuple(HUB_SOURCES)
-CHUNK = 1 << 20  # stored examples counted this many at a time
+CHUNK = 1 << 18  # stored examples counted this many at a time
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 
@@ -499,7 +508,8 @@ class TrainingPart:
                 len(examples) - len(kept),
                 fingerprint(kept),
             )
-        past, within = past_cut_counts(examples, max_prompt_bytes)
+        key = f"past_and_within_max_prompt_bytes={max_prompt_bytes}"
+        past, within = remembered(examples, key, lambda: past_cut_counts(examples, max_prompt_bytes))
         check_answers_reachable(past, within, len(examples), source, max_prompt_bytes)
         kept = examples
         if drop_cut_answers and past:

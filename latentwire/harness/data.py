@@ -1,5 +1,6 @@
-"""Data for a data-parallel loop, whatever the examples are: a sampler that deals each rank a
-disjoint shard and can start an epoch part-way (resume), the examples a run's steps will draw,
+"""Data for a data-parallel loop, whatever the examples are: how a run draws them, from one source
+or from several by weight (`Mixture`), a sampler that deals each rank a disjoint shard of each
+epoch's draws and can start an epoch part-way (resume), the examples a run's steps will draw,
 the DataLoader the loop reads, its global batches of accumulated micro-batches, and the copy of a
 collated batch to the device. How large those batches are is `harness.layout`'s."""
 
@@ -57,6 +58,8 @@ class Mixture:
         self.shares = tuple(shares)
         self.quotas = tuple(int(s * self.period) for s in shares)
         self.offsets = tuple(itertools.accumulate(self.sizes, initial=0))[:-1]
+        # int32 indices where they fit (the same permutations): a rank keeps its share of an epoch's order
+        self.dtype = torch.int32 if sum(self.sizes) < 2**31 else torch.int64
         # An epoch is about one pass over all the examples, in whole periods.
         self.epoch_length = -(-sum(self.sizes) // self.period) * self.period
 
@@ -65,12 +68,12 @@ class Mixture:
         return cls((n,), (1,), seed)
 
     def order(self, epoch: int) -> torch.Tensor:
-        """The dataset indices of `epoch`'s positions, in draw order (int64)."""
+        """The dataset indices of `epoch`'s positions, in draw order (of `dtype`)."""
         if len(self.sizes) == 1:
             return self._source_draws(0, epoch * self.epoch_length, self.epoch_length)
         periods = self.epoch_length // self.period
         slots = torch.from_numpy(self.slots(epoch * periods, periods))
-        out = torch.empty(self.epoch_length, dtype=torch.int64)
+        out = torch.empty(self.epoch_length, dtype=self.dtype)
         for i, quota in enumerate(self.quotas):
             where = (slots == i).nonzero().squeeze(1)
             out[where] = self.offsets[i] + self._source_draws(i, epoch * periods * quota, len(where))
@@ -101,7 +104,7 @@ class Mixture:
         n, pieces = self.sizes[i], []
         for p in range(first // n, -(-(first + count) // n)):
             g = torch.Generator().manual_seed(self.seed + i * SOURCE_SEED_STRIDE + p)
-            perm = torch.randperm(n, generator=g)
+            perm = torch.randperm(n, generator=g, dtype=self.dtype)
             pieces.append(perm[max(first - p * n, 0) : min(first + count - p * n, n)])
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
@@ -193,7 +196,7 @@ def examples_visited(
         visited.append(draws.order(at)[start:stop])
         visited = [torch.cat(visited).unique()]
         seen = len(visited[0])
-    return visited[0] if visited else torch.empty(0, dtype=torch.int64)
+    return visited[0] if visited else torch.empty(0, dtype=draws.dtype)
 
 
 def spans_drawn(draws: Mixture, world: int, micro: int, accum: int, epoch: int, examples_done: int, steps: int):
