@@ -78,10 +78,17 @@ class StoredExamples(Sequence):
         return example(*(column[index].as_py() for column in self.columns))
 
     def rows(self, indices: np.ndarray) -> Iterator[dict]:
-        """The examples at `indices`, in order, read a batch at a time (much faster than by index)."""
-        for start in range(0, len(indices), BATCH_ROWS):
-            for row in self.table.take(np.asarray(indices[start : start + BATCH_ROWS])).to_pylist():
-                yield example(row["context"], row["question"], row["answers_text"], row["answer_start"])
+        """The examples at `indices`, in order, read a stored batch at a time (much faster than by
+        index). Each run of indices in one stored batch is taken from that batch alone: a take
+        from the whole table would first join its batches into one copy."""
+        batches = self.table.to_batches()
+        starts = np.cumsum([0] + [len(b) for b in batches])
+        which = np.searchsorted(starts, indices, side="right") - 1
+        cuts = np.flatnonzero(np.diff(which)) + 1
+        for run, at in zip(np.split(np.asarray(indices), cuts), np.split(which, cuts), strict=True):
+            if len(run):
+                for row in batches[at[0]].take(run - starts[at[0]]).to_pylist():
+                    yield example(row["context"], row["question"], row["answers_text"], row["answer_start"])
 
     def answer_ends(self) -> np.ndarray:
         return np.load(self.entry / ANSWER_END, mmap_mode="r")
@@ -175,8 +182,8 @@ def convert_once(entry: Path, records: Callable[[], Iterable], source: str, chec
 
 @contextmanager
 def locked(directory: Path):
-    """The cache's directory locked (flock on the directory itself: no lock file is left behind),
-    so that one process converts while the others wait for its entry."""
+    """A directory of the cache locked (flock on the directory itself: no lock file is left
+    behind), so that one process converts or selects while the others wait for what it writes."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released when the descriptor closes
@@ -231,13 +238,15 @@ def cached_selection(examples: StoredExamples, spec: dict, choose: Callable[[], 
     name = digest(json.dumps(spec, sort_keys=True))
     indices_file, facts_file = where / f"{name}.npy", where / f"{name}.json"
     if not facts_file.is_file():
-        indices = choose()
-        found = fingerprint(examples.rows(indices))
-        where.mkdir(exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=where, suffix=".npy", delete=False) as f:
-            np.save(f, indices)
-        os.replace(f.name, indices_file)
-        write_atomically(facts_file, json.dumps({"spec": spec, "fingerprint": found}).encode())
+        with locked(examples.entry):  # one rank computes it, the others wait and read it
+            if not facts_file.is_file():
+                indices = choose()
+                found = fingerprint(examples.rows(indices))
+                where.mkdir(exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=where, suffix=".npy", delete=False) as f:
+                    np.save(f, indices)
+                os.replace(f.name, indices_file)
+                write_atomically(facts_file, json.dumps({"spec": spec, "fingerprint": found}).encode())
     return Selected(examples, indices_file, spec), json.loads(facts_file.read_text())["fingerprint"]
 
 
