@@ -1,11 +1,11 @@
 """One hand-written data-parallel training loop, driven by a profile of hw_profiles.json.
 
-    torchrun --nproc_per_node=4 train.py --profile h100     # one node, 4 GPUs
-    torchrun --nproc_per_node=2 train.py --profile cpu      # anywhere, 2 gloo processes
+    torchrun --nproc_per_node=N train.py --profile KEY      # N processes: one per GPU, or gloo on CPU
+    python train.py --profile KEY --help                    # every setting, with the profile's value
 
 main() is the table of contents; each optimization is a labelled block. The model comes through
-one recipe, the one import that names it; the machinery from the harness. docs/loop.md lists the
-blocks and how to lift the loop onto another model.
+one recipe, the one import that names it (a `Recipe` of the harness's recipe module); the
+machinery from the harness.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from latentwire.harness.data import (
 from latentwire.harness.distributed import (
     DistInfo,
     all_reduce,
+    all_reduce_together,
     ddp_buffer_options,
     group_options,
     leave_together,
@@ -54,8 +55,8 @@ from latentwire.harness.out_dir import check_out_dir, one_run_at_a_time, prepare
 from latentwire.harness.precision import (
     AMP_DTYPES,
     Numerics,
+    compute_dtype,
     cuda_capability,
-    frozen_weight_dtype,
     matmul_arithmetic,
     sdpa_backends,
     use_tf32,
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.set_device(di.device)
         dist.init_process_group(**group_options(di.device, cfg.training.dist_timeout_s))
     # --- A smaller card's memory on a bigger card: the profile's memory_gb, not the card's ------------
-    # An H200 running the h100 profile runs out of memory where an H100 would; the allocator's
+    # A profile for an 80 GB card runs out of memory on a 141 GB one where its own card would; the allocator's
     # retries near the cap are in metrics.jsonl (alloc_retries). --cap-memory false lifts it.
     fraction, why = memory_fraction(*card_memory(di.device), cfg.card.memory_gb, cfg.card.cap_memory, di.device.type)
     if fraction is not None:
@@ -243,7 +244,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
             return None
 
     # --- The loader: workers collate while the model computes -----------------------------------------
-    # Work done once per example (a teacher's targets, say), in the step's numerics, covers
+    # Work done once per example (a distillation's targets, say), in the step's numerics, covers
     # the examples the run's steps draw, which the sampler decides in advance.
     with sdpa_kernel(attention_backends), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         collate = recipe.collator(examples_drawn(draws, state=state, steps=steps))
@@ -292,7 +293,7 @@ def numerics(config: Numerics, device: torch.device, di: DistInfo) -> tuple:
     # --- Fused attention kernels: train_step's sdpa_kernel(attention_backends) -----------------------
     # On sm80+ in bf16/fp16 only flash and memory-efficient: a silent fallback to the O(L^2)-memory
     # math kernel becomes an error (harness.precision.sdpa_backends says why, cuDNN included).
-    attention_backends, why = sdpa_backends(capability, frozen_weight_dtype(config.precision))
+    attention_backends, why = sdpa_backends(capability, compute_dtype(config.precision))
     di.warn(why and f"note: {why}")
     return amp_dtype, scaler, tf32, attention_backends
 
@@ -344,14 +345,13 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
     device, world, steps, state = di.device, di.world_size, cfg.training.max_steps, parts.state
     global_batch = cfg.training.micro_batch_size * cfg.training.grad_accum_steps * world
     # --- A signal while building: save at once, not after the first step's compile --------------------
-    code = stop.on_any_rank(device)
-    exit_after_save = stopped(code, stop, state.step, di.is_main) if code else None
+    exit_code = stopped(stop.on_any_rank(device), stop, state.step, di.is_main)  # None: go on
     skipped, bad_in_a_row = 0, 0
     parts.model.train()
     oom = out_of_memory(Recipe.memory_advice(cfg.invocation.profile), cfg.training.micro_batch_size, parts.snapshots)
     # closing(batches): every way out, a failure included, stops the loader's workers at once.
     with parts.profiler, closing(parts.batches), oom:
-        while exit_after_save is None and state.step < steps:
+        while exit_code is None and state.step < steps:
             t_wait = time.perf_counter()
             next_epoch, next_done, micro_batches = next(parts.batches)
             data_wait = time.perf_counter() - t_wait
@@ -362,8 +362,8 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
             # summed on the device; the tokens read and the stop flags ride the same all-reduce.
             counts = torch.stack([parts.task.counts(b) for b in micro_batches]).sum(0)
             tokens_read = sum(parts.task.tokens(b) for b in micro_batches)
-            reduced = all_reduce(torch.cat([counts.flatten(), tokens_read[None], stop.flags(device)]))
-            n_targets = reduced[:-3].view_as(counts).float()
+            n_targets, tokens_read, stop_flags = all_reduce_together(counts, tokens_read, stop.flags(device))
+            n_targets = n_targets.float()
             state.step, state.epoch, state.examples_done = state.step + 1, next_epoch, next_done
             step_terms, grad_norm = train_step(
                 parts.ddp_model,
@@ -384,7 +384,7 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
             # rank's FLOPs without padding. The norm is global (after DDP's all-reduce): ranks agree.
             targets, useful = parts.task.target_tokens(n_targets), parts.meter.useful_flops(micro_batches)
             finite, scheduler_stops, person_stops, tokens, target_tokens, useful_flops = torch.stack(
-                [torch.isfinite(grad_norm).long(), *reduced[-2:], reduced[-3], targets, useful]
+                [torch.isfinite(grad_norm).long(), *stop_flags, tokens_read, targets, useful]
             ).tolist()
             stop_requested = stop_code(scheduler_stops, person_stops)
 
@@ -401,7 +401,7 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
             skipped += not finite
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             if bad_in_a_row >= cfg.training.max_nonfinite_steps:
-                exit_after_save = diverged(bad_in_a_row, state.step, cfg.numerics.precision)
+                exit_code = Diverged.exit_code
                 break
             parts.meter.add(
                 micro_batches, data_wait, useful_flops, samples=global_batch, tokens=tokens, target_tokens=target_tokens
@@ -443,7 +443,7 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
                 break
             # --- A signal: the step is done; save it and leave ---------------------------
             if stop_requested:
-                exit_after_save = stopped(stop_requested, stop, state.step, di.is_main)
+                exit_code = stopped(stop_requested, stop, state.step, di.is_main)
                 break
             if cfg.output.checkpoint_every and state.step % cfg.output.checkpoint_every == 0:
                 parts.checkpointer.save(state)
@@ -453,8 +453,10 @@ def train(cfg: LoopConfig, di: DistInfo, stop: StopFlag, parts: Parts) -> None:
     path = parts.checkpointer.save(state) if state.step != parts.on_disk else checkpoint_dir(out_dir, state.step)
     parts.snapshots.finish()
     parts.logger.close()
-    if exit_after_save is not None:
-        raise exit_after_save
+    if exit_code == Diverged.exit_code:
+        raise diverged(bad_in_a_row, state.step, cfg.numerics.precision)
+    if exit_code is not None:
+        raise SystemExit(exit_code)
     di.say(closing_line(path, out_dir, parts.recipe.next_step(out_dir) if state.step == steps else CONTINUE))
 
 
@@ -474,8 +476,8 @@ def train_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over one optimizer step's micro-batches, then clipping. Returns the
     loss terms over `n_targets` (the task's counts in the whole global batch) and the pre-clip
-    gradient norm; the update is the caller's, once it has read whether the norm is finite. The
-    memory plan and find_batch trace and measure this same function."""
+    gradient norm; the update is the caller's, once it has read whether the norm is finite. A
+    recipe's memory planner traces and measures this same function (handed it as a TrainingStep)."""
     step_terms = torch.zeros_like(n_targets)
     # --- Attention kernels: the card's, around backward too, where activation checkpointing
     # recomputes (a recompute in another kernel saves other tensors: CheckpointError).
@@ -546,16 +548,17 @@ def closing_line(checkpoint: Path, out_dir: Path, next_step: str) -> str:
     return f"saved {checkpoint}; metrics in {out_dir / 'metrics.jsonl'} and {out_dir / 'tb'}; {next_step}"
 
 
-def stopped(code: int, stop: StopFlag, step: int, is_main: bool) -> SystemExit:
-    """The exit of a run a signal stopped (75 preempted, 130 interrupted), once it has saved `step`."""
-    if is_main:
+def stopped(code: int | None, stop: StopFlag, step: int, is_main: bool) -> int | None:
+    """`code`, the exit of a run a signal stopped (75 preempted, 130 interrupted; None: none did),
+    said as it goes to save `step`."""
+    if code is not None and is_main:
         what = (
             "interrupted (Ctrl-C)"
             if code == INTERRUPTED_EXIT_CODE
             else f"preempted ({stop.signal_name or 'signal on another rank'})"
         )
         print(f"{what}: saving step {step}; exiting with code {code}, continue with --resume", flush=True)
-    return SystemExit(code)
+    return code
 
 
 def diverged(in_a_row: int, step: int, precision: str) -> Diverged:

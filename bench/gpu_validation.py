@@ -5,24 +5,32 @@ tokens/s, MFU, memory, compile time, recompiles), an evaluation with text baseli
 lever, find_batch against the memory plan, then what time is left: no recompute, the plan's
 largest micro-batch.
 
-Levers (`--levers`): what the h200 and h100 profiles ship, measured on the one card lent (an H200),
-in the order of what they decide, so that the parts a deadline cuts are those that matter least:
-1. `h200`, the h200 profile as shipped (compiled, no recompute, 64 x 1): the baseline, against
-   which every entry's `ratio_to_baseline` is its samples/s over this part's;
-2. `h100`, the h100 profile as shipped (compiled, full recompute, 64 x 1), held to its memory_gb
-   by the memory cap (harness.memory_cap, on by default; the run's opening `memory:` line is in
-   the log and the entry): the number beside the H100's 37.4% MFU, and what the faster memory
-   changes;
-3. `h100_selective`, the h100 profile under selective recompute, the least recompute whose plan
-   fits its 64 x 1 under the cap (on the check's rows the shipped plans fit 39 without recompute,
-   83 selective, 325 full);
+Levers (`--levers`): what the profiles ship, measured on the one card lent, an H100 or an H200,
+read from what torch.cuda says of it (its name and memory: `lever_card`; `--card` names one). Its
+parts (LEVER_CARDS) run in the order of what they decide, so that the parts a deadline cuts are
+those that matter least; the first is the baseline, against which every entry's
+`ratio_to_baseline` is its samples/s over this part's. On an H100 (`h100-levers.json`):
+1. `h100`, the h100 profile as shipped (compiled, full recompute, 64 x 1): the baseline, and the
+   number beside its 37.4% MFU;
+2. `h100_selective`, the same under selective recompute, 64 x 1 (on the check's rows the shipped
+   plans fit 39 without recompute, 83 selective, 325 full);
+3. `h100_none`, without recompute at the largest micro-batch its plan fits that divides the global
+   batch, accumulation keeping it (32 x 2);
 4. `fp8_tensorwise`, `fp8_rowwise`: the frozen linears in FP8 by each of torchao's recipes, at the
    fastest of 1-3 (its flags and environment), torchao on these parts' path alone;
 5. `profile`, a torch.profiler summary of the fastest run's steady steps (top kernels, the GPU's
-   idle share: <out>/profile.txt), and `fails_at_first_step`, the baseline made to fail at its first
-   step (four times the micro-batch its plan fits, eager, the profile's 8 pinned-memory loader
-   workers), timed from the line the loop prints when it catches the failure to the exit, so that
-   the loader's shutdown is in it;
+   idle share: <out>/profile.txt), and `fails_at_first_step`, the card's first configuration without
+   recompute made to fail at its first step (four times the micro-batch its plan fits, eager, the
+   profile's 8 pinned-memory loader workers: its saved activations fill the card within the first
+   layers), timed from the line the loop prints when it catches the failure to the exit, so that
+   the loader's shutdown is in it.
+On an H200 (`h200-levers.json`), as issue 45 laid them out:
+1. `h200`, the h200 profile as shipped (compiled, no recompute, 64 x 1): the baseline;
+2. `h100`, the h100 profile as shipped, held to its memory_gb by the memory cap (harness.memory_cap,
+   on by default; the run's opening `memory:` line is in the log and the entry): the number beside
+   the H100's 37.4% MFU, and what the faster memory changes;
+3. `h100_selective`, the h100 profile under selective recompute at 64 x 1, under the cap;
+4. and 5. as on the H100, at the fastest of 1-3;
 6. if time is left, `fp8_tensorwise_largest` and `fp8_rowwise_largest`: each recipe at the largest
    micro-batch its own plan fits, one micro-batch a step, with expandable segments (a GEMM's rows
    decide which recipe pays: torchao's table puts rowwise above 1x only past about 8,000).
@@ -31,7 +39,9 @@ A part that runs out of memory is retried at half the micro-batch while its budg
 Every run entry has `mfu`, `hfu` (the recompute counted), `step_time_s`, `tokens_per_s`,
 `peak_mem_gb`, `micro_batch_size`, `activation_checkpointing`, `fp8`, the memory cap (`memory_gb`,
 `cap_memory`, `memory_capped`, `memory_fraction`, `memory_cap_line`, `alloc_retries`),
-`ratio_to_baseline` and what the compile cache did (below).
+`ratio_to_baseline` and what the compile cache did (below); every FP8 part's, the `torch` and
+`torchao` it ran with (torchao read from its metadata where the part imports it; train.py refuses in
+one line a torchao older than its torch needs, latentwire.fp8.TORCHAO_NEEDED).
 
 Time. On the H100 a compiled part took about 20 s to start (two 8B-class models drawn on the
 card), 45-56 s for its first step (the compile) and 0.4-0.7 s a step after, then a few seconds to
@@ -41,12 +51,21 @@ and the pooler's regions are the same in every part, the decoder layers differ b
 and by FP8 recipe, and the kernel summary and the largest micro-batches (dynamic shapes) are
 expected to compile nothing new. Each entry records its `first_step_s` and the AOTAutograd cache's
 `cache_hits` and `cache_misses` (one per compiled graph: `compile_cache` warm, partly warm or
-cold). Expected, in order, under `--deadline 480` (460 s of parts after the 20-s margin), taking a warm first step as
-about 15 s (dynamo's tracing is not cached: on the CPU the cache took a first step from 64.5 to
-7.0 s, docs/performance.md) and one with the decoder layers still to compile as about 40 s, after
-about 5 s of the driver's own (the check's data, the shipped plans read):
+cold). Expected, in order, under `--deadline 480` (460 s of parts after the 20-s margin), taking a
+warm first step as about 15 s (dynamo's tracing is not cached: on the CPU the cache took a first
+step from 64.5 to 7.0 s, docs/performance.md) and one with the decoder layers still to compile as
+about 40 s, after about 5 s of the driver's own (the check's data, the shipped plans read):
 
-    part                     budget  expected  ends by  its first step
+    H100 part                budget  expected  ends by  its first step
+    h100                        120        80       85  cold
+    h100_selective              110        70      155  the encoder and pooler from the cache
+    h100_none                   110        70      225  the same
+    fp8_tensorwise              100        70      295  the same
+    fp8_rowwise                 100        70      365  the same
+    profile                      80        55      420  warm (and the trace's export)
+    fails_at_first_step          45        28      448  eager: loads, fails, exits
+
+    H200 part                budget  expected  ends by  its first step
     h200                        120        80       85  cold
     h100                        110        70      155  the encoder and pooler from the cache
     h100_selective              110        70      225  the same
@@ -57,16 +76,16 @@ about 5 s of the driver's own (the check's data, the shipped plans read):
     fp8_tensorwise_largest       80        50     (498) warm: cut unless earlier parts ran faster
     fp8_rowwise_largest          80        50     (548) warm: cut
 
-The next lent card runs the levers, with torchao's wheel carried (the card has no network and no
-torchao; without it the FP8 parts are recorded as refused). Here, once:
+The next lent card, either, runs the levers with torchao's wheel carried (the card has no network
+and no torchao; without it the FP8 parts are recorded as refused). Here, once:
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl -r requirements-fp8.txt
 
-then one command on the card, carrying `.whl`, with a 540-s timeout (the machine's 1-2 minutes of
-start are outside it; 60 s are left for the wheel's install, the interpreter's start and the last
-part's stop):
+then one command on the card, the same on an H100 and an H200, carrying `.whl`, with a 540-s
+timeout (the machine's 1-2 minutes of start are outside it; 60 s are left for the wheel's install,
+the interpreter's start and the last part's stop):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
         .whl/*.whl || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_validation.py --levers \
@@ -78,7 +97,7 @@ would be imported, and could fail to load, in every part, the bf16 ones too.
 
     python bench/gpu_validation.py --out $OUT --deadline 530      # the validation (one command, 570 s limit)
     python bench/gpu_validation.py --out /tmp/v --cpu-check        # here: the cpu profile, the same code path
-    python bench/gpu_validation.py --levers --out /tmp/v --cpu-check
+    python bench/gpu_validation.py --levers --card h100 --out /tmp/v --cpu-check   # each card's parts, here
     python bench/gpu_validation.py --prepare --torchao DIR         # here, before a GPU: the plans both compare with
     python bench/gpu_validation.py --out $OUT --deadline 530 --compile-mode max-autotune-no-cudagraphs \
         --budget preflight=0 --budget main=400                     # a second command: max-autotune's cost and gain
@@ -91,7 +110,7 @@ A lent GPU gives minutes, and a command stopped at its limit returns only the fi
 written, so nothing waits for the end: each part runs in its own process group, under
 min(its budget, the time left to --deadline less --margin), and is stopped (SIGTERM, then SIGKILL)
 when that runs out, its entry then saying "timed out" with whatever metrics it had flushed.
-`<out>/<profile>.json` (`h200-levers.json`) is rewritten atomically after every part, every
+`<out>/<profile>.json` (`<card>-levers.json` for the levers) is rewritten atomically after every part, every
 child's output goes to `<out>/validation.log` as it comes, and in the levers mode every run's
 metrics.jsonl records are appended to `<out>/metrics.jsonl` as soon as it ends. Data, run
 directories, checkpoints, traces and compile caches live in `--work` (a temporary directory by
@@ -111,6 +130,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -123,7 +143,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -767,20 +787,64 @@ BUDGETS_S = {
     "no_recompute": 60,
     "plan_micro_batch": 60,
 }
-# The levers mode's parts (--levers), in the order they run: the module's docstring has the time
-# each is expected to take with the compile cache's savings, and which the deadline cuts first.
-LEVER_BUDGETS_S = {
-    "h200": 120,
-    "h100": 110,
-    "h100_selective": 110,
-    **{f"fp8_{recipe}": 100 for recipe in RECIPES},
-    "profile": 80,
-    "fails_at_first_step": 45,
-    **{f"fp8_{recipe}_largest": 80 for recipe in RECIPES},
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A bf16 configuration the levers measure: its part, its profile, its recompute policy (None:
+    the profile's own) and whether it runs at the largest micro-batch its plan fits, the accumulation
+    keeping the profile's global batch, instead of the profile's own micro-batch."""
+
+    part: str
+    profile: str
+    policy: str | None = None
+    largest: bool = False
+
+
+@dataclass(frozen=True)
+class LeverCard:
+    """What the levers measure on one card (--levers): its bf16 configurations in the order of what
+    they decide, the first the baseline (its profile the card's), and each part's most seconds in
+    the order the parts run; the module's docstring has the time each is expected to take, and
+    which the deadline cuts first."""
+
+    levers: tuple[Lever, ...]
+    budgets: dict
+
+
+LEVER_CARDS = {
+    # An H100 holds the h100 profile as shipped (full recompute, 64 x 1), the same under selective
+    # recompute, and without recompute a smaller micro-batch than the global batch.
+    "h100": LeverCard(
+        (
+            Lever("h100", "h100"),
+            Lever("h100_selective", "h100", "selective"),
+            Lever("h100_none", "h100", "none", largest=True),
+        ),
+        {
+            "h100": 120,
+            "h100_selective": 110,
+            "h100_none": 110,
+            **{f"fp8_{recipe}": 100 for recipe in RECIPES},
+            "profile": 80,
+            "fails_at_first_step": 45,
+        },
+    ),
+    # An H200 holds the h200 profile as shipped (no recompute, 64 x 1), and the h100 profile's
+    # configurations under its memory cap; its spare memory gives FP8 the larger micro-batches.
+    "h200": LeverCard(
+        (Lever("h200", "h200"), Lever("h100", "h100"), Lever("h100_selective", "h100", "selective")),
+        {
+            "h200": 120,
+            "h100": 110,
+            "h100_selective": 110,
+            **{f"fp8_{recipe}": 100 for recipe in RECIPES},
+            "profile": 80,
+            "fails_at_first_step": 45,
+            **{f"fp8_{recipe}_largest": 80 for recipe in RECIPES},
+        },
+    ),
 }
-# The levers' bf16 configurations, in the order of what they decide: (part, profile, policy), the
-# policy None for the profile's own (as shipped). The first is the baseline, its profile the card's.
-LEVER_CONFIGS = (("h200", "h200", None), ("h100", "h100", None), ("h100_selective", "h100", "selective"))
 # What the allocator runs with at the largest micro-batch a plan fits: expandable segments grow a
 # segment in place instead of stranding freed blocks of other sizes, the fragmentation that runs
 # out of memory first where the micro-batch is near the card's limit. The CUDA-named variable is read by
@@ -790,31 +854,58 @@ EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 PROFILED_STEPS = 3
 
 
-def settings(args) -> tuple[str, list[str], int, int, int]:
+def settings(args, card: str | None) -> tuple[str, list[str], int, int, int]:
     """(profile, the readers' flags, main-run steps, lever steps, evaluation examples); the levers'
-    profile is their baseline's, the card's."""
+    profile is their baseline's, `card`'s."""
     if args.cpu_check:  # every part, small: the code path, not the numbers
         return "cpu", [], args.steps or 3, 2, 16
-    profile = LEVER_CONFIGS[0][1] if args.levers else args.profile or "h100"
+    profile = LEVER_CARDS[card].levers[0].profile if args.levers else args.profile or "h100"
     return profile, REAL_LLMS, args.steps or (12 if args.levers else 20), 8, 64
 
 
-def lever_configs(cpu_check: bool) -> list[tuple[str, str, str]]:
-    """The levers' bf16 configurations (LEVER_CONFIGS) as (part, profile, policy), each policy
-    named; on the cpu check the cpu profile under the policy of the card's part it stands for."""
+def lever_card(name: str, total_bytes: int) -> str | None:
+    """Whose levers a GPU runs, from what torch.cuda says of it (its name, its memory in bytes): an
+    H100 or H200 by name (a GH200 too), and of LEVER_CARDS the one with the largest baseline profile
+    whose memory_gb it holds (to harness.memory_cap's SAME_CARD); None for another card, or one
+    smaller than the h100 profile's (a MIG slice)."""
+    from latentwire.harness.memory_cap import GIB, SAME_CARD
+    from latentwire.settings import load_config
+
+    if not re.search(r"H100|H200", name):
+        return None
+    held = {card: load_config(["--profile", c.levers[0].profile]).card.memory_gb for card, c in LEVER_CARDS.items()}
+    fits = [card for card in held if total_bytes / GIB >= held[card] * (1 - SAME_CARD)]
+    return max(fits, key=held.get, default=None)
+
+
+def card_here() -> tuple[str | None, str]:
+    """lever_card of this process's GPU, and what it is in words."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    props = torch.cuda.get_device_properties(0)
+    return lever_card(props.name, props.total_memory), f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
+
+
+def lever_configs(card: str, cpu_check: bool) -> list[Lever]:
+    """`card`'s bf16 configurations (LEVER_CARDS), each policy named; on the cpu check the cpu
+    profile under the policy of the card's part it stands for."""
     from latentwire.settings import load_config
 
     return [
-        (name, "cpu" if cpu_check else profile, policy or load_config(["--profile", profile]).recompute.policy)
-        for name, profile, policy in LEVER_CONFIGS
+        replace(
+            lever,
+            profile="cpu" if cpu_check else lever.profile,
+            policy=lever.policy or load_config(["--profile", lever.profile]).recompute.policy,
+        )
+        for lever in LEVER_CARDS[card].levers
     ]
 
 
 def plans_to_ship(profile: str, fp8: bool) -> list[tuple[str, str, str]]:
     """The plans both commands compare with, as (profile, policy, FP8 recipe): the validation's for
-    `profile` (full recompute, none), the levers' bf16 configurations, and with `fp8` each recipe at
-    each of those (the fastest of which the FP8 parts run at)."""
-    levers = [(profile, policy) for _, profile, policy in lever_configs(False)]
+    `profile` (full recompute, none), every card's levers' bf16 configurations, and with `fp8` each
+    recipe at each of those (the fastest of which the FP8 parts run at)."""
+    levers = [(c.profile, c.policy) for card in LEVER_CARDS for c in lever_configs(card, False)]
     wanted = [
         (profile, "full", "none"),
         (profile, "none", "none"),
@@ -863,14 +954,15 @@ class Check:
     """What every part of a command shares: the results file, rewritten after every part; the
     runner under the deadline; the work folder; the check's data, flags and plans."""
 
-    def __init__(self, args, name: str, budgets: dict):
-        self.args, self.budgets = args, budgets
+    def __init__(self, args, name: str, budgets: dict, card: str | None = None):
+        """`name`: the results file's, without .json; `card`: whose levers these are (LEVER_CARDS)."""
+        self.args, self.budgets, self.card = args, budgets, card
         self.clock = Clock(args.deadline, args.margin)
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_validation_"))
         self.work.mkdir(parents=True, exist_ok=True)
-        self.profile, self.readers, self.steps, self.lever_steps, self.eval_examples = settings(args)
+        self.profile, self.readers, self.steps, self.lever_steps, self.eval_examples = settings(args, card)
         self.log = self.out / "validation.log"
         self.log.write_text(f"gpu_validation: {' '.join(sys.argv)}; work in {self.work}\n")
         self.run = Runner(
@@ -879,7 +971,7 @@ class Check:
             {**child_env(torch.get_num_threads()), "TORCHINDUCTOR_CACHE_DIR": str(self.work / "inductor_cache")},
         )
         self.results = Results(
-            self.out / f"{self.profile}{name}.json",
+            self.out / f"{name}.json",
             {
                 "date": datetime.date.today().isoformat(),
                 "profile": self.profile,
@@ -1064,34 +1156,36 @@ def validate(check: Check) -> None:
 
 
 def levers(check: Check) -> None:
-    """The levers mode, its parts in the order of what they decide (the module's docstring): the
-    bf16 configurations both profiles ship and the best recompute under the smaller one's cap, FP8
-    by each recipe at the fastest of them, where the fastest's time goes, a run that fails at its
-    first step, then each FP8 recipe at the largest micro-batch its plan fits. Every run entry has
-    `hfu`, the memory cap and `ratio_to_baseline` (its samples/s over the first part's, the h200
-    profile as shipped: the baseline's time per sample over its own), and each run's metrics are
-    appended to <out>/metrics.jsonl as soon as it ends."""
+    """The levers mode on the check's card (LEVER_CARDS), its parts in the order of what they decide
+    (the module's docstring): the bf16 configurations the profiles ship and the recompute policies
+    beside them, FP8 by each recipe at the fastest of them, where the fastest's time goes, a run that
+    fails at its first step, then, where the card lists them, each FP8 recipe at the largest
+    micro-batch its plan fits. Every run entry has `hfu`, the memory cap and `ratio_to_baseline`
+    (its samples/s over the first part's, the card's profile as shipped: the baseline's time per
+    sample over its own), every FP8 part's the torch and torchao it ran with, and each run's metrics
+    are appended to <out>/metrics.jsonl as soon as it ends."""
     run, work, budgets, record, args = check.run, check.work, check.budgets, check.record, check.args
     check.card_state()
     check.rows()
-    configs = lever_configs(args.cpu_check)
-    plans, record["plans"] = {}, {}
-    for name, profile, policy in configs:
-        plans[name], source = check.plan(policy, profile=profile)
-        record["plans"][name] = (
-            plans[name]
-            if isinstance(plans[name], str)
+    configs = lever_configs(check.card, args.cpu_check)
+    plans, record["plans"], record["card"] = {}, {}, check.card
+    for c in configs:
+        plans[c.part], source = check.plan(c.policy, profile=c.profile)
+        record["plans"][c.part] = (
+            plans[c.part]
+            if isinstance(plans[c.part], str)
             else {
-                "profile": profile,
-                "activation_checkpointing": policy,
-                "max_micro_batch": plans[name]["max_micro_batch"],
+                "profile": c.profile,
+                "activation_checkpointing": c.policy,
+                "max_micro_batch": plans[c.part]["max_micro_batch"],
                 "source": source,
             }
         )
-    record["baseline"] = f"{configs[0][0]}: the {configs[0][1]} profile as shipped"
+    record["baseline"] = f"{configs[0].part}: the {configs[0].profile} profile as shipped"
     steps = ["--max-steps", str(check.steps), "--log-every", "1"]
     metrics_copy = check.out / "metrics.jsonl"
     metrics_copy.write_text("")
+    torchao = {"torch": torch.__version__, "torchao": torchao_on_path(args.torchao)}
 
     def lever(
         name: str, flags: list[str], plan: dict | str, env: dict | None = None, keep_batch: bool = True, **why
@@ -1113,7 +1207,9 @@ def levers(check: Check) -> None:
         entry |= {"out_of_memory_at": tried, **why}
         entry.setdefault("activation_checkpointing", flag_value(flags, "--activation-checkpointing", None))
         entry.setdefault("fp8", flag_value(flags, "--frozen-fp8", "none"))
-        if entry["exit"] == 2:  # one line: this train.py or this device cannot run the lever
+        if entry["fp8"] != "none":  # the software float8 depends on (latentwire.fp8.TORCHAO_NEEDED)
+            entry |= torchao
+        if entry["exit"] == 2:  # one line: this train.py, this device or this torchao cannot run the lever
             entry["status"] = "refused"
         entry["ratio_to_baseline"] = ratio(entry, record["runs"][0]) if record["runs"] else 1.0
         return check.add_run(entry, plan)
@@ -1123,17 +1219,20 @@ def levers(check: Check) -> None:
         check.parts[name] = {"status": "skipped", "exit": None, "seconds": 0.0}
         check.results.write()
 
-    # (1)-(3) the h200 profile as shipped (the baseline), the h100 profile as shipped under its
-    # memory cap, and the h100 profile under selective recompute, each at its own 64 x 1
-    for name, profile, policy in configs:
-        lever(name, [*check.flags(profile, policy), *steps], plans[name])
+    # (1)-(3) the bf16 configurations, each at the profile's micro-batch or the largest its plan fits
+    for c in configs:
+        flags = [*check.flags(c.profile, c.policy), *steps]
+        if c.largest and not isinstance(plans[c.part], str):
+            batch = global_batch(flags)
+            flags = with_micro_batch(flags, largest_split(plans[c.part]["max_micro_batch"], batch), batch)
+        lever(c.part, flags, plans[c.part])
     # (4) FP8 frozen linears by each recipe, at the fastest bf16 configuration (its flags and
     # environment), torchao on these parts' path alone
     bf16 = [r for r in record["runs"] if r["status"] == "done" and r.get("samples_per_s")]
     fastest = max(bf16, key=lambda r: r["samples_per_s"]) if bf16 else record["runs"][0]
-    _, fastest_profile, fastest_policy = next(c for c in configs if c[0] == fastest["name"])
+    of = next(c for c in configs if c.part == fastest["name"])
     fp8_env_of = {**fastest["env"], **fp8_env(args.torchao)}
-    fp8_plans = {recipe: check.plan(fastest_policy, recipe, fastest_profile) for recipe in RECIPES}
+    fp8_plans = {recipe: check.plan(of.policy, recipe, of.profile) for recipe in RECIPES}
     for recipe in RECIPES:
         lever(
             f"fp8_{recipe}",
@@ -1154,31 +1253,36 @@ def levers(check: Check) -> None:
     check.parts["profile"] = {k: record["profile"].get(k) for k in ("status", "exit", "seconds")}
     check.results.write()
 
-    # (5) ... and the baseline failing at its first step, with the profile's loader (its workers,
-    # pinned memory): four times the micro-batch its plan fits runs out of memory
-    baseline, profile, policy = configs[0]
-    if args.cpu_check or isinstance(plans[baseline], str):
-        skipped("fails_at_first_step", "a CPU has no out-of-memory to provoke" if args.cpu_check else plans[baseline])
+    # (5) ... and the first configuration without recompute failing at its first step, with the
+    # profile's loader (its workers, pinned memory): four times the micro-batch its plan fits fills
+    # the card with saved activations within its first layers
+    failing = next(c for c in configs if c.policy == "none")
+    if args.cpu_check or isinstance(plans[failing.part], str):
+        why = "a CPU has no out-of-memory to provoke" if args.cpu_check else plans[failing.part]
+        skipped("fails_at_first_step", why)
     else:
         entry = train_run(
             run,
             "fails_at_first_step",
             with_micro_batch(
-                [*check.flags(profile, policy), *steps, "--compile", "false", "--max-steps", "2"],
-                4 * plans[baseline]["max_micro_batch"],
+                [*check.flags(failing.profile, failing.policy), *steps, "--compile", "false", "--max-steps", "2"],
+                4 * plans[failing.part]["max_micro_batch"],
                 None,
             ),
             work,
             budgets["fails_at_first_step"],
             watch=CAUGHT,
         )
-        check.add_run(entry)
+        check.add_run(entry | {"of": failing.part})
 
-    # (6) if time is left, each recipe at the largest micro-batch its own plan fits, one micro-batch
-    # a step, with expandable segments: rowwise scaling pays only past some thousands of rows a GEMM
+    # (6) where the card lists them and time is left, each recipe at the largest micro-batch its own
+    # plan fits, one micro-batch a step, with expandable segments: rowwise scaling pays only past
+    # some thousands of rows a GEMM
     for recipe in RECIPES:
         name = f"fp8_{recipe}_largest"
         plan, source = fp8_plans[recipe]
+        if name not in budgets:
+            continue
         if isinstance(plan, str):
             skipped(name, plan)
             continue
@@ -1193,6 +1297,14 @@ def levers(check: Check) -> None:
         )
     record["levers"] = {r["name"]: r["ratio_to_baseline"] for r in record["runs"] if "ratio_to_baseline" in r}
     check.finish()
+
+
+def torchao_on_path(site: str | None) -> str | None:
+    """The torchao an FP8 part imports (from `site`, first on its path, else this interpreter's
+    path), from its distribution's metadata: nothing of it is imported here."""
+    path = [site, *sys.path] if site else sys.path
+    found = next(iter(importlib.metadata.distributions(name="torchao", path=path)), None)
+    return found.version if found else None
 
 
 def global_batch(flags: list[str]) -> int:
@@ -1280,12 +1392,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="where the results file and the log go ($OUT on the GPU machine)")
     p.add_argument("--work", help="data, runs, checkpoints and caches (default: a new temporary directory)")
-    p.add_argument("--profile", help="the validation's profile (default h100); the levers measure h200 and h100")
+    p.add_argument("--profile", help="the validation's profile (default h100); the levers measure their card's")
     p.add_argument(
         "--levers",
         action="store_true",
-        help="measure the levers instead (the h200 and h100 profiles as shipped, selective recompute "
-        "under the h100's cap, FP8, a kernel profile, a failing run)",
+        help="measure the levers instead (the card's profiles as shipped and the recompute policies beside them, "
+        "FP8, a kernel profile, a failing run)",
+    )
+    p.add_argument(
+        "--card",
+        choices=list(LEVER_CARDS),
+        help="whose levers to run (default: the card this runs on, as torch.cuda names it; needed with --cpu-check)",
     )
     p.add_argument("--deadline", type=float, default=530, help="seconds from now by which every part has ended")
     p.add_argument("--margin", type=float, default=20, help="seconds kept for stopping a part and writing results")
@@ -1294,7 +1411,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="PART=SECONDS",
-        help=f"a part's most seconds (parts and defaults: {BUDGETS_S}; with --levers: {LEVER_BUDGETS_S})",
+        help=f"a part's most seconds (parts and defaults: {BUDGETS_S}; with --levers, each card's: "
+        f"{ {card: c.budgets for card, c in LEVER_CARDS.items()} })",
     )
     p.add_argument(
         "--steps", type=int, help="optimizer steps of the main run (default 20, 12 with --levers; 3 with --cpu-check)"
@@ -1327,17 +1445,26 @@ def main() -> None:
     if not args.out:
         p.error("--out is required")
     if args.levers and args.profile:
-        p.error("--profile is the validation's: the levers measure the h200 and h100 profiles")
-    budgets = dict(LEVER_BUDGETS_S if args.levers else BUDGETS_S)
+        p.error("--profile is the validation's: the levers measure their card's profiles")
+    if args.card and not args.levers:
+        p.error("--card is the levers': the validation measures --profile")
+    card = args.card
+    if args.levers and card is None:
+        if args.cpu_check:
+            p.error(f"--levers --cpu-check: --card names the card whose parts it runs ({', '.join(LEVER_CARDS)})")
+        card, this = card_here()
+        if card is None:
+            p.error(f"--levers: this is {this}; the levers know an H100 and an H200 (--card names one)")
+    budgets = dict(LEVER_CARDS[card].budgets if args.levers else BUDGETS_S)
     for item in args.budget:
         part, _, seconds = item.partition("=")
         if part not in budgets or not re.fullmatch(r"\d+(\.\d*)?", seconds):
             p.error(f"--budget {item}: expected PART=SECONDS with PART one of {', '.join(budgets)}")
         budgets[part] = float(seconds)
     if args.levers:
-        levers(Check(args, "-levers", budgets))
+        levers(Check(args, f"{'cpu-' if args.cpu_check else ''}{card}-levers", budgets, card))
     else:
-        validate(Check(args, "", budgets))
+        validate(Check(args, settings(args, None)[0], budgets))
 
 
 def table(record: dict) -> str:

@@ -54,7 +54,7 @@ from .harness.config import Parser, check_can_create, positive
 from .harness.distributed import process_group
 from .harness.errors import UserError
 from .harness.exits import main_guard
-from .harness.precision import cuda_capability, frozen_weight_dtype, sdpa_backends
+from .harness.precision import compute_dtype, cuda_capability, sdpa_backends
 from .harness.profiling import MemorySnapshots
 from .harness.recipe import TrainingStep
 from .harness.recompute import checkpoint_options
@@ -63,7 +63,8 @@ from .parallelize import frozen_llms
 from .planner.budget import GIB, Fit, fit_line
 from .planner.memory_plan import write_json
 from .planner.memtrace import planning_batch
-from .planner.step import run_step, script_step
+from .planner.script import script_step
+from .planner.step import run_step
 from .settings import load_config
 
 PROG = "python -m latentwire.find_batch"
@@ -144,7 +145,7 @@ class Probe:
             for name, llm in llms.items()
         }
         # train.py's attention kernels for this card and dtype
-        self.attention_backends, _ = sdpa_backends(cuda_capability(device), frozen_weight_dtype(cfg.numerics.precision))
+        self.attention_backends, _ = sdpa_backends(cuda_capability(device), compute_dtype(cfg.numerics.precision))
         self.resident = resident_bytes(llm.model for llm in llms.values())
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory

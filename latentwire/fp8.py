@@ -39,8 +39,24 @@ gradient at all. torchao's own linear over the bf16 weight would hold the same b
 same two GEMMs, but cast each weight twice every step (three times under recompute): about 10
 bytes of memory traffic per weight per step more.
 
+Saturation: torch's eager cast to float8 saturates only from 2.12 (on 2.11 a value past the
+format's largest becomes NaN in e4m3fn, inf in e5m2). Every cast here, of the weights at conversion
+and of the activations and gradients each step, is torchao's `hp_tensor_to_float8_dynamic`, whose
+`to_fp8_saturated` clamps to the format's range before its one `.to`: its scale is the amax over the
+format's largest, so the scaled values pass the largest only by fp32's rounding of that product, and
+the clamp takes them back whatever the torch (tests/test_fp8.py watches every cast's input).
+
+torchao's version (TORCHAO_NEEDED, `check_fp8` refusing in one line a torchao older than the run's
+torch needs): from torch 2.14 (its nightlies from 2026-06-14; 2.13 was cut on 2026-06-10,
+pytorch/pytorch#186934, and its inductor still emits the `tl.where` form) inductor emits min/max as
+Triton's NaN-propagating `tl.minimum/maximum` (pytorch/pytorch#186933, then #190404 for its
+helpers), whose PTX makes Triton miscompile a neighbouring transposed float8 store
+(triton-lang/triton#11111): NaN or Inf losses in about a quarter of compiled runs. torchao 0.18.0
+puts the `tl.where` form back (pytorch/ao#4652 and #4657, torchao/float8/_inductor_patch.py), from
+`convert_to_float8_training`, which this module does not call: `convert_frozen_linears` applies it.
+
 Eagerly the casts run as kernels of their own (and tensorwise's weight-gradient GEMM runs), so
-`harness.precision.fp8_refusal` refuses --compile false for both recipes, as it refuses cards
+`fp8_refusal` refuses --compile false for both recipes, as it refuses cards
 without FP8 tensor cores and precisions but bf16.
 
 --frozen-sharding fsdp is refused (latentwire.settings): FSDP2 shards a weight before it is read and
@@ -54,17 +70,22 @@ none of the speed.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 from types import SimpleNamespace
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from .harness.errors import UserError
-from .harness.precision import cuda_capability, fp8_refusal
+from .harness.precision import cuda_capability
 from .llm import FrozenLLM, decoder_layers
 
 FP8_ALIGNMENT = 16
 RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values
+# The torchao a torch needs for float8 under torch.compile, (from this torch on, this torchao or
+# newer): the module's docstring says why.
+TORCHAO_NEEDED = (("2.14.0.dev0", "0.18.0"),)
 
 
 @functools.cache
@@ -79,7 +100,12 @@ def torchao_float8() -> SimpleNamespace:
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
     except ImportError as e:
         raise UserError(f"--frozen-fp8 needs torchao: pip install -r requirements-fp8.txt ({e})") from None
+    try:
+        from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen as patch_inductor
+    except ImportError:  # before torchao 0.18: allowed only on a torch that needs no patch (TORCHAO_NEEDED)
+        patch_inductor = None
     return SimpleNamespace(
+        patch_inductor=patch_inductor,
         Config=Float8LinearConfig,
         Linear=Float8Linear,
         to_float8=hp_tensor_to_float8_dynamic,
@@ -95,11 +121,69 @@ def recipe_config(recipe: str):
     return torchao_float8().Config.from_recipe_name(recipe)
 
 
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) on
+
+
+def fp8_refusal(
+    device_type: str, capability: tuple[int, int] | None, precision: str, eager_backward: bool
+) -> str | None:
+    """Why frozen linears in float8 (either of torchao's recipes) cannot run or cannot help here,
+    or None where they may. `capability` None: the CPU, or a CUDA card not known yet (a profile
+    checked before its run starts); `eager_backward`: the backward runs eagerly (--compile false),
+    where the casts to float8 run as kernels of their own and torchao's tensorwise linear also
+    computes the weight gradient a frozen weight never uses, which AOTAutograd drops from a
+    compiled backward.
+
+    On the CPU torch._scaled_mm runs as an emulation (dequantised operands, an fp32 matmul): the
+    numerics of float8, none of its speed, which is what the CPU tests need."""
+    if precision != "bf16":
+        return (
+            f"float8 matmuls replace the bf16 ones of --precision bf16 (this run: {precision}); fp32 is the "
+            "reference and fp16 the cards without FP8 tensor cores"
+        )
+    if eager_backward:
+        return (
+            "eagerly (--compile false) the casts to float8 run as kernels of their own, and torchao's "
+            "tensorwise linear also computes the weight gradient of every frozen weight, a third GEMM thrown "
+            "away; compiled (--compile true), inductor fuses the casts and AOTAutograd drops that GEMM"
+        )
+    if device_type == "cuda" and capability is not None and capability < FP8_CAPABILITY:
+        return (
+            f"this card (sm{capability[0]}{capability[1]}) has no FP8 tensor cores (sm89 and newer: Ada, "
+            "Hopper); the run would be slower, not faster"
+        )
+    return None
+
+
 def check_fp8(device: torch.device, precision: str, eager_backward: bool) -> None:
-    """--frozen-fp8 refused in one line where it cannot run or cannot help on this device (`fp8_refusal`)."""
+    """--frozen-fp8 refused in one line where it cannot run or cannot help on this device
+    (`fp8_refusal`), or where torchao is missing or older than this torch needs (`torchao_refusal`)."""
     why = fp8_refusal(device.type, cuda_capability(device), precision, eager_backward)
+    why = why or torchao_refusal(torch.__version__, torchao_version())
     if why:
         raise UserError(f"--frozen-fp8: {why}")
+
+
+def torchao_version() -> str | None:
+    """The torchao this interpreter would import, from its distribution's metadata (not imported:
+    transformers' import of it is noisy, latentwire/__init__.py), or None where there is none."""
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def torchao_refusal(torch_version: str, torchao_version: str | None) -> str | None:
+    """Why this torchao cannot run float8 under this torch (TORCHAO_NEEDED), or None where it can."""
+    if torchao_version is None:
+        return "needs torchao: pip install -r requirements-fp8.txt"
+    for from_torch, needed in TORCHAO_NEEDED:
+        if TorchVersion(torch_version) >= from_torch and TorchVersion(torchao_version) < needed:
+            return (
+                f"torch {torch_version} needs torchao {needed} or newer (this is {torchao_version}): its compiled "
+                "float8 kernels otherwise write NaN or Inf in about a quarter of runs (pytorch/ao#4652)"
+            )
+    return None
 
 
 def fp8_linears(llm: FrozenLLM) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -125,6 +209,8 @@ def convert_frozen_linears(llm: FrozenLLM, recipe: str) -> None:
     GEMM, from the values it holds now: call after `read_weights` (or on the planner's fakes, whose
     casts are fake too)."""
     config = recipe_config(recipe)
+    if torchao_float8().patch_inductor is not None:  # before anything compiles (TORCHAO_NEEDED)
+        torchao_float8().patch_inductor()
     for parent, name, linear in fp8_linears(llm):
         converted = tensorwise_linear(linear, config) if recipe == "tensorwise" else RowwiseFloat8Linear(linear, config)
         setattr(parent, name, converted)
@@ -236,12 +322,20 @@ RECIPE_NOTES = {
 }
 
 
+def float8_modules(model: nn.Module) -> list[str]:
+    """The qualified names of `model`'s modules that hold a float8 weight."""
+    cast = torchao_float8().Tensor
+    return [name for name, module in model.named_modules() if isinstance(getattr(module, "weight", None), cast)]
+
+
 def describe_fp8(llms: dict[str, FrozenLLM], recipe: str, device_type: str) -> str:
-    """The run's opening line on float8: what converted, what it holds, and what MFU means."""
-    counts = []
+    """The run's opening line on float8: what converted (counted over each whole LLM, so that a head
+    converted too would show), what it holds, and what MFU means."""
+    counts, outside = [], 0
     for name, llm in llms.items():
         linears = [m for layer in decoder_layers(llm) for m in layer.modules() if isinstance(m, nn.Linear)]
         fp8 = sum(isinstance(m.weight, torchao_float8().Tensor) for m in linears)
+        outside += len(float8_modules(llm.model)) - fp8
         counts.append(f"{fp8} of {name}'s {len(linears)}")
     where = (
         "emulated by the CPU's torch._scaled_mm: float8's numerics, none of its speed"
@@ -249,6 +343,6 @@ def describe_fp8(llms: dict[str, FrozenLLM], recipe: str, device_type: str) -> s
         else "on the FP8 tensor cores"
     )
     return (
-        f"fp8: {', '.join(counts)} decoder-layer linears in float8 (torchao, {RECIPE_NOTES[recipe]}), "
-        f"{where}; MFU stays counted against the bf16 peak"
+        f"fp8: {', '.join(counts)} decoder-layer linears in float8 and {outside} other module{'s' * (outside != 1)} "
+        f"(torchao {torchao_version()}, {RECIPE_NOTES[recipe]}), {where}; MFU stays counted against the bf16 peak"
     )

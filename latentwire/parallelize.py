@@ -52,7 +52,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.fsdp import fully_shard
 
 from .fp8 import convert_frozen_linears
-from .harness.precision import frozen_weight_dtype
+from .harness.precision import compute_dtype
 from .llm import (
     FrozenConfig,
     build_frozen_llms,
@@ -81,12 +81,13 @@ def frozen_llms(
     compile_options: dict | None = None,
     mesh=None,
 ) -> dict:
-    """A run's two frozen readers as a rank holds them: built on the meta device in the dtype of
-    `precision`, then wrapped, sharded, placed and read, and cast to float8, in one order
-    (`prepare_frozen_llms`). Training, find_batch, evaluation and the benches all take them from
+    """A run's two frozen readers as a rank holds them: built on the meta device in the dtype the
+    step computes in (frozen weights need no fp32 master copy: no gradients, no optimizer state; in
+    bf16, half the memory of fp32), then wrapped, sharded, placed and read, and cast to float8, in
+    one order (`prepare_frozen_llms`). Training, find_batch, evaluation and the benches all take them from
     here, so what is planned and measured is what trains."""
     with torch.device("meta"):
-        llms = build_frozen_llms(frozen, prompt, frozen_weight_dtype(precision))
+        llms = build_frozen_llms(frozen, prompt, compute_dtype(precision))
     prepare_frozen_llms(
         llms, checkpointing=checkpointing, compile_options=compile_options, mesh=mesh, device=device, fp8=frozen.fp8
     )

@@ -40,7 +40,7 @@ from .llm_sources import llm_spec
 from .planner.analytic import GB, OPTIMIZERS, StaticMemory, format_static, frozen_bytes_per_param, static_memory
 from .planner.budget import GIB, Budget, budget_for
 from .planner.memory_plan import Plan, make_plan, trainable_shapes, write_json
-from .planner.step import script_step
+from .planner.script import script_step
 from .settings import load_config
 
 PROG = "python -m latentwire.plan"

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .dataset import DataConfig
+from .fp8 import fp8_refusal
 from .harness.checkpoint import META
 from .harness.config import setting
 from .harness.errors import UserError
 from .harness.loop_config import Invocation, LoopConfig
 from .harness.loop_config import build_parser as build_loop_parser
 from .harness.loop_config import load_config as load_loop_config
-from .harness.precision import fp8_refusal, frozen_weight_dtype, sdpa_backends
+from .harness.precision import compute_dtype, sdpa_backends
 from .llm import FrozenConfig
 from .model import WireConfig
 from .objectives import Objectives
@@ -84,7 +85,7 @@ def fused_attention_only(device: str, precision: str, sm80: bool) -> bool:
 
     if device != "cuda":
         return False
-    backends, _ = sdpa_backends((8, 0) if sm80 else (7, 0), frozen_weight_dtype(precision))
+    backends, _ = sdpa_backends((8, 0) if sm80 else (7, 0), compute_dtype(precision))
     return SDPBackend.MATH not in backends
 
 

@@ -104,47 +104,57 @@ def gpu_validation(out: Path, *flags: str, timeout: int = 600) -> tuple[subproce
         text=True,
         timeout=timeout,
     )
-    results = out / "out" / ("cpu-levers.json" if "--levers" in flags else "cpu.json")
+    card = flags[flags.index("--card") + 1] if "--card" in flags else None
+    results = out / "out" / (f"cpu-{card}-levers.json" if card else "cpu.json")
     return proc, json.loads(results.read_text()), time.monotonic() - started
 
 
-@pytest.mark.slow
-def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
-    """The levers mode on the cpu check, one run for every assertion: an entry per part, in the
-    order of what it decides (the h200 profile as shipped, the baseline; the h100 profile as
-    shipped; selective recompute; FP8 by each recipe at the fastest of those, refused in one line
-    where train.py or the device cannot run it; the failing run; each recipe at its plan's largest
-    micro-batch, skipped where its plan is refused), each with the fields the card's results need:
-    the recompute policy it ran, the memory cap (none on a CPU: memory_fraction gives None there,
-    so no run says a `memory:` line), the compile cache's use (none: the cpu check runs eager);
-    torchao on the FP8 parts' path alone, every run's metrics copied into the results folder, the
-    kernel summary of the fastest (the CPU's operators here), and everything written whole within
-    the deadline."""
-    from gpu_validation import GRACE_S, TORCHAO_FOR_FP8
+# Each card's levers (LEVER_CARDS): its bf16 parts with the policy each runs, then the parts after them.
+CARD_PARTS = {
+    "h100": ([("h100", "full"), ("h100_selective", "selective"), ("h100_none", "none")], []),
+    "h200": (
+        [("h200", "none"), ("h100", "full"), ("h100_selective", "selective")],
+        ["fp8_tensorwise_largest", "fp8_rowwise_largest"],
+    ),
+}
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("card", CARD_PARTS)
+def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path, card):
+    """Each card's levers on the cpu check, one run for every assertion: an entry per part, in the
+    order of what it decides (the card's profile as shipped, the baseline, and the bf16
+    configurations beside it, the H100's without recompute at the largest micro-batch its plan fits;
+    FP8 by each recipe at the fastest of those, refused in one line where train.py or the device
+    cannot run it, with the torch and torchao it ran with; the failing run; on the H200, each recipe
+    at its plan's largest micro-batch, skipped where its plan is refused), each with the fields the
+    card's results need: the recompute policy it ran, the memory cap (none on a CPU: memory_fraction
+    gives None there, so no run says a `memory:` line), the compile cache's use (none: the cpu check
+    runs eager); torchao on the FP8 parts' path alone, every run's metrics copied into the results
+    folder, the kernel summary of the fastest (the CPU's operators here), and everything written
+    whole within the deadline."""
+    import torch
+    from gpu_validation import GRACE_S, TORCHAO_FOR_FP8, global_batch, largest_split
+
+    bf16, after = CARD_PARTS[card]
     deadline, site = 400, str(tmp_path / "torchao")  # where the card's torchao would be; the cpu check refuses FP8
-    proc, results, seconds = gpu_validation(tmp_path, "--levers", "--deadline", str(deadline), "--torchao", site)
+    proc, results, seconds = gpu_validation(
+        tmp_path, "--levers", "--card", card, "--deadline", str(deadline), "--torchao", site
+    )
     ok(proc)
     assert seconds < deadline + GRACE_S + 5 and results["seconds"] < deadline
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [
-        "cpu-levers.json",
+        f"cpu-{card}-levers.json",
         "metrics.jsonl",
         "profile.txt",
         "validation.log",
     ]
     runs = {r["name"]: r for r in results["runs"]}
-    assert list(runs) == [
-        "h200",
-        "h100",
-        "h100_selective",
-        "fp8_tensorwise",
-        "fp8_rowwise",
-        "fails_at_first_step",
-        "fp8_tensorwise_largest",
-        "fp8_rowwise_largest",
-    ]
-    assert results["baseline"].startswith("h200: ") and list(results["plans"]) == ["h200", "h100", "h100_selective"]
+    names = [name for name, _ in bf16]
+    assert list(runs) == [*names, "fp8_tensorwise", "fp8_rowwise", "fails_at_first_step", *after]
+    assert results["card"] == card and results["baseline"].startswith(f"{names[0]}: ")
+    assert list(results["plans"]) == names
     fields = {
         "status",
         "micro_batch_size",
@@ -167,13 +177,12 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
         "first_step_s",
         "compile_cache",
     }
-    fastest = max((runs[name] for name in ("h200", "h100", "h100_selective")), key=lambda r: r["samples_per_s"])
+    fastest = max((runs[name] for name in names), key=lambda r: r["samples_per_s"])
+    policy_of_fastest = fastest["activation_checkpointing"]
     for name, policy, fp8 in (
-        ("h200", "none", "none"),
-        ("h100", "full", "none"),
-        ("h100_selective", "selective", "none"),
-        ("fp8_tensorwise", fastest["activation_checkpointing"], "tensorwise"),
-        ("fp8_rowwise", fastest["activation_checkpointing"], "rowwise"),
+        *((name, policy, "none") for name, policy in bf16),
+        ("fp8_tensorwise", policy_of_fastest, "tensorwise"),
+        ("fp8_rowwise", policy_of_fastest, "rowwise"),
     ):
         run = runs[name]
         assert (run["activation_checkpointing"], run["fp8"]) == (policy, fp8), name
@@ -182,8 +191,10 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
         if fp8 != "none":
             assert run["env"] == {**fastest["env"], **TORCHAO_FOR_FP8, "PYTHONPATH": run["env"]["PYTHONPATH"]}
             assert run["flags"][: len(fastest["flags"])] == fastest["flags"] and run["of"] == fastest["name"]
+            assert (run["torch"], run["torchao"]) == (torch.__version__, None)  # none in `site`, nor here
         else:
             assert run["env"] == {} and run["flags"][run["flags"].index("--profile") + 1] == "cpu"
+            assert "torchao" not in run
         if fp8 != "none" and run["status"] == "refused":
             assert run["exit"] == 2 and run["error"].startswith("error: "), run
             continue
@@ -199,20 +210,19 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
         ) == (8.0, True, False, None, None, None), name
         assert (run["compile_cache"], run["cache_hits"], run["cache_misses"]) == (None, 0, 0), name
         assert run["first_step_s"] > 0
-    for recipe in ("tensorwise", "rowwise"):  # the cpu profile's fp32 refuses FP8 plans before a process
-        assert runs[f"fp8_{recipe}_largest"]["why"].startswith("plan refused: error: "), runs
-    assert runs["h200"]["ratio_to_baseline"] == 1.0 and set(results["levers"]) == {
-        "h200",
-        "h100",
-        "h100_selective",
-        "fp8_tensorwise",
-        "fp8_rowwise",
-    }
+    if card == "h100":  # without recompute at the largest micro-batch its plan fits, the global batch kept
+        none, batch = runs["h100_none"], global_batch(runs["h100"]["flags"])  # the cpu profile's 16 x 1 x 2 ranks
+        assert none["micro_batch_size"] == largest_split(results["plans"]["h100_none"]["max_micro_batch"], batch)
+        assert none["micro_batch_size"] * none["grad_accum_steps"] == batch
+    for name in after:  # the cpu profile's fp32 refuses FP8 plans before a process
+        assert runs[name]["why"].startswith("plan refused: error: "), runs
+    assert runs[names[0]]["ratio_to_baseline"] == 1.0
+    assert set(results["levers"]) == {*names, "fp8_tensorwise", "fp8_rowwise"}
     assert runs["fails_at_first_step"]["status"] == "skipped"
     log = (out / "validation.log").read_text()
     assert not re.search(r"^memory: ", log, re.M)
     copied = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for name in ("h200", "h100", "h100_selective", "profile"):
+    for name in (*names, "profile"):
         mine = [r["step"] for r in copied if r["part"] == name]
         assert mine == list(range(1, len(mine) + 1)) and mine, name
         assert all("hfu" in r for r in copied if r["part"] == name)
@@ -221,6 +231,32 @@ def test_gpu_validation_levers_measure_each_lever_within_the_deadline(tmp_path):
     assert 0 <= profile["summary"]["idle_share"] < 1 and profile["summary"]["activity"] == "CPU operators"
     text = (out / "profile.txt").read_text()
     assert "3 profiled steps" in text and "idle" in text and "aten::mm" in text
+
+
+def test_the_levers_read_the_card_they_are_on(monkeypatch, capsys):
+    """Whose levers a card runs, from what torch.cuda says of it (its name, its memory): an H100's
+    and an H200's figures as nvidia-smi gives them (81,559 and 143,771 MiB), an H100 NVL's, and cards
+    the levers do not know (an A100 of the H100's memory, an H100 MIG slice). The card's parts are
+    measured only with --card on the cpu check, and a GPU-less machine is told in one line."""
+    from gpu_validation import LEVER_CARDS, lever_card, main
+
+    mib = 2**20
+    assert list(LEVER_CARDS) == ["h100", "h200"]
+    assert lever_card("NVIDIA H100 80GB HBM3", 81559 * mib) == "h100"
+    assert lever_card("NVIDIA H200", 143771 * mib) == "h200"
+    assert lever_card("NVIDIA H100 NVL", 95830 * mib) == "h100"
+    assert lever_card("NVIDIA A100-SXM4-80GB", 81920 * mib) is None
+    assert lever_card("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 40192 * mib) is None
+    for flags, said in (
+        (["--levers", "--cpu-check"], "--levers --cpu-check: --card names the card whose parts it runs (h100, h200)"),
+        (["--levers"], "--levers: this is no CUDA device; the levers know an H100 and an H200 (--card names one)"),
+        (["--card", "h100"], "--card is the levers'"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["gpu_validation.py", "--out", "unused", *flags])
+        with pytest.raises(SystemExit) as exited:
+            main()
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and said in err.splitlines()[-1], err
 
 
 def test_an_entry_reads_the_memory_cap_and_the_compile_cache_from_what_the_run_said():
@@ -258,12 +294,16 @@ def test_the_plans_both_commands_compare_with_are_shipped():
     is in bench/results/ under the flags the driver looks it up by."""
     from gpu_validation import REAL_LLMS, lever_configs, plan_flags, plan_path, plans_to_ship
 
-    assert lever_configs(False) == [
-        ("h200", "h200", "none"),
-        ("h100", "h100", "full"),
-        ("h100_selective", "h100", "selective"),
+    for card, (bf16, _) in CARD_PARTS.items():
+        configs = lever_configs(card, False)
+        assert [(c.part, c.policy) for c in configs] == bf16 and all(c.profile.startswith("h") for c in configs)
+        assert [(c.profile, c.largest) for c in lever_configs(card, True)] == [("cpu", c.largest) for c in configs]
+    assert [c.part for c in lever_configs("h100", False) if c.largest] == ["h100_none"]
+    # the part fails_at_first_step makes fail: each card's first without recompute
+    assert [next(c.part for c in lever_configs(card, False) if c.policy == "none") for card in CARD_PARTS] == [
+        "h100_none",
+        "h200",
     ]
-    assert [c[1:] for c in lever_configs(True)] == [("cpu", "none"), ("cpu", "full"), ("cpu", "selective")]
     for profile, policy, recipe in plans_to_ship("h100", fp8=True):
         path = plan_path(profile, policy, recipe)
         shipped = json.loads(path.read_text())

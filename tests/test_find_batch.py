@@ -10,7 +10,7 @@ import torch
 from conftest import assert_one_line_error, ok, run_module
 from latentwire.find_batch import Probe, Trial, fit_trials, run_trial, search
 from latentwire.model import WireEncoder
-from latentwire.planner.step import script_step
+from latentwire.planner.script import script_step
 from latentwire.settings import load_config
 
 CPU = torch.device("cpu")

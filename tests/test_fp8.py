@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from conftest import FAST, REPO, ok, read_metrics, run_train
-from latentwire.fp8 import RECIPES
+from latentwire.fp8 import RECIPES, fp8_refusal
 from latentwire.harness.errors import UserError
-from latentwire.harness.precision import fp8_refusal
 from latentwire.llm import decoder_layers, held_bytes
 from latentwire.parallelize import frozen_llms
 from latentwire.settings import load_config
@@ -53,6 +52,28 @@ def test_fp8_is_refused_where_it_cannot_run_or_help():
             load_config(["--profile", "h100", "--frozen-fp8", recipe, "--compile", "false"])
         with pytest.raises(UserError, match="--precision bf16"):
             load_config(["--profile", "h100", "--frozen-fp8", recipe, "--precision", "fp32"])
+
+
+def test_a_torchao_older_than_the_torch_needs_is_refused(monkeypatch):
+    """torchao's float8 under torch.compile on torch 2.14 (its nightlies too) needs torchao 0.18's
+    codegen fix; older torches need none. Refused in one line where the run's card is checked, and
+    without torchao at all."""
+    import latentwire.fp8 as fp8
+
+    assert fp8.TORCHAO_NEEDED == (("2.14.0.dev0", "0.18.0"),)
+    for torch_version in ("2.11.0+cu130", "2.13.0+cpu"):
+        assert fp8.torchao_refusal(torch_version, "0.17.0") is None
+    for torch_version in ("2.14.0.dev20260614+cu126", "2.14.0", "2.15.1+cu130"):
+        why = fp8.torchao_refusal(torch_version, "0.17.0")
+        assert f"torch {torch_version} needs torchao 0.18.0 or newer (this is 0.17.0)" in why
+        assert fp8.torchao_refusal(torch_version, "0.18.0") is None
+        assert fp8.torchao_refusal(torch_version, "0.19.0.dev20260801") is None
+    assert fp8.torchao_refusal("2.13.0", None) == "needs torchao: pip install -r requirements-fp8.txt"
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    monkeypatch.setattr(fp8, "torchao_version", lambda: "0.17.0")
+    with pytest.raises(UserError, match=r"^--frozen-fp8: torch 2.14.0 needs torchao 0.18.0 or newer") as e:
+        fp8.check_fp8(CPU, "bf16", eager_backward=False)
+    assert "\n" not in str(e.value)
 
 
 def bf16_readers(fp8: str, compile_options: dict | None = None) -> dict:
@@ -141,6 +162,91 @@ def test_each_frozen_weight_is_cast_once_per_gemm_and_computes_as_torchao_s_reci
     y_each = per_step(x)
     assert torch.equal(y_once, y_each)
     assert torch.equal(grad_once, torch.autograd.grad(y_each, x, g)[0])
+
+
+def test_the_recipe_converts_the_decoder_layers_linears_and_nothing_else(torchao_site):
+    """Which modules float8 takes, by name, on the whole model train.py builds (the readers and the
+    wire's encoder and adapters): each decoder layer's attention projections, and its MLP where the
+    widths allow (the tiny Llama's 344 does not); never a head (torchtitan's float8 filter converted
+    the output head too until mid-2026), an embedding or anything of the wire. The run's opening line
+    counts them over each whole LLM, so a head converted would show there. The conversion also puts
+    torchao's min/max codegen fix in place, which its convert_to_float8_training would (TORCHAO_NEEDED)."""
+    from torch._inductor.codegen.triton import TritonOverrides
+
+    from latentwire.fp8 import describe_fp8, float8_modules, recipe_config, tensorwise_linear
+    from latentwire.model import WireEncoder
+
+    attention = [f"self_attn.{p}_proj" for p in "qkvo"]
+    mlp = [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    per_layer = {"llama": attention, "qwen": attention + mlp}
+    for recipe in RECIPES:
+        llms = bf16_readers(fp8=recipe)
+        wire = WireEncoder.for_llms(load_config(["--profile", "cpu"]).wire, llms)
+        for name, llm in llms.items():
+            expected = [f"model.layers.{i}.{p}" for i in range(LAYERS[name]) for p in per_layer[name]]
+            assert float8_modules(llm.model) == expected, (recipe, name)
+        assert float8_modules(wire) == [] and any(isinstance(m, torch.nn.Linear) for m in wire.modules())
+        line = describe_fp8(llms, recipe, "cpu")
+        assert line.startswith("fp8: 8 of llama's 14, 21 of qwen's 21 decoder-layer linears in float8 and 0 other")
+    assert TritonOverrides.minimum("a", "b") == "tl.where((a < b) | (a != a), a, b)"
+    llama = llms["llama"].model  # a head converted as well, as torchtitan's filter did: the line says so
+    llama.lm_head = tensorwise_linear(llama.lm_head, recipe_config("tensorwise"))
+    assert " and 1 other module (" in describe_fp8(llms, "rowwise", "cpu")
+
+
+def test_every_cast_to_float8_gets_values_within_its_format_s_range(torchao_site):
+    """Torch 2.11's eager cast to float8 does not saturate: each cast of the path (a weight cast once,
+    the activations and gradients each step, by either recipe) must get values already clamped to
+    the format's range, whatever the torch. A weight, an activation and a gradient past the formats'
+    largest, chosen so that tensorwise's scale takes them past it by fp32's rounding (620 x 448/620
+    and 79,360 x 57,344/79,360 round above 448 and 57,344): every `.to(float8)` on the path is watched,
+    its input within the range and the clamp's bound reached, and the weight's bytes are the clamped
+    reference's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    from latentwire.fp8 import RowwiseFloat8Linear, recipe_config, tensorwise_linear
+
+    e4m3, e5m2 = float8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    formats = {  # the weight, then x, then g; tensorwise's eager weight gradient casts g and x again
+        "tensorwise": [e4m3, e4m3, e5m2, e5m2, e4m3],
+        "rowwise": [e4m3, e4m3, e4m3, e4m3],  # the weight per output channel, per input channel
+    }
+
+    class WatchCasts(TorchDispatchMode):  # at aten's level, where the backward's casts are seen too
+        def __init__(self):
+            super().__init__()
+            self.casts = []  # (format, the largest magnitude handed to it)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") in float8:
+                self.casts.append((kwargs["dtype"], args[0].abs().max().item()))
+            return func(*args, **kwargs)
+
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(32, 48, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.normal_(generator=generator)[3, 5] = 620.0
+    x = torch.randn(8, 32, generator=generator).to(torch.bfloat16)
+    x[2, 7] = 620.0
+    g = torch.randn(8, 48, generator=generator).to(torch.bfloat16)
+    g[1, 1] = 79360.0
+    for recipe in RECIPES:
+        config = recipe_config(recipe)
+        with WatchCasts() as watch:
+            converted = (tensorwise_linear if recipe == "tensorwise" else RowwiseFloat8Linear)(linear, config)
+            xr = x.clone().requires_grad_(True)
+            converted(xr).backward(g)
+        assert [dtype for dtype, _ in watch.casts] == formats[recipe], watch.casts
+        assert all(largest <= torch.finfo(dtype).max for dtype, largest in watch.casts), (recipe, watch.casts)
+        assert torch.isfinite(xr.grad).all()
+        if recipe == "tensorwise":  # the product the clamp takes back, at the weight's, x's and g's casts
+            assert all(largest == torch.finfo(dtype).max for dtype, largest in watch.casts), watch.casts
+            scale = tensor_to_scale(linear.weight, torch.float8_e4m3fn)
+            clamped = (linear.weight.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert (linear.weight.float() * scale).abs().max() > 448  # past the range before the clamp
+            assert torch.equal(converted.weight._data.view(torch.uint8), clamped.view(torch.uint8))
 
 
 def count_gemms(graphs) -> tuple[int, int]:
@@ -275,7 +381,9 @@ def test_train_py_runs_compiled_with_fp8_readers(tmp_path, torchao_site):
         )
     )
     assert (
-        "fp8: 8 of llama's 14, 21 of qwen's 21 decoder-layer linears in float8 (torchao, rowwise" in proc.stdout
+        "fp8: 8 of llama's 14, 21 of qwen's 21 decoder-layer linears in float8 and 0 other modules (torchao "
+        in proc.stdout
+        and ", rowwise: e4m3" in proc.stdout
         and "emulated by the CPU" in proc.stdout
         and "MFU stays counted against the bf16 peak" in proc.stdout
     )

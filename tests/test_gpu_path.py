@@ -497,7 +497,8 @@ def test_recomputed_layers_run_in_the_steps_attention_kernels():
     from latentwire.model import WireEncoder
     from latentwire.parallelize import frozen_llms
     from latentwire.planner.memtrace import planning_batch
-    from latentwire.planner.step import run_step, script_step
+    from latentwire.planner.script import script_step
+    from latentwire.planner.step import run_step
     from latentwire.settings import load_config
 
     cfg = load_config(

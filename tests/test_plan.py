@@ -3,6 +3,7 @@ calculator against the trace and against torch's optimizers, the budget, elastic
 
 import json
 import math
+import typing
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from latentwire.find_batch import Probe
 from latentwire.harness.errors import UserError
 from latentwire.harness.exits import main_guard
 from latentwire.harness.layout import scaled_lr
-from latentwire.harness.recompute import POLICIES, checkpoint_options
+from latentwire.harness.recompute import Policy, checkpoint_options
 from latentwire.known_llms import KNOWN_LLMS, llm_parameter_count
 from latentwire.llm import build_frozen_llm
 from latentwire.llm_sources import llm_spec
@@ -25,7 +26,7 @@ from latentwire.planner.budget import GIB, Fit, budget_for, fit_line, largest_fi
 from latentwire.planner.elastic import elastic_batch
 from latentwire.planner.memory_plan import make_plan, planned_rows
 from latentwire.planner.memtrace import FrozenAwareMemTracker, StepTracer, cuda_kernels, fake_llms, planning_batch
-from latentwire.planner.step import script_step
+from latentwire.planner.script import script_step
 from latentwire.prompting import CHAT_FRAMING_TOKENS, DEFAULT_ANCHOR, PromptFormat
 from latentwire.settings import load_config
 
@@ -216,7 +217,7 @@ def checkpointed_peaks() -> dict[str, tuple[int, int]]:
     """Each policy's (measured, traced) peak of the same step."""
     return {
         policy: measured_and_traced_peaks(load_config([*CHECKPOINTED_STEP, "--activation-checkpointing", policy]))
-        for policy in POLICIES
+        for policy in typing.get_args(Policy)
     }
 
 

@@ -13,7 +13,7 @@ from conftest import REPO, full_logits_sums
 from latentwire.objectives import WireTask
 from latentwire.planner.budget import GIB, Fit, fit_line
 from latentwire.planner.memory_plan import make_plan
-from latentwire.planner.step import script_step
+from latentwire.planner.script import script_step
 from latentwire.settings import load_config
 
 HW_PROFILES = REPO / "hw_profiles.json"

@@ -287,9 +287,9 @@ def test_fp16_trains_with_a_grad_scaler(tmp_path):
 
 
 def test_precision_selection():
-    from latentwire.harness.precision import frozen_weight_dtype
+    from latentwire.harness.precision import compute_dtype
 
-    assert [frozen_weight_dtype(p) for p in ("bf16", "fp16", "fp32")] == [torch.bfloat16, torch.float16, torch.float32]
+    assert [compute_dtype(p) for p in ("bf16", "fp16", "fp32")] == [torch.bfloat16, torch.float16, torch.float32]
 
 
 def all_reduces_per_step(out) -> float:

@@ -12,6 +12,7 @@ import sys
 import tokenize
 
 import pytest
+from test_imports import PROJECT_WORDS
 
 from conftest import REPO, child_env, ok
 
@@ -96,6 +97,30 @@ def test_docs_list_the_blocks_of_train_py_in_its_order():
     ).group(1)
     documented = [row.split("|")[1].strip() for row in table.splitlines()]
     assert documented == block_titles(TRAIN_PY)
+
+
+def prose(source: str) -> list[tuple[int, str]]:
+    """(line, text) of each comment and docstring."""
+    said = [
+        (t.start[0], t.string)
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(node, clean=False):
+            said.append((node.body[0].lineno, ast.get_docstring(node, clean=False)))
+    return said
+
+
+def test_train_py_says_nothing_a_copy_would_have_to_edit():
+    """A copy keeps train.py's comments and docstrings as they are: they name no part of LatentWire,
+    none of this project's profiles, and no tool, page or bench a copy has not."""
+    profiles = json.loads((REPO / "hw_profiles.json").read_text())
+    keys = "|".join(map(re.escape, profiles))  # as written: CPU is a CPU, not the profile cpu
+    ours = re.compile(rf"(?<![\w-])({keys})(?![\w-])|find_batch|docs/|bench/")
+    said = [(line, m.group(0)) for line, text in prose(TRAIN_PY) for m in PROJECT_WORDS.finditer(text)]
+    said += [(line, m.group(0)) for line, text in prose(TRAIN_PY) for m in ours.finditer(text)]
+    assert said == []
 
 
 # --- Lifting the loop ---------------------------------------------------------------------------------

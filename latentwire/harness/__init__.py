@@ -20,9 +20,10 @@ own with a narrow interface:
 - throughput, MFU and memory (`metrics`, the FLOP counts handed in); the profiler and memory
   snapshots (`profiling`), read back afterwards (`recordings`); counting host syncs (`host_syncs`).
 
-It imports nothing outside this folder but torch, numpy, safetensors, TensorBoard and tqdm (and
-nvidia-ml-py where it is installed), and names no model. `tests/toy_train.py` is the smallest loop
-built from it, training the template (exact accumulation over ranks, one host sync per step,
-resume, preemption), and `tests/test_harness.py` its tests: `python -m pytest harness/tests` from
-the folder that holds the copy.
+It imports nothing outside this folder but what `requirements.txt` beside it pins (torch, numpy,
+safetensors, TensorBoard, tqdm; nvidia-ml-py where it is installed), and names no model.
+`tests/toy_train.py` is the smallest loop built from it, training the template (each step's
+gradient the whole global batch's over micro-batches and ranks, one host sync per step, resume,
+preemption), and `tests/test_harness.py` its tests: `python -m pytest harness/tests` from the
+folder that holds the copy.
 """

@@ -66,8 +66,8 @@ def inductor_cache_dir(requested: str, app: str) -> Path:
 
 @contextmanager
 def stable_shapes():
-    """Dynamo settings for tracing the step's regions; train.py calls its step inside them
-    (`stable_shapes()(forward_loss_sums)`, a fresh patch per call).
+    """Dynamo settings for tracing the step's regions; a recipe whose regions compile calls its
+    forward inside them (`stable_shapes()(forward)`, a fresh patch per call).
 
     - no duck sizing: each input size gets a symbol of its own (see the module docstring);
     - floats specialised: Python floats (norm eps, attention scale, dropout p) are constants of the

@@ -132,6 +132,13 @@ def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
+def all_reduce_together(*parts: torch.Tensor) -> list[torch.Tensor]:
+    """`parts` summed over the ranks in one all-reduce (one collective, not one each), each given
+    back in its own shape, in the dtype `torch.cat` promotes them all to."""
+    summed = all_reduce(torch.cat([p.flatten() for p in parts]))
+    return [chunk.view_as(p) for chunk, p in zip(summed.split([p.numel() for p in parts]), parts, strict=True)]
+
+
 def gather_objects(obj) -> list:
     """Every rank's `obj` (a picklable value), in rank order, on every rank; [obj] in a world of one.
     all_gather_object works on gloo and NCCL alike."""

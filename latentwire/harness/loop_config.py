@@ -86,19 +86,40 @@ class Output:
     eval_every: int = setting(0, "evaluate on the held-out split every N steps (0: never)", ge=0)
 
 
+def flag(default=dataclasses.MISSING, help: str = "", **options):
+    """An invocation's field as a command-line flag (`--stop-at-step` for `stop_at_step`): its
+    `default` (none: the flag is required), its `help` and argparse's `options` beyond what its
+    type gives (a bool is a switch, `X | None` takes an X). Not a setting: no profile names it,
+    and a checkpoint does not record it."""
+    return dataclasses.field(default=default, metadata={"flag": {"help": help, **options}})
+
+
 @dataclass(frozen=True)
 class Invocation:
     """Flags that describe this invocation rather than the hardware."""
 
-    profile: str
-    resume: bool = False
-    overwrite: bool = False
-    stop_at_step: int | None = None
-    new_data: bool = False  # with resume: a fresh epoch of this run's data, not the checkpoint's position
-    given: tuple[str, ...] = ()  # the fields given as flags, over the profile's values
-    init_from: str | None = None  # a run or checkpoint whose trainable weights start this new run
-    requeued: bool = False  # a requeued job: resume where the run saved, else start it (launch.sh adds it)
-    hw_profiles: str = ""  # the profile file
+    profile: str = flag(help="a key of the profile file (listed below)")
+    hw_profiles: str = flag("", "the profile file")  # '': the one load_config is given
+    resume: bool = flag(False, "continue from the newest complete checkpoint")
+    overwrite: bool = flag(False, "start afresh in an out_dir that holds a run")
+    stop_at_step: int | None = flag(None, "save and exit 0 after this optimizer step (the schedule is unchanged)")
+    init_from: str | None = flag(
+        None,
+        "a new run whose trainable weights start from this run's newest checkpoint (or this checkpoint), "
+        "with its own optimizer and schedule: to train a model further",
+        metavar="RUN_OR_CHECKPOINT",
+    )
+    requeued: bool = flag(
+        False,
+        "a requeued job (launch.sh adds it under SLURM): --resume where the run has a checkpoint, else "
+        "start the run, saying which",
+    )
+    new_data: bool = flag(
+        False,
+        "with --resume: continue the weights, optimizer and schedule on this run's training data, which "
+        "may differ from the checkpoint's, from the start of a fresh epoch",
+    )
+    given: tuple[str, ...] = ()  # the settings given as flags, over the profile's values
 
     def setting(self, field: str, value) -> str:
         """A setting and its value as the user gave it: its flag, or its profile's field."""
@@ -186,36 +207,28 @@ def build_parser(schema: Schema, profiles: Path, prog: str, argv: list[str] | No
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"profiles in {known.hw_profiles}:\n{profile_listing(described)}" if described else None,
     )
-    p.add_argument("--profile", required=True, help="a key of the profile file (listed below)")
-    p.add_argument("--hw-profiles", default=str(profiles), help="the profile file")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="start afresh in an out_dir that holds a run")
-    p.add_argument(
-        "--stop-at-step",
-        type=int,
-        default=None,
-        help="save and exit 0 after this optimizer step (the schedule is unchanged)",
-    )
-    p.add_argument(
-        "--init-from",
-        metavar="RUN_OR_CHECKPOINT",
-        help="a new run whose trainable weights start from this run's newest checkpoint (or this "
-        "checkpoint), with its own optimizer and schedule: to train a model further",
-    )
-    p.add_argument(
-        "--requeued",
-        action="store_true",
-        help="a requeued job (launch.sh adds it under SLURM): --resume where the run has a checkpoint, "
-        "else start the run, saying which",
-    )
-    p.add_argument(
-        "--new-data",
-        action="store_true",
-        help="with --resume: continue the weights, optimizer and schedule on this run's training data, "
-        "which may differ from the checkpoint's, from the start of a fresh epoch",
-    )
+    for f in invocation_flags():
+        p.add_argument("--" + f.name.replace("_", "-"), **flag_options(f))
+    p.set_defaults(hw_profiles=str(profiles))
     schema.add_flags(p, shown)
     return p
+
+
+def invocation_flags() -> list[dataclasses.Field]:
+    """The fields of `Invocation` that are flags, in its order."""
+    return [f for f in dataclasses.fields(Invocation) if "flag" in f.metadata]
+
+
+def flag_options(f: dataclasses.Field) -> dict:
+    """argparse's keyword arguments for an invocation's flag, from its declaration."""
+    kind = typing.get_type_hints(Invocation)[f.name]
+    options = dict(f.metadata["flag"])
+    if f.default is dataclasses.MISSING:
+        return {"required": True, **options}
+    if kind is bool:
+        return {"action": "store_true", **options}
+    inner = [a for a in typing.get_args(kind) if a is not type(None)] or [kind]
+    return {"type": inner[0], "default": f.default, **options}
 
 
 def default_out_dir(out_dir: str, profile: str) -> str:
@@ -237,14 +250,7 @@ def load_config(config_type: type[LoopConfig], argv: list[str] | None, profiles:
     if args.new_data and not args.resume:
         raise UserError("--new-data continues a run on other data: it needs --resume")
     invocation = Invocation(
-        profile=args.profile,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        stop_at_step=args.stop_at_step,
-        new_data=args.new_data,
+        **{f.name: getattr(args, f.name) for f in invocation_flags()},
         given=tuple(name for name in schema.fields if getattr(args, name) is not None),
-        init_from=args.init_from,
-        requeued=args.requeued,
-        hw_profiles=str(path),
     )
     return config_type.of(values, invocation)

@@ -47,10 +47,8 @@ class Numerics:
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
-def frozen_weight_dtype(precision: str) -> torch.dtype:
-    """Frozen weights need no fp32 master copy (no gradients, no optimizer state), so they are
-    stored in the autocast dtype: half the memory of fp32. It is also the dtype their matmuls and
-    attention run in."""
+def compute_dtype(precision: str) -> torch.dtype:
+    """What the step's matmuls and attention compute in: the autocast dtype, fp32 without autocast."""
     return AMP_DTYPES[precision] or torch.float32
 
 
@@ -102,39 +100,3 @@ def sdpa_backends(capability: tuple[int, int] | None, dtype: torch.dtype) -> tup
         "memory-efficient one has no grouped-query support), masked attention in the memory-efficient one"
     )
     return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], why
-
-
-# --- float8 matmuls ---------------------------------------------------------------------------
-
-FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) on
-
-
-def fp8_refusal(
-    device_type: str, capability: tuple[int, int] | None, precision: str, eager_backward: bool
-) -> str | None:
-    """Why frozen linears in float8 (either of torchao's recipes) cannot run or cannot help here,
-    or None where they may. `capability` None: the CPU, or a CUDA card not known yet (a profile
-    checked before its run starts); `eager_backward`: the backward runs eagerly (--compile false),
-    where the casts to float8 run as kernels of their own and torchao's tensorwise linear also
-    computes the weight gradient a frozen weight never uses, which AOTAutograd drops from a
-    compiled backward.
-
-    On the CPU torch._scaled_mm runs as an emulation (dequantised operands, an fp32 matmul): the
-    numerics of float8, none of its speed, which is what the CPU tests need."""
-    if precision != "bf16":
-        return (
-            f"float8 matmuls replace the bf16 ones of --precision bf16 (this run: {precision}); fp32 is the "
-            "reference and fp16 the cards without FP8 tensor cores"
-        )
-    if eager_backward:
-        return (
-            "eagerly (--compile false) the casts to float8 run as kernels of their own, and torchao's "
-            "tensorwise linear also computes the weight gradient of every frozen weight, a third GEMM thrown "
-            "away; compiled (--compile true), inductor fuses the casts and AOTAutograd drops that GEMM"
-        )
-    if device_type == "cuda" and capability is not None and capability < FP8_CAPABILITY:
-        return (
-            f"this card (sm{capability[0]}{capability[1]}) has no FP8 tensor cores (sm89 and newer: Ada, "
-            "Hopper); the run would be slower, not faster"
-        )
-    return None

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import sys
-import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,7 +37,6 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .config import setting
 
 Policy = Literal["none", "selective", "full"]
-POLICIES = typing.get_args(Policy)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ ROW, FEATURES = 6, 4  # positions per row, features per position
 @dataclass(frozen=True)
 class RegressionSettings:
     num_examples: int = setting(256, "rows in the dataset", gt=0)
-    hidden: int = setting(16, "width of the regressor's hidden layer", gt=0)
+    hidden: int = setting(16, "width of the regressor's hidden layer", gt=0, restored=True, weights=True)
 
 
 @dataclass(frozen=True)

@@ -2,4 +2,4 @@
 (`memory_plan`, `memtrace`, `budget`, `analytic`), and elastic batch built on it. A tool above the
 library: train.py (--elastic-batch, through the recipe) hands it train.py's step
 (`harness.recipe.TrainingStep`), and `python -m latentwire.plan` / `find_batch` read that step from
-the script beside the package (`step.script_step`)."""
+the script beside the package (`script.script_step`)."""

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..dataset import ANSWER_PAD_MULTIPLE, IGNORE_INDEX, PAD_BYTE, DataConfig, padded_positions, round_up
 from ..distillation import target_width
-from ..harness.precision import frozen_weight_dtype, sdpa_backends
+from ..harness.precision import compute_dtype, sdpa_backends
 from ..harness.recipe import TrainingStep
 from ..llm import FrozenLLM, build_model, freeze
 from ..model import WireEncoder
@@ -225,7 +225,7 @@ class StepTrace:
 def fake_llms(specs: dict, precision: str) -> dict[str, FrozenLLM]:
     """The profile's frozen LLMs from their configurations, unwrapped (the step's prepare_llms wraps
     them as train.py does); call under an active FakeTensorMode."""
-    dtype = frozen_weight_dtype(precision)
+    dtype = compute_dtype(precision)
     return {
         name: FrozenLLM(name, freeze(build_model(spec.config, dtype)), tokenizer=None) for name, spec in specs.items()
     }
@@ -260,7 +260,7 @@ class StepTracer:
         )
         # Around backward too: activation checkpointing recomputes the frozen layers there.
         kernels = cuda_kernels() if self.cfg.card.device == "cuda" else nullcontext()
-        every_kernel, _ = sdpa_backends(None, frozen_weight_dtype(self.cfg.numerics.precision))  # traced on the CPU
+        every_kernel, _ = sdpa_backends(None, compute_dtype(self.cfg.numerics.precision))  # traced on the CPU
         with tracker, kernels:
             for _ in range(steps):
                 run_step(self.step, self.cfg, self.model, self.llms, self.optimizer, batch, every_kernel)

@@ -1,21 +1,16 @@
 """train.py's step as the planner traces it and find_batch measures it: handed in
-(`harness.recipe.TrainingStep`: train.py's `adamw` and `train_step`) and run on one LatentWire
-micro-batch. A module of its own, light to import: train.py's recipe needs it on every run, the
-tracer only with --elastic-batch."""
+(`harness.recipe.TrainingStep`: train.py's `adamw` and `train_step`, by a run, or read from the
+script by the commands, `planner.script`) and run on one LatentWire micro-batch."""
 
 from __future__ import annotations
 
-import runpy
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 
 from ..harness.precision import AMP_DTYPES
 from ..harness.recipe import TrainingStep
 from ..objectives import WireTask
-
-TRAIN_PY = Path(__file__).resolve().parents[2] / "train.py"
 
 
 def run_step(step: TrainingStep, cfg, model, llms: dict, optimizer, batch: dict, attention_backends: list) -> None:
@@ -38,11 +33,3 @@ def run_step(step: TrainingStep, cfg, model, llms: dict, optimizer, batch: dict,
     )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def script_step(path: Path = TRAIN_PY) -> TrainingStep:
-    """The step of the train.py beside this package, for the commands that plan and measure it
-    (`python -m latentwire.plan`, `find_batch`), which no run hands one. Read from the file by its
-    path, not imported as `train`: from another directory that name finds another script or none."""
-    script = runpy.run_path(str(path), run_name="latentwire_training_step")
-    return TrainingStep(adamw=script["adamw"], train_step=script["train_step"])

@@ -87,6 +87,77 @@ def test_accumulation_is_exact_over_micro_batches_and_ranks(unbroken, tmp_path, 
     assert losses(split) == pytest.approx(losses(unbroken), rel=1e-5)
 
 
+# fp32's unit roundoff, and how many roundings a gradient element of the toy gathers: a sum over the
+# global batch's real positions (at most 8 rows x 6), each term a product of a dozen or so (two dot
+# products of 4 and 16, tanh, the residual): within n x U of the terms' magnitudes, in any order.
+U, ROUNDINGS = 2.0**-24, 48 + 32
+
+
+def toy_recipe():
+    """The toy profile's recipe, built in this process as its runs build it."""
+    import toy_train
+
+    from harness.distributed import DistInfo
+
+    cfg = toy_train.load_config(toy_train.ToyConfig, ["--profile", "toy"], toy_train.PROFILES)
+    return toy_train.Regression(cfg, DistInfo(0, 0, 1, torch.device("cpu"), joins_group=False), stop=lambda: 0)
+
+
+def full_batch_reference(recipe, weights: dict, batch: dict) -> tuple[float, dict, float, dict]:
+    """The template's loss and gradient on the whole global `batch` at `weights`, in float64 (exact
+    beside fp32's rounding), and the magnitudes that bound fp32's rounding of each: the residual
+    y_hat - y rounds relative to |y_hat| + |y|, not to itself, so every position's term is bounded
+    by its derivative times that."""
+    model, task = recipe.build_model(compile_options=None, checkpointing=None)
+    model = model.double()
+    model.load_state_dict({name: w.double() for name, w in weights.items()})
+    batch = {k: v.double() for k, v in batch.items()}
+    names, parameters = zip(*model.named_parameters(), strict=True)
+    loss = task.objective(task.loss_sums(model, batch) / task.counts(batch))
+    gradient = dict(zip(names, torch.autograd.grad(loss, parameters), strict=True))
+    count, loss_scale = task.counts(batch), 0.0
+    gradient_scale = {name: torch.zeros_like(g) for name, g in gradient.items()}
+    for row, position in batch["mask"].nonzero().tolist():
+        y_hat, y = model(batch["x"][row, position]).squeeze(), batch["y"][row, position]
+        size = (y_hat.abs() + y.abs()).item()
+        loss_scale += size**2 / count.item()
+        for name, d in zip(names, torch.autograd.grad(y_hat, parameters), strict=True):
+            gradient_scale[name] += d.abs() * 2 * size / count
+    return loss.item(), gradient, loss_scale, gradient_scale
+
+
+@pytest.mark.parametrize("nproc, micro, accum", [(1, 2, 4), (2, 2, 2)], ids=["2x4", "2x2x2ranks"])
+def test_each_steps_gradient_and_loss_are_the_full_batchs_under_adamw(tmp_path, nproc, micro, accum):
+    """What the harness guarantees for any model and optimizer: each step's gradient and logged loss
+    are the whole global batch's at the step's weights, to fp32's rounding, however it is split into
+    micro-batches and ranks. Under AdamW (which, unlike SGD, may take the splits' weights apart: a
+    gradient zero in exact arithmetic is rounding, and Adam steps on it), each step of each split is
+    compared at its own weights with the global batch of 8 rows taken whole, in float64."""
+    from torch.utils.data import DataLoader, default_collate
+
+    from harness.data import ShardSampler, global_batches
+
+    out = toy(
+        tmp_path / "run",
+        *("--optimizer", "adamw", "--lr", "0.01", "--save-gradients", "true"),
+        *("--micro-batch-size", str(micro), "--grad-accum-steps", str(accum)),
+        nproc=nproc,
+    )
+    recipe = toy_recipe()
+    sampler = ShardSampler(recipe.draws(recipe.cfg.training.seed), num_replicas=1, rank=0)
+    loader = DataLoader(recipe.dataset, 8, sampler=sampler, collate_fn=default_collate)
+    whole = global_batches(loader, sampler, 1, 0, 0, 8)
+    assert len(losses(out)) == STEPS
+    for step, logged in enumerate(losses(out), 1):
+        saved = load_file(str(out / "gradients" / f"step_{step:08d}.safetensors"))
+        start = {k.removeprefix("weight."): t for k, t in saved.items() if k.startswith("weight.")}
+        loss, gradient, loss_scale, gradient_scale = full_batch_reference(recipe, start, next(whole)[2][0])
+        assert abs(logged - loss) <= ROUNDINGS * U * loss_scale, step
+        for name, exact in gradient.items():
+            error = (saved[f"grad.{name}"].double() - exact).abs()
+            assert (error <= ROUNDINGS * U * gradient_scale[name]).all(), (step, name)
+
+
 def test_resume_is_bitwise(unbroken, tmp_path):
     """Stopping after step 3 and resuming gives the very weights and losses of the unbroken run:
     the checkpoint holds the optimizer, the schedule, every RNG and the data position."""
