@@ -78,17 +78,15 @@ class StoredExamples(Sequence):
         return example(*(column[index].as_py() for column in self.columns))
 
     def rows(self, indices: np.ndarray) -> Iterator[dict]:
-        """The examples at `indices`, in order, read a stored batch at a time (much faster than by
-        index). Each run of indices in one stored batch is taken from that batch alone: a take
-        from the whole table would first join its batches into one copy."""
+        """The examples at `indices` (increasing), taken a stored batch at a time (much faster than
+        by index): a take from the whole table would first join its batches into one copy."""
         batches = self.table.to_batches()
         starts = np.cumsum([0] + [len(b) for b in batches])
-        which = np.searchsorted(starts, indices, side="right") - 1
-        cuts = np.flatnonzero(np.diff(which)) + 1
-        for run, at in zip(np.split(np.asarray(indices), cuts), np.split(which, cuts), strict=True):
-            if len(run):
-                for row in batches[at[0]].take(run - starts[at[0]]).to_pylist():
-                    yield example(row["context"], row["question"], row["answers_text"], row["answer_start"])
+        which = np.searchsorted(starts, indices, side="right") - 1  # each index's batch, increasing
+        for at in np.unique(which):
+            run = np.asarray(indices[np.searchsorted(which, at) : np.searchsorted(which, at, side="right")])
+            for row in batches[at].take(run - starts[at]).to_pylist():
+                yield example(row["context"], row["question"], row["answers_text"], row["answer_start"])
 
     def answer_ends(self) -> np.ndarray:
         return np.load(self.entry / ANSWER_END, mmap_mode="r")
