@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -163,18 +164,16 @@ def convert_once(entry: Path, records: Callable[[], Iterable], source: str, chec
         return entry
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(
-            f"cannot write the dataset cache {entry.parent} ({e.strerror}): name another with --data-cache"
-        ) from None
-    with locked(entry.parent):
-        if not (entry / VERDICT).is_file():
-            work = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
-            try:
-                convert(records(), source, check, work)
-                work.rename(entry)
-            finally:
-                shutil.rmtree(work, ignore_errors=True)  # gone once renamed
+        with locked(entry.parent):
+            if not (entry / VERDICT).is_file():
+                work = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+                try:
+                    convert(records(), source, check, work)
+                    work.rename(entry)
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)  # gone once renamed
+    except OSError as e:  # reading the records is local_records' to say
+        raise cannot_write(entry.parent, e) from None
     return entry
 
 
@@ -240,10 +239,9 @@ def cached_selection(examples: StoredExamples, spec: dict, choose: Callable[[], 
             if not facts_file.is_file():
                 indices = choose()
                 found = fingerprint(examples.rows(indices))
-                where.mkdir(exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=where, suffix=".npy", delete=False) as f:
-                    np.save(f, indices)
-                os.replace(f.name, indices_file)
+                npy = io.BytesIO()
+                np.save(npy, indices)
+                write_atomically(indices_file, npy.getvalue())
                 write_atomically(facts_file, json.dumps({"spec": spec, "fingerprint": found}).encode())
     return Selected(examples, indices_file, spec), json.loads(facts_file.read_text())["fingerprint"]
 
@@ -283,10 +281,18 @@ def file_digest(path: Path) -> str:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
-        f.write(data)
-    os.replace(f.name, path)
+    """`data` in `path`, whole or not at all."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+            f.write(data)
+        os.replace(f.name, path)
+    except OSError as e:
+        raise cannot_write(path.parent, e) from None
+
+
+def cannot_write(where: Path, error: OSError) -> UserError:
+    return UserError(f"cannot write the dataset cache {where} ({error.strerror}): name another with --data-cache")
 
 
 # --- reading records ----------------------------------------------------------------------------

@@ -428,6 +428,13 @@ CASES = {
     ),
     "train-data-json-empty-answers": ("train", dataset("d.json", json.dumps([GOOD] * 40 + [EMPTY_ANSWERS]))),
     "train-data-wrong-suffix": ("train", dataset("d.csv", "context,question\n")),
+    "train-data-cache-is-a-file": (
+        "train",
+        lambda c: {
+            "says": "cannot write the dataset cache",
+            "args": [*dataset("d.jsonl", [GOOD] * 40)(c), "--data-cache", str(c.run / "metrics.jsonl" / "cache")],
+        },
+    ),
     "train-data-mixture-part-without-weight": (
         "train",
         lambda c: {

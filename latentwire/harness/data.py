@@ -82,9 +82,9 @@ class Mixture:
     def slots(self, first_period: int, periods: int) -> np.ndarray:
         """The source of each position of `periods` periods from `first_period` on: each period
         holds quotas[i] slots of source i, in an order drawn from the seed and its positions."""
-        pattern = np.repeat(np.arange(len(self.quotas)), self.quotas)
+        pattern = np.repeat(np.arange(len(self.quotas), dtype=np.int16), self.quotas)
         if len(self.quotas) == 1:
-            return np.zeros(periods * self.period, dtype=np.int64)
+            return np.zeros(periods * self.period, dtype=np.int16)
         positions = np.arange(first_period * self.period, (first_period + periods) * self.period, dtype=np.uint64)
         keys = _splitmix64(positions + _splitmix64(np.uint64(self.seed))).reshape(periods, self.period)
         return pattern[np.argsort(keys, axis=1, kind="stable")].reshape(-1)
