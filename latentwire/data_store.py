@@ -42,7 +42,11 @@ from .harness.errors import UserError
 
 FORMAT = 1  # of an entry; part of its name, so a change of layout makes new entries
 EXAMPLES, ANSWER_END, VERDICT = "examples.arrow", "answer_end.npy", "verdict.json"
-BATCH_ROWS = 8192  # rows per Arrow record batch: a batch's strings stay far below Arrow's 2 GiB offsets
+# Rows per Arrow record batch: few batches, since opening the stream reads every batch's header
+# (a random read each where the page cache has dropped them), and a batch's strings far below
+# Arrow's 2 GiB offsets.
+BATCH_ROWS = 1 << 16
+TAKE_ROWS = 8192  # rows turned into Python objects at a time
 HUB_SOURCES = {"squad": ("rajpurkar/squad", None), "hotpot_qa": ("hotpotqa/hotpot_qa", "distractor")}
 
 
@@ -86,8 +90,9 @@ class StoredExamples(Sequence):
         which = np.searchsorted(starts, indices, side="right") - 1  # each index's batch, increasing
         for at in np.unique(which):
             run = np.asarray(indices[np.searchsorted(which, at) : np.searchsorted(which, at, side="right")])
-            for row in batches[at].take(run - starts[at]).to_pylist():
-                yield example(row["context"], row["question"], row["answers_text"], row["answer_start"])
+            for part in np.array_split(run, -(-len(run) // TAKE_ROWS)):
+                for row in batches[at].take(part - starts[at]).to_pylist():
+                    yield example(row["context"], row["question"], row["answers_text"], row["answer_start"])
 
     def answer_ends(self) -> np.ndarray:
         return np.load(self.entry / ANSWER_END, mmap_mode="r")
