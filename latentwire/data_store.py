@@ -1,12 +1,13 @@
 """Examples of a dataset file or a hub dataset, converted once into an Arrow file that every process
 maps into memory, with the verdict of their checks beside it.
 
-Turning a file into Python dicts costs each rank memory and start-up time in proportion to its
-size (0.43 GB for 8 thousand examples to 2.1 GB for 900 thousand, per process, before this). Kept as
-`datasets` keeps a hub dataset, in Arrow's file format, the examples are read by index from a memory
-map: the ranks of a node share one copy through the page cache, and a rank holds only the rows it
-is reading. A file is converted once per content (a copy elsewhere, or a requeued job, finds it),
-and each record's checks run during that conversion alone: what they found is stored with it.
+Turning a file into Python dicts cost each rank memory and start-up time in proportion to its size
+(docs/performance.md, "A rank's memory against the dataset's size"). Kept as `datasets` keeps a hub
+dataset, in Arrow's stream format (`datasets.Dataset.from_file` opens it), the examples are read by
+index from a memory map: the ranks of a node share one copy through the page cache, and a rank
+holds only the rows it is reading. A file is converted once per content (a copy elsewhere, or a
+requeued job, finds it), and each record's checks run during that conversion alone: what they
+found is stored with it.
 
 Under the cache's directory (`--data-cache`, else datasets' own cache, HF_DATASETS_CACHE):
 
