@@ -2,8 +2,10 @@
 
 An example is a dict in SQuAD's field layout: `{"context", "question", "answers": {"text": [...]}}`.
 It comes from the built-in synthetic set, a hub dataset (`squad`, `hotpot_qa`), or a local
-`.json` / `.jsonl` / `.parquet` file; every record is checked so that a bad file is a one-line
-`UserError` naming the file and the field, not a KeyError inside a DataLoader worker.
+`.json` / `.jsonl` / `.parquet` file, or from several of them by weight (a mixture). Every record
+is checked, so that a bad file is a one-line `UserError` naming the file and the field, not a
+KeyError inside a DataLoader worker: a file's or hub dataset's once per content, as it is stored
+memory-mapped (latentwire.data_store), from where each rank reads its examples by index.
 
 The encoder reads the prompt as raw UTF-8 bytes; each frozen LLM reads only the answer tokens
 of its own tokenizer. `Collator` builds both, padded to few distinct shapes.
