@@ -11,15 +11,16 @@ found is stored with it.
 
 Under the cache's directory (`--data-cache`, else datasets' own cache, HF_DATASETS_CACHE):
 
+    .lock                           held by the one process that converts or selects, while the others wait
     paths/<hash of a path>.json     the file's size, times and inode when its content hash was taken
     <entry>/examples.arrow          the examples, checked, in SQuAD's layout
     <entry>/answer_end.npy          where each first answer ends in the encoder's prompt (-1: not found)
     <entry>/verdict.json            how many examples passed: written last, so an entry holding it is whole
     <entry>/selections/<key>.*      a seeded part of the entry (a split, a subset), its indices and fingerprint
 
-An entry is made in a temporary directory and renamed into place, under a lock on the cache's
-directory, so ranks starting together convert once and a killed conversion leaves nothing that
-reads as an entry.
+An entry is made in a temporary directory and renamed into place, under the cache's lock (`.lock`),
+so ranks starting together convert once and a killed conversion leaves nothing that reads as an
+entry.
 """
 
 from __future__ import annotations
@@ -184,15 +185,16 @@ def convert_once(entry: Path, records: Callable[[], Iterable], source: str, chec
 
 
 @contextmanager
-def locked(directory: Path):
-    """A directory of the cache locked (flock on the directory itself: no lock file is left
-    behind), so that one process converts or selects while the others wait for what it writes."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the descriptor closes
+def locked(root: Path):
+    """The cache locked while one process converts or selects, so that the others wait for what it
+    writes. A lock file, not the directory: flock on NFS locks only files open for writing. Where a
+    filesystem cannot lock at all, two processes may do the same work, each written whole."""
+    with open(root / ".lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        except OSError:
+            pass
         yield
-    finally:
-        os.close(fd)
 
 
 def convert(records: Iterable, source: str, check, work: Path) -> None:
@@ -241,7 +243,7 @@ def cached_selection(examples: StoredExamples, spec: dict, choose: Callable[[], 
     name = digest(json.dumps(spec, sort_keys=True))
     indices_file, facts_file = where / f"{name}.npy", where / f"{name}.json"
     if not facts_file.is_file():
-        with locked(examples.entry):  # one rank computes it, the others wait and read it
+        with locked(examples.entry.parent):  # one rank computes it, the others wait and read it
             if not facts_file.is_file():
                 indices = choose()
                 found = fingerprint(examples.rows(indices))
