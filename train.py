@@ -212,10 +212,12 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
         ddp_model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True, **ddp_buffer_options())
 
     # --- Data: a disjoint shard per rank ---------------------------------------------------------------
-    # The sampler permutes with (seed + epoch) and deals every world_size-th index to each rank: the
-    # same global batches on any world size, and an epoch can start part-way (resume).
+    # Each epoch's order follows from (seed, epoch) alone, each source of a mixture by its weight, and
+    # the sampler deals every world_size-th index to each rank: the same global batches on any world
+    # size, and an epoch can start part-way (resume).
+    draws = recipe.draws(seed)
     check_one_global_batch(len(recipe.dataset), micro, accum, world)
-    sampler = ShardSampler(recipe.dataset, num_replicas=world, rank=rank, seed=seed)
+    sampler = ShardSampler(draws, num_replicas=world, rank=rank)
 
     # --- Optimizer: AdamW over the trainable parameters only, fused (see adamw) ----------------------
     optimizer = adamw(model, cfg.optimizer, device.type)
@@ -252,7 +254,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     # Work done once per example (a distillation's targets, say), in the step's numerics, covers
     # the examples the run's steps draw, which the sampler decides in advance.
     with sdpa_kernel(attention_backends), torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        collate = recipe.collator(examples_drawn(len(recipe.dataset), seed=seed, state=state, steps=steps))
+        collate = recipe.collator(examples_drawn(draws, state=state, steps=steps))
     loader = make_loader(recipe.dataset, sampler, collate, micro, cfg.loader, device.type, seed=seed + rank)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, micro * accum * world)
     if di.is_main:  # every input has been checked: only now may --overwrite delete the old run

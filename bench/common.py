@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from latentwire.dataset import Collator, DataSources, PromptDataset  # noqa: E402
-from latentwire.harness.data import ShardSampler  # noqa: E402
+from latentwire.harness.data import Mixture, ShardSampler  # noqa: E402
 from latentwire.harness.data import make_loader as harness_loader  # noqa: E402
 from latentwire.harness.recompute import checkpoint_options  # noqa: E402
 from latentwire.model import WireEncoder  # noqa: E402
@@ -116,7 +116,7 @@ def make_loader(cfg, llms: dict) -> DataLoader:
         teacher=cfg.objectives.teacher,
         word_patch=cfg.wire.word_patch,
     )
-    sampler = ShardSampler(dataset, num_replicas=1, rank=0, seed=cfg.training.seed)
+    sampler = ShardSampler(Mixture.single(len(dataset), cfg.training.seed), num_replicas=1, rank=0)
     return harness_loader(
         dataset, sampler, collate, cfg.training.micro_batch_size, cfg.loader, "cpu", seed=cfg.training.seed
     )

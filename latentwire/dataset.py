@@ -2,8 +2,10 @@
 
 An example is a dict in SQuAD's field layout: `{"context", "question", "answers": {"text": [...]}}`.
 It comes from the built-in synthetic set, a hub dataset (`squad`, `hotpot_qa`), or a local
-`.json` / `.jsonl` / `.parquet` file; every record is checked so that a bad file is a one-line
-`UserError` naming the file and the field, not a KeyError inside a DataLoader worker.
+`.json` / `.jsonl` / `.parquet` file, or from several of them by weight (a mixture). Every record
+is checked, so that a bad file is a one-line `UserError` naming the file and the field, not a
+KeyError inside a DataLoader worker: a file's or hub dataset's once per content, as it is stored
+memory-mapped (latentwire.data_store), from where each rank reads its examples by index.
 
 The encoder reads the prompt as raw UTF-8 bytes; each frozen LLM reads only the answer tokens
 of its own tokenizer. `Collator` builds both, padded to few distinct shapes.
@@ -11,23 +13,39 @@ of its own tokenizer. `Collator` builds both, padded to few distinct shapes.
 
 from __future__ import annotations
 
-import json
+import bisect
+import itertools
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from .data_store import (
+    HUB_SOURCES,
+    Selected,
+    StoredExamples,
+    cache_root,
+    cached_selection,
+    remembered,
+    stored_file,
+    stored_hub,
+)
 from .harness.config import setting
-from .harness.data_identity import data_identity
+from .harness.data import Mixture
+from .harness.data_identity import data_identity, fingerprint, mixture_identity
 from .harness.errors import UserError
 
 PAD_BYTE = 256  # byte values are 0..255, so the encoder's byte embedding has 257 rows
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index
 ANSWER_PAD_MULTIPLE = 8
 HELD_OUT_SEED_OFFSET = 1_000_003
-HUB_DATASETS = ("squad", "hotpot_qa")
+HUB_DATASETS = tuple(HUB_SOURCES)
+CHUNK = 1 << 18  # stored examples counted this many at a time
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 
@@ -212,36 +230,50 @@ def synthetic_corpus_text(n: int = 2000, seed: int = 12345) -> list[str]:
     return [line for ex in synthetic_examples(n, seed) for line in (ex["context"], ex["question"], answer_text(ex))]
 
 
-# --- loading and checking examples --------------------------------------------------------
+# --- sources and mixtures -----------------------------------------------------------------------
 
 
-def load_examples(dataset: str, split: str, num_examples: int, seed: int, held_out_fraction: float = 0.0) -> list[dict]:
-    """Examples of `dataset` ('synthetic', 'squad', 'hotpot_qa' or a local file path).
+# NAME:WEIGHT, the weight a decimal number
+WEIGHTED = re.compile(r"(.+):(\d+(?:\.\d*)?|\.\d+)")
 
-    `num_examples` is the size of the synthetic set and an upper bound for the others (a seeded
-    subset is taken when the dataset is larger). A local file has no splits of its own: with
-    `held_out_fraction` > 0 a seeded part of it is the 'validation' split and the rest 'train';
-    with 0 the file is either split.
-    """
-    if dataset == "synthetic":
-        return synthetic_examples(num_examples, seed if split == "train" else seed + HELD_OUT_SEED_OFFSET)
-    if dataset in HUB_DATASETS:
-        records, source = _load_hub(dataset, split)
-    elif is_local(dataset):
-        records, source = _load_local(Path(dataset)), dataset
-    elif Path(dataset).exists():
-        raise UserError(f"dataset file {dataset} must end in {', '.join(LOCAL_SUFFIXES)}")
-    else:
-        raise UserError(
-            f"unknown dataset {dataset!r}; use synthetic, {', '.join(HUB_DATASETS)} "
-            f"or a path to a {'/'.join(LOCAL_SUFFIXES)} file"
-        )
-    if not records:
-        raise UserError(f"dataset {source} has no examples")
-    examples = [check_example(r, i, source) for i, r in enumerate(records)]
-    if is_local(dataset) and held_out_fraction > 0:
-        examples = _file_split(examples, split, held_out_fraction, seed, source)
-    return _subset(examples, num_examples, seed)
+
+def mixture_parts(spec: str) -> list[tuple[str, Fraction]]:
+    """The sources a dataset setting names, with their weights: one source (`synthetic`, `squad`,
+    `hotpot_qa` or a file, weight 1), or a mixture, `NAME:WEIGHT,NAME:WEIGHT,...` (weights are
+    relative: `squad:0.7,hotpot_qa:0.3` or `squad:7,hotpot_qa:3`). A file that exists is one
+    source, whatever its name holds."""
+    if Path(spec).exists() or ("," not in spec and not WEIGHTED.fullmatch(spec)):
+        return [(spec, Fraction(1))]
+    parts = []
+    for part in (p.strip() for p in spec.split(",")):
+        found = WEIGHTED.fullmatch(part)
+        if found is None:
+            raise UserError(
+                f"dataset {spec!r}: {part!r} has no weight; a mixture names each source with its weight, "
+                "NAME:WEIGHT,NAME:WEIGHT,... (squad:0.7,hotpot_qa:0.3)"
+            )
+        name, weight = found.group(1), Fraction(found.group(2))
+        if weight <= 0:
+            raise UserError(f"dataset {spec!r}: the weight of {name} must be positive")
+        if any(same_dataset(name, other) for other, _ in parts):
+            raise UserError(f"dataset {spec!r} names {name} twice")
+        parts.append((name, weight))
+    return parts
+
+
+def source_labels(names: list[str]) -> list[str]:
+    """What reports call each source: a file by its name without the suffix, unless two share it."""
+    short = [Path(n).stem if is_local(n) else n for n in names]
+    return short if len(set(short)) == len(short) else names
+
+
+def split_by_weight(n: int, weights: list[Fraction]) -> list[int]:
+    """`n` divided in proportion to `weights` (the largest remainders rounded up), at least one each."""
+    exact = [n * w / sum(weights) for w in weights]
+    counts = [int(e) for e in exact]
+    for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[: n - sum(counts)]:
+        counts[i] += 1
+    return [max(c, 1) for c in counts]
 
 
 def is_local(dataset: str) -> bool:
@@ -254,18 +286,19 @@ def held_out_count(n: int, fraction: float) -> int:
     return min(max(round(n * fraction), 1), n - 1)
 
 
-def _file_split(examples: list[dict], split: str, fraction: float, seed: int, source: str) -> list[dict]:
-    """The held-out part of a local file ('validation': a seeded sample, the same for every
-    `num_examples`) or the rest ('train'), each in file order."""
-    held = set(
-        random.Random(seed + HELD_OUT_SEED_OFFSET).sample(range(len(examples)), held_out_count(len(examples), fraction))
-    )
-    if not held:
-        raise UserError(
-            f"dataset {source} has {len(examples)} example, too few to hold any out: name held-out "
-            "examples (train.py --eval-dataset, evaluate --dataset)"
-        )
-    return [ex for i, ex in enumerate(examples) if (i in held) == (split != "train")]
+def split_indices(n: int, split: str, fraction: float, seed: int, size: int) -> np.ndarray:
+    """The indices of a source's `split` in file order: of a file with a held-out `fraction`, its
+    seeded held-out part ('validation', the same for every size) or the rest ('train'); then a
+    seeded subset of `size` where the split is larger (hub datasets are ordered by article, so not
+    the first ones). Drawn as the Python lists of examples were, so a run samples what it did."""
+    indices = np.arange(n)
+    if fraction:
+        held = np.zeros(n, dtype=bool)
+        held[random.Random(seed + HELD_OUT_SEED_OFFSET).sample(range(n), held_out_count(n, fraction))] = True
+        indices = np.flatnonzero(held != (split == "train"))
+    if len(indices) > size:
+        indices = indices[sorted(random.Random(seed).sample(range(len(indices)), size))]
+    return indices
 
 
 def same_dataset(a: str, b: str) -> bool:
@@ -273,15 +306,33 @@ def same_dataset(a: str, b: str) -> bool:
     return Path(a).resolve() == Path(b).resolve() if is_local(a) and is_local(b) else a == b
 
 
+def load_examples(
+    dataset: str, split: str, num_examples: int, seed: int, held_out_fraction: float = 0.0, cache: str | None = None
+) -> list[dict]:
+    """Examples of one source ('synthetic', 'squad', 'hotpot_qa' or a local file path), as dicts.
+
+    `num_examples` is the size of the synthetic set and an upper bound for the others (a seeded
+    subset is taken when the dataset is larger). A local file has no splits of its own: with
+    `held_out_fraction` > 0 a seeded part of it is the 'validation' split and the rest 'train';
+    with 0 the file is either split.
+    """
+    sources = DataSources(dataset, None, held_out_fraction, seed, cache)
+    return list(sources.select(dataset, split, num_examples)[0])
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """The profile's data fields: which examples, and how they are cut and padded."""
 
-    dataset: str = setting("synthetic", "'synthetic', 'squad', 'hotpot_qa' or a local .json/.jsonl/.parquet")
+    dataset: str = setting(
+        "synthetic",
+        "'synthetic', 'squad', 'hotpot_qa' or a local .json/.jsonl/.parquet; several, with weights: "
+        "NAME:WEIGHT,NAME:WEIGHT (squad:0.7,hotpot_qa:0.3)",
+    )
     eval_dataset: str | None = setting(
         None,
-        "held-out examples: 'synthetic', 'squad', 'hotpot_qa' or a local file "
-        "(null: the dataset's own validation split; of a local file, a seeded "
+        "held-out examples: 'synthetic', 'squad', 'hotpot_qa' or a local file, or several with weights "
+        "(null: each training source's own validation split; of a local file, a seeded "
         "held_out_fraction of it)",
     )
     held_out_fraction: float = setting(
@@ -291,7 +342,7 @@ class DataConfig:
         False, "drop training examples whose answer lies past max_prompt_bytes (the encoder never sees it)"
     )
     num_examples: int = setting(
-        100000, "size of the synthetic training set; of another, a seeded subset of at most this many", gt=0
+        100000, "size of the synthetic training set; of another source, a seeded subset of at most this many", gt=0
     )
     max_prompt_bytes: int = setting(4096, "prompts are cut to this many UTF-8 bytes", gt=0)
     max_answer_tokens: int = setting(32, "answers are cut to this many tokens", gt=0)
@@ -306,87 +357,215 @@ class DataConfig:
         since=4,
         before=None,
     )
+    cache: str | None = setting(
+        None,
+        "where dataset files and hub datasets are kept converted and checked, memory-mapped by every "
+        "rank (null: in datasets' own cache, HF_DATASETS_CACHE)",
+        key="data_cache",
+        since=5,
+        before=None,
+    )
 
 
 @dataclass(frozen=True)
 class DataSources:
-    """Where a run's training and held-out examples come from. The synthetic set and the hub
-    datasets have a held-out split of their own. A local file has none: unless `eval_dataset`
-    names the held-out examples, a seeded `held_out_fraction` of the file is held out, and
-    training never sees it."""
+    """Where a run's training and held-out examples come from: one source or a weighted mixture
+    (`mixture_parts`). The synthetic set and the hub datasets have a held-out split of their own. A
+    local file has none: unless `eval_dataset` names the held-out examples, a seeded
+    `held_out_fraction` of each training file is held out, and training never sees it. Files and
+    hub datasets are read from their converted copies in `cache` (latentwire.data_store)."""
 
     dataset: str
     eval_dataset: str | None
     held_out_fraction: float
     seed: int
+    cache: str | None = None
 
     def __post_init__(self):
-        if self.eval_dataset is not None and is_local(self.dataset) and same_dataset(self.eval_dataset, self.dataset):
-            raise UserError(
-                f"eval_dataset {self.eval_dataset} is the training file itself: leave it unset, and a "
-                "seeded held_out_fraction of the file is held out from training"
-            )
+        training = [name for name, _ in mixture_parts(self.dataset)]
+        for name, _ in mixture_parts(self.eval_dataset) if self.eval_dataset is not None else []:
+            if is_local(name) and any(is_local(t) and same_dataset(name, t) for t in training):
+                raise UserError(
+                    f"eval_dataset {name} is the training file itself: leave it unset, and a "
+                    "seeded held_out_fraction of the file is held out from training"
+                )
 
     @classmethod
     def of(cls, data: DataConfig, seed: int) -> DataSources:
         """The sources of a run whose seed is `seed`: its examples follow data_seed where it is set."""
-        return cls(data.dataset, data.eval_dataset, data.held_out_fraction, seed if data.seed is None else data.seed)
+        return cls(
+            data.dataset,
+            data.eval_dataset,
+            data.held_out_fraction,
+            seed if data.seed is None else data.seed,
+            data.cache,
+        )
 
     def fraction_held_out(self, source: str) -> float:
-        """The part of `source` held out from training: the training file's held_out_fraction when
-        no eval_dataset is named; 0 where all of a source is one split (another file, and the hub's
-        and the synthetic set, whose held-out examples are a split of their own)."""
-        local_training_file = is_local(source) and same_dataset(source, self.dataset)
-        return self.held_out_fraction if self.eval_dataset is None and local_training_file else 0.0
+        """The part of `source` held out from training: the held_out_fraction of a training file
+        when no eval_dataset is named; 0 where all of a source is one split (another file, and the
+        hub's and the synthetic set, whose held-out examples are a split of their own)."""
+        training_file = is_local(source) and any(same_dataset(source, t) for t, _ in mixture_parts(self.dataset))
+        return self.held_out_fraction if self.eval_dataset is None and training_file else 0.0
 
-    def train_examples(self, n: int) -> list[dict]:
-        return load_examples(self.dataset, "train", n, self.seed, self.fraction_held_out(self.dataset))
+    def select(self, source: str, split: str, n: int) -> tuple[Sequence[dict], str | None]:
+        """At most `n` examples of one source's `split` (a seeded subset of a larger one), and their
+        fingerprint where the store keeps it (None: the synthetic set, made here)."""
+        if source == "synthetic":
+            return synthetic_examples(n, self.seed if split == "train" else self.seed + HELD_OUT_SEED_OFFSET), None
+        stored, fraction = self.stored(source, split), self.fraction_held_out(source)
+        held = held_out_count(len(stored), fraction) if fraction else 0
+        if fraction and not held:
+            raise UserError(
+                f"dataset {source} has {len(stored)} example, too few to hold any out: name held-out "
+                "examples (train.py --eval-dataset, evaluate --dataset)"
+            )
+        size = min(n, len(stored) - held if split == "train" else held or len(stored))  # no fraction: all
+        spec = {"split": split, "held_out_fraction": fraction, "seed": self.seed, "num_examples": size}
+        return cached_selection(stored, spec, lambda: split_indices(len(stored), split, fraction, self.seed, size))
+
+    def stored(self, source: str, split: str) -> StoredExamples:
+        """A file's or a hub dataset's examples, converted and checked on first sight (data_store)."""
+        if source in HUB_DATASETS:
+            return stored_hub(source, "train" if split == "train" else "validation", cache_root(self.cache), checked)
+        if is_local(source):
+            return stored_file(Path(source), cache_root(self.cache), checked)
+        if Path(source).exists():
+            raise UserError(f"dataset file {source} must end in {', '.join(LOCAL_SUFFIXES)}")
+        raise UserError(
+            f"unknown dataset {source!r}; use synthetic, {', '.join(HUB_DATASETS)} "
+            f"or a path to a {'/'.join(LOCAL_SUFFIXES)} file"
+        )
+
+    def train_examples(self, n: int) -> Sequence[dict]:
+        """The training examples of every source as loaded (none dropped), one after another."""
+        return concatenated([self.select(name, "train", n)[0] for name, _ in mixture_parts(self.dataset)])
 
     def held_out_source(self, override: str | None = None) -> str:
         return override or self.eval_dataset or self.dataset
 
-    def held_out_examples(self, n: int, source: str) -> list[dict]:
-        return load_examples(source, "validation", n, self.seed, self.fraction_held_out(source))
+    def held_out_groups(self, n: int, spec: str) -> dict[str, list[dict]]:
+        """The held-out examples of each source `spec` names, by its label: of a mixture, `n` split
+        by the weights."""
+        parts = mixture_parts(spec)
+        counts = split_by_weight(n, [w for _, w in parts]) if len(parts) > 1 else [n]
+        labels = source_labels([name for name, _ in parts])
+        return {
+            label: list(self.select(name, "validation", k)[0])
+            for (name, _), label, k in zip(parts, labels, counts, strict=True)
+        }
 
-    def describe_held_out(self, source: str) -> str:
+    def held_out_examples(self, n: int, spec: str) -> list[dict]:
+        return [ex for group in self.held_out_groups(n, spec).values() for ex in group]
+
+    def describe_held_out(self, spec: str) -> str:
+        return "; ".join(self.describe_source_held_out(name) for name, _ in mixture_parts(spec))
+
+    def describe_source_held_out(self, source: str) -> str:
         if source == "synthetic":
             return "synthetic examples of another seed"
         if source in HUB_DATASETS:
             return f"{source}'s validation split"
         if self.fraction_held_out(source):
             return f"a seeded {self.held_out_fraction:.0%} of {source} (at least one example) that training never sees"
-        return f"{source}, which the run trained on" if same_dataset(source, self.dataset) else source
+        trained = any(same_dataset(source, t) for t, _ in mixture_parts(self.dataset))
+        return f"{source}, which the run trained on" if trained else source
 
 
 @dataclass(frozen=True)
-class TrainingSet:
-    """The training examples as the sampler indexes them, where they come from (`source`, of which
-    `held_out_fraction` is held out), and what loading them found: how many of the loaded ones
-    have their answer past the prompt's cut, and how many of those were dropped."""
+class TrainingPart:
+    """One source's training examples as the sampler indexes them, where they come from (`source`,
+    of which `held_out_fraction` is held out), its weight in the mixture, and what loading them
+    found: how many of the loaded ones have their answer past the prompt's cut, how many of those
+    were dropped, and the fingerprint of those kept."""
 
-    examples: list[dict]
     source: str
+    weight: Fraction
+    examples: Sequence[dict]
     held_out_fraction: float
     loaded: int
     past_cut: int
     dropped: int
+    fingerprint: str
+
+    @classmethod
+    def load(
+        cls,
+        sources: DataSources,
+        source: str,
+        weight: Fraction,
+        num_examples: int,
+        max_prompt_bytes: int,
+        drop_cut_answers: bool,
+    ) -> TrainingPart:
+        examples, found = sources.select(source, "train", num_examples)
+        fraction = sources.fraction_held_out(source)
+        if found is None:  # made here: checked here
+            past = answers_past_cut(examples, max_prompt_bytes)
+            check_answers_reachable(past.count(True), past.count(False), len(past), source, max_prompt_bytes)
+            kept = [ex for ex, cut in zip(examples, past, strict=True) if not (drop_cut_answers and cut)]
+            return cls(
+                source,
+                weight,
+                kept,
+                fraction,
+                len(examples),
+                past.count(True),
+                len(examples) - len(kept),
+                fingerprint(kept),
+            )
+        key = f"past_and_within_max_prompt_bytes={max_prompt_bytes}"
+        past, within = remembered(examples, key, lambda: past_cut_counts(examples, max_prompt_bytes))
+        check_answers_reachable(past, within, len(examples), source, max_prompt_bytes)
+        kept = examples
+        if drop_cut_answers and past:
+            spec = {**examples.spec, "dropped_past": max_prompt_bytes}
+            kept, found = cached_selection(examples.examples, spec, lambda: within_cut(examples, max_prompt_bytes))
+        return cls(source, weight, kept, fraction, len(examples), past, len(examples) - len(kept), found)
+
+    def identity(self) -> dict:
+        """What a checkpoint records of these examples (harness.resume compares two)."""
+        name = str(Path(self.source).resolve()) if is_local(self.source) else self.source
+        return data_identity(name, len(self.examples), self.fingerprint, held_out_fraction=self.held_out_fraction)
+
+
+@dataclass(frozen=True)
+class TrainingSet:
+    """A run's training examples, one part per source, as the sampler indexes them: the parts one
+    after another, drawn by their weights (harness.data.Mixture)."""
+
+    parts: tuple[TrainingPart, ...]
 
     @classmethod
     def load(
         cls, sources: DataSources, num_examples: int, max_prompt_bytes: int, drop_cut_answers: bool
     ) -> TrainingSet:
-        examples = sources.train_examples(num_examples)
-        past = answers_past_cut(examples, max_prompt_bytes)
-        check_answers_reachable(past, sources.dataset, max_prompt_bytes)
-        kept = [ex for ex, cut in zip(examples, past, strict=True) if not (drop_cut_answers and cut)]
+        """Each source's training examples: at most `num_examples` of each."""
         return cls(
-            kept,
-            sources.dataset,
-            sources.fraction_held_out(sources.dataset),
-            len(examples),
-            past.count(True),
-            len(examples) - len(kept),
+            tuple(
+                TrainingPart.load(sources, name, weight, num_examples, max_prompt_bytes, drop_cut_answers)
+                for name, weight in mixture_parts(sources.dataset)
+            )
         )
+
+    @property
+    def examples(self) -> Sequence[dict]:
+        return concatenated([part.examples for part in self.parts])
+
+    @property
+    def loaded(self) -> int:
+        return sum(part.loaded for part in self.parts)
+
+    @property
+    def past_cut(self) -> int:
+        return sum(part.past_cut for part in self.parts)
+
+    @property
+    def dropped(self) -> int:
+        return sum(part.dropped for part in self.parts)
+
+    def draws(self, seed: int) -> Mixture:
+        return Mixture([len(part.examples) for part in self.parts], [part.weight for part in self.parts], seed)
 
     def summary(self, max_prompt_bytes: int) -> str:
         k, n = self.past_cut, self.loaded
@@ -402,133 +581,79 @@ class TrainingSet:
             else ""
         )
 
-    def facts(self) -> dict:
-        """For the run's first metrics record."""
+    def sources(self, drawn: list[int]) -> dict[str, dict]:
+        """Of a mixture, per source: its examples, its weight and its share of the examples the run's
+        steps draw (`drawn`: how many of them each source gives)."""
+        labels = source_labels([part.source for part in self.parts])
+        weights = sum(part.weight for part in self.parts)
         return {
+            label: {
+                "examples": len(part.examples),
+                "weight": float(part.weight / weights),
+                "share_of_draws": count / sum(drawn),
+            }
+            for label, part, count in zip(labels, self.parts, drawn, strict=True)
+        }
+
+    def facts(self, drawn: list[int]) -> dict:
+        """For the run's first metrics record; of a mixture, each source's too (`sources`)."""
+        facts = {
             "train_examples": len(self.examples),
             "train_answers_past_cut": self.past_cut,
             "train_examples_dropped": self.dropped,
         }
+        return facts | ({"train_sources": self.sources(drawn)} if len(self.parts) > 1 else {})
 
     def identity(self) -> dict:
-        """What a checkpoint records of its training data (harness.resume compares two)."""
-        return data_identity(
-            str(Path(self.source).resolve()) if is_local(self.source) else self.source,
-            self.examples,
-            held_out_fraction=self.held_out_fraction,
-        )
+        """What a checkpoint records of its training data (harness.resume compares two): a single
+        source's as it always was; a mixture's covers every source and weight."""
+        if len(self.parts) == 1:
+            return self.parts[0].identity()
+        shares = [str(m) for m in self.draws(0).shares]
+        return mixture_identity([part.identity() for part in self.parts], shares)
 
 
-def _subset(examples: list[dict], n: int, seed: int) -> list[dict]:
-    # A seeded sample, not the first n: hub datasets are ordered by article.
-    if len(examples) <= n:
-        return examples
-    keep = sorted(random.Random(seed).sample(range(len(examples)), n))
-    return [examples[i] for i in keep]
+def describe_mixture(sources: dict[str, dict]) -> str:
+    """A mixture's sources (TrainingSet.sources) in a line: what each gives and draws."""
+    return "; ".join(
+        f"{label}: {s['examples']} examples, weight {s['weight']:.3g}, {s['share_of_draws']:.1%} of the draws"
+        for label, s in sources.items()
+    )
 
 
-def _quiet_datasets():
-    # Imported only when a real dataset is named: the synthetic path stays light.
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failures become one `error:` line
-    return datasets
+def spans(groups: dict[str, list]) -> dict[str, range]:
+    """Where each group lies in the groups one after another."""
+    ends = list(itertools.accumulate(map(len, groups.values()), initial=0))
+    return {label: range(ends[i], ends[i + 1]) for i, label in enumerate(groups)}
 
 
-def _load_hub(name: str, split: str) -> tuple[list[dict], str]:
-    datasets = _quiet_datasets()
-    hub_split = "train" if split == "train" else "validation"
-    try:
-        if name == "squad":
-            return datasets.load_dataset("rajpurkar/squad", split=hub_split).to_list(), f"squad ({hub_split})"
-        ds = datasets.load_dataset("hotpotqa/hotpot_qa", "distractor", split=hub_split)
-    except OSError as e:  # offline (ConnectionError), not cached, a vanished cache directory
-        raise UserError(
-            f"cannot load dataset {name}: {str(e).splitlines()[0]}; it downloads once from the "
-            "Hugging Face Hub, then reads the local cache (or pass a local .json/.jsonl/.parquet file)"
-        ) from None
-    return [hotpot_to_squad(r) for r in ds.to_list()], f"hotpot_qa ({hub_split})"
+class Concatenated(Sequence):
+    """Several sequences of examples, one after another, read by index."""
+
+    def __init__(self, parts: list[Sequence[dict]]):
+        self.parts = parts
+        self.offsets = list(itertools.accumulate(map(len, parts), initial=0))
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        part = bisect.bisect_right(self.offsets, index) - 1
+        return self.parts[part][index - self.offsets[part]]
 
 
-def hotpot_to_squad(record: dict) -> dict:
-    """One HotpotQA record in SQuAD's layout; its paragraphs become the context."""
-    # HotpotQA sentences keep their leading spaces, so a paragraph is their plain concatenation.
-    paragraphs = ("".join(sentences).strip() for sentences in record["context"]["sentences"])
-    return {
-        "context": "\n".join(paragraphs),
-        "question": record["question"],
-        "answers": {"text": [record["answer"]]},
-    }
+def concatenated(parts: list[Sequence[dict]]) -> Sequence[dict]:
+    return parts[0] if len(parts) == 1 else Concatenated(parts)
 
 
-def _load_local(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise UserError(f"dataset file {path} does not exist")
-    try:
-        return _read_local(path)
-    except UserError:
-        raise
-    except Exception as e:  # json, datasets and pyarrow raise many types for one cause: a bad file
-        raise UserError(f"could not read dataset file {path}: {_first_line(e)}") from None
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def _read_local(path: Path) -> list[dict]:
-    if path.suffix == ".json":
-        records = _read_json_document(path)
-        if records is not None:
-            return records
-    if _has_no_rows(path):
-        return []  # datasets cannot build a split from a file without rows, and says so obscurely
-    datasets = _quiet_datasets()
-    builder = "parquet" if path.suffix == ".parquet" else "json"
-    return datasets.load_dataset(builder, data_files=str(path), split="train").to_list()
-
-
-def _read_json_document(path: Path) -> list[dict] | None:
-    """Records of a .json file holding one JSON document, or None for JSON Lines."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return None
-    if isinstance(doc, dict) and "data" in doc:
-        return _flatten_nested_squad(doc, path)
-    return doc if isinstance(doc, list) else [doc]
-
-
-def _flatten_nested_squad(doc: dict, path: Path) -> list[dict]:
-    """One record per question of an original SQuAD v1.1 file (`{"data": [...]}`)."""
-    try:
-        return [
-            {
-                "context": paragraph.get("context"),
-                "question": qa.get("question"),
-                "answers": {
-                    "text": [a.get("text") for a in qa.get("answers", [])],
-                    "answer_start": [a.get("answer_start") for a in qa.get("answers", [])],
-                },
-            }
-            for article in doc["data"]
-            for paragraph in article["paragraphs"]
-            for qa in paragraph["qas"]
-        ]
-    except (KeyError, TypeError, AttributeError):
-        raise UserError(
-            f"{path}: nested SQuAD JSON must be data[].paragraphs[].qas[] with context, question and answers[].text"
-        ) from None
-
-
-def _has_no_rows(path: Path) -> bool:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows == 0
-    with path.open(encoding="utf-8") as lines:
-        return not any(line.strip() for line in lines)
+def checked(record, index: int, source: str) -> tuple[dict, int]:
+    """A record as data_store stores it: the example (check_example) and where its answer ends in
+    the prompt, -1 where it is not found."""
+    example = check_example(record, index, source)
+    end = answer_end_byte(example)
+    return example, -1 if end is None else end
 
 
 def check_example(record: dict, index: int, source: str) -> dict:
@@ -547,13 +672,19 @@ def check_example(record: dict, index: int, source: str) -> dict:
         raise UserError(f"{where} has no field 'answers.text'")
     if not isinstance(texts, list) or not texts:
         raise UserError(f"{where}: field 'answers.text' must be a non-empty list of answers")
-    if not isinstance(texts[0], str) or not texts[0].strip():
+    if not all(isinstance(text, str) for text in texts):
+        raise UserError(f"{where}: field 'answers.text' must be a list of strings")
+    if not texts[0].strip():
         raise UserError(f"{where}: the first answer in 'answers.text' is blank")
     kept = {"text": list(texts)}
     starts = answers.get("answer_start")
     # Where each answer starts in the context, in characters (SQuAD's layout): it says whether the
     # prompt limit cuts an answer off. Optional; a malformed one is ignored, the text is searched.
-    if isinstance(starts, list) and len(starts) == len(texts) and all(type(s) is int for s in starts):
+    if (
+        isinstance(starts, list)
+        and len(starts) == len(texts)
+        and all(type(s) is int and abs(s) < 2**63 for s in starts)
+    ):
         kept["answer_start"] = list(starts)
     return {"context": record["context"], "question": record["question"], "answers": kept}
 
@@ -579,19 +710,35 @@ def answer_end_byte(example: dict) -> int | None:
     return len(prompt[: context_at + start + len(answer)].encode("utf-8"))
 
 
-def answers_past_cut(examples: list[dict], max_prompt_bytes: int) -> list[bool | None]:
+def answers_past_cut(examples: Sequence[dict], max_prompt_bytes: int) -> list[bool | None]:
     """Per example: whether its answer lies past the prompt's cut at `max_prompt_bytes` (the wire
     cannot carry it), None where the answer's place is unknown."""
     ends = (answer_end_byte(ex) for ex in examples)
     return [None if end is None else end > max_prompt_bytes for end in ends]
 
 
-def check_answers_reachable(past: list[bool | None], source: str, max_prompt_bytes: int) -> None:
+def past_cut_counts(examples: Selected, max_prompt_bytes: int) -> tuple[int, int]:
+    """How many of stored `examples` have their answer past the prompt's cut, and how many within
+    it, from the ends their conversion found (a chunk at a time: no copy of a column)."""
+    ends, past, within = examples.examples.answer_ends(), 0, 0
+    for start in range(0, len(examples), CHUNK):
+        chunk = ends[np.asarray(examples.indices[start : start + CHUNK])]
+        past += int((chunk > max_prompt_bytes).sum())
+        within += int(((chunk >= 0) & (chunk <= max_prompt_bytes)).sum())
+    return past, within
+
+
+def within_cut(examples: Selected, max_prompt_bytes: int) -> np.ndarray:
+    """The indices of stored `examples` whose answer is not past the cut (or not found)."""
+    return np.asarray(examples.indices)[examples.examples.answer_ends()[examples.indices] <= max_prompt_bytes]
+
+
+def check_answers_reachable(past: int, within: int, examples: int, source: str, max_prompt_bytes: int) -> None:
     """Refuse a training set in which no located answer is within the prompt's cut."""
-    if past.count(True) and not past.count(False):
+    if past and not within:
         raise UserError(
             f"every answer of {source} that can be located lies past max_prompt_bytes="
-            f"{max_prompt_bytes} ({past.count(True)} of {len(past)}): the encoder would never see one; "
+            f"{max_prompt_bytes} ({past} of {examples}): the encoder would never see one; "
             "raise --max-prompt-bytes"
         )
 
@@ -608,7 +755,7 @@ def answer_text(example: dict) -> str:
 
 
 class PromptDataset(torch.utils.data.Dataset):
-    def __init__(self, examples: list[dict]):
+    def __init__(self, examples: Sequence[dict]):
         self.examples = examples
 
     def __len__(self) -> int:

@@ -16,6 +16,7 @@ outcomes (the student's own mass of the other tokens in the bucket). `target_wid
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,13 +34,14 @@ class TeacherTargets:
     """One LLM's targets for N training examples, at their first k answer positions:
     `logprobs` [N, k, K] (fp32, tau-softened); `ids` [N, k, K] the tokens they belong to, or None
     for full rows (K = the vocabulary, in its order); `rest` [N, k] the log-probability of every
-    other token together, or None for full rows; `row` [dataset size] each example's row, -1 for
-    the examples the run does not draw (None: every example, in order)."""
+    other token together, or None for full rows; `drawn` the dataset indices of the N rows, in
+    increasing order (None: every example, in order): a table as long as the dataset would grow
+    with it, on every rank."""
 
     logprobs: torch.Tensor
     ids: torch.Tensor | None
     rest: torch.Tensor | None
-    row: torch.Tensor | None = None
+    drawn: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -51,9 +53,10 @@ class TeacherTargets:
         mask picks the first k targets out of the same positions."""
         k = self.logprobs.shape[1]
         span = slice(tail, min(tail + k, width))
-        if self.row is not None:
-            indices = self.row[indices]
-            assert (indices >= 0).all(), "a batch drew an example whose targets were not computed"
+        if self.drawn is not None:
+            rows = torch.searchsorted(self.drawn, indices).clamp_max(len(self.drawn) - 1)
+            assert (self.drawn[rows] == indices).all(), "a batch drew an example whose targets were not computed"
+            indices = rows
         out = {}
         for key, table in (("kd_logprobs", self.logprobs), ("kd_ids", self.ids), ("kd_rest", self.rest)):
             if table is not None:
@@ -108,7 +111,7 @@ def teacher_targets(
     llms: dict,
     dataset,
     collate,
-    examples: list[int],
+    examples: Sequence[int],
     *,
     k: int,
     temperature: float,
@@ -127,16 +130,14 @@ def teacher_targets(
     rank alike (every rank has as many batches: a collective may answer it): the pass over two 8B
     readers and SQuAD takes minutes, longer than a scheduler's grace before SIGKILL, so a signal
     ends it within a batch, and None is returned."""
+    examples = torch.as_tensor(examples, dtype=torch.long)
     n = len(examples)
-    mine = examples[rank::world]
+    mine = examples[rank::world].tolist()
     per_rank = -(-n // world)
     mine += mine[-1:] * (per_rank - len(mine))  # equal shares for the gather; the repeats are dropped
     vocab = {name: llm.model.config.vocab_size for name, llm in llms.items()}
     width = {name: target_width(len(dataset), k, vocab[name], top_k) for name in llms}
-    row = None
-    if n < len(dataset):
-        row = torch.full((len(dataset),), -1, dtype=torch.long)
-        row[examples] = torch.arange(n)
+    drawn = examples if n < len(dataset) else None
     shares = {name: [] for name in llms}
     for start in range(0, per_rank, batch_size):
         if stop():
@@ -154,7 +155,7 @@ def teacher_targets(
         pieces = [_gather(torch.cat(piece), n, rank, world) for piece in zip(*parts, strict=True)]
         if len(pieces) == 1:  # full rows: no ids, no rest
             pieces += [None, None]
-        targets[name] = TeacherTargets(*pieces, row=row)
+        targets[name] = TeacherTargets(*pieces, drawn=drawn)
     return targets
 
 

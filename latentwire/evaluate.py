@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from .dataset import DataSources
+from .dataset import DataSources, spans
 from .eval.evaluation import evaluate_examples
 from .eval.report import build_report, markdown, write_report
 from .eval.settings import EvalSettings
@@ -72,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="EM/F1 and answer NLL from a LatentWire checkpoint's wire, with text baselines.",
     )
     p.add_argument("--ckpt", required=True, help="RUN/checkpoints/step_N, or RUN for its newest checkpoint")
-    p.add_argument("--dataset", help="held-out data: synthetic, squad, hotpot_qa or a local file (default: the run's)")
+    p.add_argument(
+        "--dataset",
+        help="held-out data: synthetic, squad, hotpot_qa or a local file, or several as NAME:WEIGHT,... "
+        "(each reported on its own and together; default: the run's)",
+    )
     # Not `--n`: torchrun's own parser reads it as an ambiguous abbreviation of its flags
     # (--nnodes, --nproc-per-node) before the module sees it. train.py's field has this name too.
     p.add_argument("--eval-examples", type=positive(int), default=500, help="number of held-out examples")
@@ -105,7 +109,8 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     dataset = sources.held_out_source(args.dataset)  # --dataset, else the run's eval_dataset or its own split
     out_dir = Path(args.out_dir) if args.out_dir else ckpt.parent.parent / "eval"
     check_can_create(out_dir, "output directory")
-    examples = sources.held_out_examples(args.eval_examples, dataset)
+    groups = sources.held_out_groups(args.eval_examples, dataset)  # a mixture: each source's share
+    examples = [ex for group in groups.values() for ex in group]
     # Built, sharded and read as train.py does; no backward here, so no checkpointing, and eager.
     # A run that sharded its LLMs is evaluated sharded too, over however many ranks this is.
     if cfg.frozen.fp8 != "none":  # the readers the run trained with, which need FP8 tensor cores on a card
@@ -132,9 +137,19 @@ def run(args, ckpt: Path, cfg, step, di) -> None:
     if not di.is_main:
         return
     report = build_report(
-        ckpt, step, cfg, dataset, sources.describe_held_out(dataset), examples, records, llms, settings, di.world_size
+        ckpt,
+        step,
+        cfg,
+        dataset,
+        sources.describe_held_out(dataset),
+        examples,
+        records,
+        llms,
+        settings,
+        di.world_size,
+        spans(groups) if len(groups) > 1 else {},
     )
-    paths = write_report(report, out_dir, f"{ckpt.name}_{Path(dataset).stem}_n{len(examples)}")
+    paths = write_report(report, out_dir, f"{ckpt.name}_{'_'.join(groups)}_n{len(examples)}")
     print(markdown(report), flush=True)
     print("wrote " + " and ".join(map(str, paths)), flush=True)
 

@@ -19,13 +19,14 @@ import transformers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from .dataset import Collator, DataSources, PromptDataset, TrainingSet
+from .dataset import Collator, DataSources, PromptDataset, TrainingSet, describe_mixture, spans
 from .distillation import describe_targets, teacher_targets
 from .eval.evaluation import evaluate_wire
 from .eval.settings import EvalSettings
 from .flops import FlopModel
 from .fp8 import check_fp8, describe_fp8, parameter_count
 from .harness.compiling import stable_shapes
+from .harness.data import Mixture, draws_per_source
 from .harness.distributed import DistInfo
 from .harness.recipe import Recipe, TrainingStep
 from .llm import describe_prompts, held_per_rank
@@ -56,19 +57,32 @@ class LatentWire(Recipe):
         hides from the encoder, and where the held-out examples come from. The readers load in
         `build_model`."""
         super().__init__(cfg, di, stop)
-        data = cfg.data
-        sources = DataSources.of(data, seed=cfg.training.seed)
+        data, training = cfg.data, cfg.training
+        sources = DataSources.of(data, seed=training.seed)
         self.training = TrainingSet.load(sources, data.num_examples, data.max_prompt_bytes, data.drop_cut_answers)
         held_out = sources.held_out_source()
-        self.eval_examples = (
-            sources.held_out_examples(cfg.evaluation.examples, held_out) if cfg.output.eval_every else []
-        )
+        groups = sources.held_out_groups(cfg.evaluation.examples, held_out) if cfg.output.eval_every else {}
+        self.eval_examples = [ex for group in groups.values() for ex in group]
+        self.eval_groups = spans(groups) if len(groups) > 1 else {}
         self.dataset = PromptDataset(self.training.examples)
-        self.data_identity, self.data_facts = self.training.identity(), self.training.facts()
+        drawn = draws_per_source(
+            self.draws(training.seed),
+            world=di.world_size,
+            micro=training.micro_batch_size,
+            accum=training.grad_accum_steps,
+            steps=training.max_steps,
+        )
+        self.data_identity, self.data_facts = self.training.identity(), self.training.facts(drawn)
         self.sharded = cfg.frozen.sharding == "fsdp" and di.is_distributed
         self.di.say(
             f"data: {self.training.summary(data.max_prompt_bytes)}; held out: {sources.describe_held_out(held_out)}"
         )
+        if len(self.training.parts) > 1:
+            self.di.say("mixture: " + describe_mixture(self.data_facts["train_sources"]))
+
+    def draws(self, seed: int) -> Mixture:
+        """Each source's examples by its weight (a single source: as they always were drawn)."""
+        return self.training.draws(seed)
 
     def build_model(self, compile_options: dict | None, checkpointing: dict | None) -> tuple[nn.Module, WireTask]:
         """The frozen readers, stored in the autocast dtype (no gradients and no optimizer state,
@@ -159,7 +173,14 @@ class LatentWire(Recipe):
         settings = EvalSettings.of(self.cfg, text_baselines=False, lockstep=self.sharded, stop=self.stop)
         with torch.compiler.set_stance("force_eager"):
             return evaluate_wire(
-                model, self.llms, self.eval_examples, settings, self.di.device, self.di.rank, self.di.world_size
+                model,
+                self.llms,
+                self.eval_examples,
+                settings,
+                self.di.device,
+                self.di.rank,
+                self.di.world_size,
+                groups=self.eval_groups,
             )
 
     def describe(self, model: nn.Module) -> str:
@@ -170,7 +191,9 @@ class LatentWire(Recipe):
         )
 
     def meta(self) -> dict:
-        return {"wire": asdict(self.cfg.wire), "versions": {"transformers": transformers.__version__}}
+        """The wire's settings and versions; of a mixture, each source's examples and share of the draws."""
+        sources = {"data_sources": self.data_facts["train_sources"]} if "train_sources" in self.data_facts else {}
+        return {"wire": asdict(self.cfg.wire), "versions": {"transformers": transformers.__version__}, **sources}
 
     @staticmethod
     def memory_advice(profile: str) -> str:

@@ -126,7 +126,7 @@ class Config(LoopConfig):
     # setting (added, or its values of another kind), which declares `since` this version and how
     # earlier checkpoints read it; tests/test_legacy_checkpoints.py holds the two to the fixtures of
     # each version (tests/fixtures/checkpoints).
-    version: ClassVar[int] = 4
+    version: ClassVar[int] = 5
 
     @classmethod
     def rules(cls, v: dict, where: str) -> None:

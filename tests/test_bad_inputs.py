@@ -399,6 +399,31 @@ CASES = {
     ),
     "train-data-json-empty-answers": ("train", dataset("d.json", json.dumps([GOOD] * 40 + [EMPTY_ANSWERS]))),
     "train-data-wrong-suffix": ("train", dataset("d.csv", "context,question\n")),
+    "train-data-cache-is-a-file": (
+        "train",
+        lambda c: {
+            "says": "cannot write the dataset cache",
+            "args": [*dataset("d.jsonl", [GOOD] * 40)(c), "--data-cache", str(c.run / "metrics.jsonl" / "cache")],
+        },
+    ),
+    "train-data-mixture-part-without-weight": (
+        "train",
+        lambda c: {
+            "says": "has no weight",
+            "args": [OW, "--dataset", f"{c.jsonl('d.jsonl', [GOOD] * 40)}:0.7,{c.jsonl('e.jsonl', [GOOD] * 40)}"],
+        },
+    ),
+    "train-data-mixture-bad-record-in-its-second-file": (
+        "train",
+        lambda c: {
+            "says": "e.jsonl: example 3 has no field 'context'",
+            "args": [
+                OW,
+                "--dataset",
+                f"{c.jsonl('d.jsonl', [GOOD] * 40)}:0.7,{c.jsonl('e.jsonl', [GOOD] * 3 + [NO_CONTEXT])}:0.3",
+            ],
+        },
+    ),
     "evaluate-data-missing-context": ("evaluate", lambda c: ["--dataset", c.jsonl("d.jsonl", [NO_CONTEXT] * 8)]),
     "launch2-data-smaller-than-global-batch-overwrite": ("launch2", dataset("d.jsonl", [GOOD] * 6)),
     # Fewer examples than ranks: refused before distillation's teacher pass deals them out.

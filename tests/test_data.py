@@ -1,10 +1,12 @@
 import json
+from fractions import Fraction
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from latentwire.data_store import Selected, hotpot_to_squad
 from latentwire.dataset import (
     PAD_BYTE,
     Collator,
@@ -14,8 +16,8 @@ from latentwire.dataset import (
     answer_end_byte,
     answer_text,
     answers_past_cut,
-    hotpot_to_squad,
     load_examples,
+    mixture_parts,
     prompt_text,
     round_up,
     synthetic_corpus_text,
@@ -240,7 +242,7 @@ def test_answers_past_the_cut_are_counted_dropped_on_request_and_refused_when_al
     )
     dropped = TrainingSet.load(sources, 100, 512, drop_cut_answers=True)
     assert dropped.dropped == past and not any(answers_past_cut(dropped.examples, 512))
-    assert dropped.facts() == {
+    assert dropped.facts([18 - past]) == {
         "train_examples": 18 - past,
         "train_answers_past_cut": past,
         "train_examples_dropped": past,
@@ -257,7 +259,7 @@ def test_a_local_file_holds_out_a_seeded_part_that_training_never_sees(tmp_path)
     sources = DataSources(path, None, 0.1, seed=3)
     train, held = sources.train_examples(100), sources.held_out_examples(100, sources.held_out_source())
     assert len(held) == 5 and len(train) == 45
-    assert sorted(ex["question"] for ex in train + held) == sorted(r["question"] for r in records)
+    assert sorted(ex["question"] for ex in [*train, *held]) == sorted(r["question"] for r in records)
     assert all(ex in held for ex in sources.held_out_examples(2, path))  # fewer asked for: some of the same
     assert held == DataSources(path, None, 0.1, seed=3).held_out_examples(100, path)  # the same at evaluation
     assert held != DataSources(path, None, 0.1, seed=4).held_out_examples(100, path)
@@ -288,17 +290,161 @@ def test_the_fingerprint_changes_with_any_example_and_their_order():
     )
 
 
-def test_hotpot_conversion_joins_paragraph_sentences():
+def test_hotpot_conversion_joins_paragraph_sentences(monkeypatch):
+    """...and a hub dataset, as datasets caches it, is stored so, each split of it on its own."""
+    import datasets
+
+    import latentwire.data_store as store
+
     record = {
         "question": "Who?",
         "answer": "Ada",
         "context": {"title": ["A", "B"], "sentences": [["Ada was born.", " She wrote."], ["Bo ran."]]},
     }
-    assert hotpot_to_squad(record) == {
-        "context": "Ada was born. She wrote.\nBo ran.",
-        "question": "Who?",
-        "answers": {"text": ["Ada"]},
+    squad = {"context": "Ada was born. She wrote.\nBo ran.", "question": "Who?", "answers": {"text": ["Ada"]}}
+    assert hotpot_to_squad(record) == squad
+    hub = {"validation": [record], "train": [{**record, "question": "Who, then?"}]}
+    monkeypatch.setattr(store, "load_hub", lambda name, split: datasets.Dataset.from_list(hub[split]))
+    assert load_examples("hotpot_qa", "validation", 10, seed=0) == [squad]
+    assert load_examples("hotpot_qa", "train", 10, seed=0) == [{**squad, "question": "Who, then?"}]
+
+
+def legacy_records() -> list[dict]:
+    """A file of 50 synthetic examples, most with their answer_start (as the identities below were
+    recorded by the code of before the store, commit 2fcbf60)."""
+    records = []
+    for i, ex in enumerate(synthetic_examples(50, 3)):
+        answer = ex["answers"]["text"][0]
+        starts = {} if i % 7 == 0 else {"answer_start": [ex["context"].index(answer)]}
+        records.append({"id": str(i), **ex, "answers": {"text": [answer], **starts}})
+    return records
+
+
+@pytest.mark.parametrize(
+    "dataset, seed, n, max_bytes, drop, examples, recorded",
+    [
+        ("synthetic", 0, 64, 512, False, 64, "28cff8ad70890ca5"),  # the cpu profile's set, as a run records it
+        ("file", 0, 100, 4096, False, 45, "2c1cc12ef372ed87"),
+        ("file", 5, 20, 4096, False, 20, "fa4340156eba5e43"),  # a seeded subset
+        ("file", 0, 100, 100, True, 25, "28cbf3c25e8d3a01"),  # answers past the cut dropped
+    ],
+)
+def test_a_single_source_is_the_data_earlier_versions_recorded(
+    tmp_path, dataset, seed, n, max_bytes, drop, examples, recorded
+):
+    """A checkpoint's meta.json "data" from before the store names the same data as today's identity
+    of the same source (harness.data_identity.same_data), so it resumes on it."""
+    from latentwire.harness.data_identity import same_data
+
+    name = dataset if dataset == "synthetic" else write_jsonl(tmp_path / "f.jsonl", legacy_records())
+    identity = TrainingSet.load(DataSources(name, None, 0.1, seed), n, max_bytes, drop).identity()
+    fraction = 0.0 if dataset == "synthetic" else 0.1
+    old = {"dataset": name, "examples": examples, "fingerprint": recorded, "held_out_fraction": fraction}
+    assert identity == {**old, "dataset": identity["dataset"]} and same_data(old, identity)
+
+
+def count_checks(monkeypatch) -> list[int]:
+    """How many records latentwire.dataset.check_example checks from now on."""
+    import latentwire.dataset as dataset
+
+    calls, check = [0], dataset.check_example
+    monkeypatch.setattr(dataset, "check_example", lambda *args: calls.__setitem__(0, calls[0] + 1) or check(*args))
+    return calls
+
+
+def test_a_file_is_checked_once_per_content_and_read_by_index_from_its_store(tmp_path, monkeypatch):
+    """The first start converts and checks every record; a later start (a requeue, another split, a
+    copy of the file elsewhere) reads the verdict and checks none; a changed file is checked again.
+    The examples are read from the memory-mapped store, as loaded before it."""
+    checks, path = count_checks(monkeypatch), tmp_path / "f.jsonl"
+    write_jsonl(path, legacy_records())
+
+    def load(name=str(path), fraction=0.1):
+        return TrainingSet.load(DataSources(name, None, fraction, 0), 100, 4096, False)
+
+    first = load()
+    assert checks[0] == 50 and first.identity()["fingerprint"] == "2c1cc12ef372ed87"
+    assert isinstance(first.examples, Selected) and list(first.examples) == [first.examples[i] for i in range(45)]
+    checks[0] = 0
+    assert load().identity() == first.identity() and checks[0] == 0
+    assert len(load(fraction=0.2).examples) == 40 and checks[0] == 0
+    copy = tmp_path / "elsewhere" / "copy.jsonl"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    assert load(str(copy)).identity()["fingerprint"] == first.identity()["fingerprint"] and checks[0] == 0
+    write_jsonl(path, legacy_records()[:-1])  # the same path, changed
+    assert len(load().examples) == 44 and checks[0] == 49
+
+
+def two_files(tmp_path) -> tuple[str, str]:
+    return (
+        write_jsonl(tmp_path / "a.jsonl", synthetic_examples(40, 1)),
+        write_jsonl(tmp_path / "b.jsonl", synthetic_examples(30, 2)),
+    )
+
+
+def global_batches_of(training: TrainingSet, seed: int, world: int, micro: int, steps: int, start=(0, 0)) -> list:
+    """The sorted dataset indices of each of `steps` global batches (2 micro-batches a rank) that
+    `world` ranks draw from `start` (epoch, examples done), as train.py's sampler deals them."""
+    from torch.utils.data import DataLoader
+
+    from latentwire.harness.data import ShardSampler, global_batches
+
+    per_rank = []
+    for rank in range(world):
+        sampler = ShardSampler(training.draws(seed), num_replicas=world, rank=rank)
+        loader = DataLoader(range(len(training.examples)), batch_size=micro, sampler=sampler, drop_last=True)
+        batches = global_batches(loader, sampler, 2, *start, micro * 2 * world)
+        per_rank.append([[i for b in next(batches)[2] for i in b.tolist()] for _ in range(steps)])
+    return [sorted(sum(step, [])) for step in zip(*per_rank, strict=True)]
+
+
+def test_a_mixture_of_two_files_draws_each_by_its_weight_the_same_on_any_world_size(tmp_path):
+    """a:0.7,b:0.3 over 36 + 27 training examples: every global batch of 20 (two periods of 10)
+    holds 14 of a and 6 of b, on one rank and on two; across epochs; from the middle of one too."""
+    a, b = two_files(tmp_path)
+    training = TrainingSet.load(DataSources(f"{a}:0.7,{b}:0.3", None, 0.1, seed=0), 1000, 4096, False)
+    assert [len(p.examples) for p in training.parts] == [36, 27] and len(training.examples) == 63
+    one = global_batches_of(training, 5, world=1, micro=10, steps=7)  # 3 steps an epoch
+    assert one == global_batches_of(training, 5, world=2, micro=5, steps=7)
+    assert all(sum(i < 36 for i in step) == 14 for step in one)
+    assert global_batches_of(training, 5, world=2, micro=5, steps=3, start=(1, 20)) == one[4:]
+    from latentwire.harness.data import draws_per_source
+
+    drawn = draws_per_source(training.draws(5), world=1, micro=10, accum=2, steps=7)
+    assert drawn == [98, 42]
+    assert training.facts(drawn)["train_sources"] == {
+        "a": {"examples": 36, "weight": 0.7, "share_of_draws": 0.7},
+        "b": {"examples": 27, "weight": 0.3, "share_of_draws": 0.3},
     }
+
+
+def test_a_mixture_names_each_source_with_a_weight_and_holds_each_one_s_examples_out(tmp_path):
+    a, b = two_files(tmp_path)
+    assert mixture_parts(f"{a}:0.7, {b}:0.3") == [(a, Fraction(7, 10)), (b, Fraction(3, 10))]
+    assert mixture_parts("squad") == [("squad", 1)] and mixture_parts("squad:2") == [("squad", 2)]
+    odd = write_jsonl(tmp_path / "x,y:1.jsonl", RECORDS)  # a file that exists is one source
+    assert mixture_parts(odd) == [(odd, 1)]
+    for spec, says in (
+        (f"{a}:0.7,{b}", "has no weight"),
+        (f"{a}:0.5,{a}:0.5", "names .* twice"),
+        (f"{a}:0,{b}:1", "must be positive"),
+    ):
+        with pytest.raises(UserError, match=says):
+            mixture_parts(spec)
+    with pytest.raises(UserError, match="is the training file itself"):
+        DataSources(f"{a}:1,{b}:1", b, 0.1, 0)
+    sources = DataSources(f"{a}:0.7,synthetic:0.3", None, 0.1, 0)
+    groups = sources.held_out_groups(10, sources.held_out_source())
+    assert {k: len(v) for k, v in groups.items()} == {"a": 4, "synthetic": 3}  # 7 asked of a, which holds out 4
+    assert groups["synthetic"] == load_examples("synthetic", "validation", 3, 0)
+    assert sources.describe_held_out(sources.held_out_source()) == (
+        f"a seeded 10% of {a} (at least one example) that training never sees; synthetic examples of another seed"
+    )
+    identity = TrainingSet.load(sources, 100, 4096, False).identity()
+    assert [s["weight"] for s in identity["sources"]] == ["7/10", "3/10"] and identity["examples"] == 136
+    other = TrainingSet.load(DataSources(f"{a}:0.6,synthetic:0.4", None, 0.1, 0), 100, 4096, False).identity()
+    assert other["fingerprint"] != identity["fingerprint"]
 
 
 # --- bad input ----------------------------------------------------------------------------
@@ -359,9 +505,11 @@ def test_existing_file_of_another_type(tmp_path):
     ],
 )
 def test_bad_record_names_field_and_file(tmp_path, bad, field):
-    path = write_jsonl(tmp_path / "bad.jsonl", [bad])
-    with pytest.raises(UserError, match=rf"bad\.jsonl.*{field}"):
+    """...after the good records before it; nothing of the file is stored."""
+    path = write_jsonl(tmp_path / "bad.jsonl", [RECORDS[0], bad])
+    with pytest.raises(UserError, match=rf"bad\.jsonl: example 1.*{field}"):
         load_examples(path, "train", 10, seed=0)
+    assert [p.name for p in (tmp_path / "hf_cache" / "latentwire").iterdir()] == [".lock"]
 
 
 def test_bad_record_in_nested_squad_names_field(tmp_path):

@@ -230,6 +230,23 @@ def test_evaluate_wire_runs_in_eval_mode_and_restores_train_mode(llms):
     assert {"eval_em_wire_joint", "eval_f1_wire_joint"} <= first.keys()
 
 
+def test_each_source_of_a_mixture_is_reported_on_its_own_and_together(llms):
+    """Groups (each source's held-out examples) get their own `eval_LABEL/*` scalars; together,
+    each mean is the groups' weighted by their examples."""
+    cfg = load_config(["--profile", "cpu", "--micro-batch-size", "4", "--max-new-tokens", "3"])
+    examples = synthetic_examples(6, seed=9)
+    settings = EvalSettings.of(cfg, text_baselines=False)
+    groups = {"a": range(0, 2), "b": range(2, 6)}
+    scores = ev.evaluate_wire(wire_encoder(cfg, llms), llms, examples, settings, CPU, rank=0, world=1, groups=groups)
+    together = [k.removeprefix("eval_") for k in scores if "/" not in k]
+    assert {f"eval_{label}/{k}" for label in groups for k in together} == scores.keys() - {
+        f"eval_{k}" for k in together
+    }
+    for k in together:
+        if not k.startswith("nll_"):  # a mean over examples
+            assert scores[f"eval_{k}"] == pytest.approx((2 * scores[f"eval_a/{k}"] + 4 * scores[f"eval_b/{k}"]) / 6)
+
+
 def test_activation_checkpointed_llms_evaluate_alike(cfg):
     """GPU profiles wrap the frozen layers for recompute; generation with a KV cache must pass through."""
     plain = tiny_llms()

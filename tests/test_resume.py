@@ -701,6 +701,36 @@ def test_a_resume_cannot_mix_datasets_unless_asked_for_a_fresh_epoch(tmp_path):
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
+def test_a_mixture_resumes_bitwise_and_another_weight_or_source_is_other_data(tmp_path):
+    """Two files drawn 3:1, stopped at step 2 and resumed: bitwise the unbroken run, which says in
+    its first record and meta.json what each source gave and drew, and evaluates each. Resumed with
+    another weight, or on one of the files alone: refused in one line, nothing on disk changed."""
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for path, seed in ((a, 0), (b, 1)):
+        path.write_text("".join(json.dumps(ex) + "\n" for ex in synthetic_examples(64, seed)))
+    args = [*RUN, "--max-steps", "4", "--dataset", f"{a}:0.75,{b}:0.25", "--eval-every", "4", "--eval-examples", "4"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    ok(run_train([*args, "--out-dir", str(straight)]))
+    ok(run_train([*args, "--out-dir", str(split), "--stop-at-step", "2"]))
+    ok(run_train([*args, "--out-dir", str(split), "--resume"]))
+    assert_same_run(straight, split, 2)
+    first, last = read_metrics(straight)[0], read_metrics(straight)[-1]
+    sources = {  # 4 steps of 8: whole periods of 4, 3 of a and 1 of b each
+        "a": {"examples": 58, "weight": 0.75, "share_of_draws": 0.75},
+        "b": {"examples": 58, "weight": 0.25, "share_of_draws": 0.25},
+    }
+    assert first["train_sources"] == sources and first["train_examples"] == 116
+    meta = json.loads((list_checkpoints(straight)[-1] / "meta.json").read_text())
+    assert meta["data_sources"] == sources and [s["weight"] for s in meta["data"]["sources"]] == ["3/4", "1/4"]
+    assert {"eval_em_wire_joint", "eval_a/em_wire_joint", "eval_b/em_wire_joint"} <= set(last)
+    before = snapshot(split)
+    for other in (f"{a}:0.5,{b}:0.5", str(a)):
+        refused = run_train([*args, "--dataset", other, "--out-dir", str(split), "--resume"])
+        assert_one_line_error(refused, "--resume on other training data", "116 examples")
+        assert refused.returncode == 2 and snapshot(split) == before
+
+
 def test_resuming_a_finished_run_changes_nothing(finished_run):
     newest = list_checkpoints(finished_run)[-1]
     before, inode = snapshot(finished_run), newest.stat().st_ino

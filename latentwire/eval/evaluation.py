@@ -208,10 +208,18 @@ def evaluate_wire(
     device: torch.device,
     rank: int,
     world: int,
+    groups: dict[str, range] | None = None,
 ) -> dict[str, float] | None:
     """The periodic evaluation of train.py: the wire's answers (EM/F1 per LLM and joint) and answer
     NLL, with the controls of `wire_controls`; flat `eval_*` scalars, equal on every rank, or None
-    when `settings.stop` stopped it. A collective: every rank calls it. Pass the bare model, not its
-    DDP wrapper."""
+    when `settings.stop` stopped it; of each of `groups` (the examples of each source of a mixture)
+    on its own too, as `eval_LABEL/*`. A collective: every rank calls it. Pass the bare model, not
+    its DDP wrapper."""
     records = evaluate_examples(model, llms, examples, settings, device, rank, world)
-    return None if records is None else {f"eval_{k}": v for k, v in summarize(records).items()}
+    if records is None:
+        return None
+    return {f"eval_{k}": v for k, v in summarize(records).items()} | {
+        f"eval_{label}/{k}": v
+        for label, span in (groups or {}).items()
+        for k, v in summarize(records[span.start : span.stop]).items()
+    }

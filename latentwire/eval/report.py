@@ -76,8 +76,10 @@ def build_report(
     llms: dict,
     settings: EvalSettings,
     world: int,
+    groups: dict[str, range] | None = None,
 ) -> dict:
-    """`held_out` says where the examples come from (data.DataSources.describe_held_out)."""
+    """`held_out` says where the examples come from (data.DataSources.describe_held_out); `groups`,
+    where each source of a mixture lies among them, for its own metrics."""
     metrics = summarize(records)
     margins = {
         name: {control: control_margin(records, control, name) for control in ("zeroed", "shuffled")} for name in llms
@@ -104,6 +106,10 @@ def build_report(
             "prompts": describe_prompts(llms),
         },
         "metrics": metrics,
+        "by_source": {
+            label: {"examples": len(span), "metrics": summarize(records[span.start : span.stop])}
+            for label, span in (groups or {}).items()
+        },
         "wire_vs_controls": margins,
         "wire_carries_information": {
             name: all(m["margin"] > SIGNIFICANT_SE * m["se"] for m in by_control.values())
@@ -164,6 +170,7 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {label} | {who} | {m[f'em_{key}_{who}']:.1f} | {m[f'f1_{key}_{who}']:.1f} | {first} | {nll} |"
             )
+    lines += by_source_table(report, names)
     lines += [
         "",
         "## The wire's share of the text baseline",
@@ -211,6 +218,30 @@ def markdown(report: dict) -> str:
         ),
     ]
     return "\n".join(lines) + "\n"
+
+
+def by_source_table(report: dict, names: list[str]) -> list[str]:
+    """Of a mixture, the wire's and the text's EM and F1 on each source's examples on their own."""
+    if not report["by_source"]:
+        return []
+    who = (*names, "joint")
+    return [
+        "",
+        "### By source",
+        "",
+        "| source | examples | " + " | ".join(f"wire EM / F1 {w} | text EM / F1 {w}" for w in who) + " |",
+        "|---|---:|" + "---:|---:|" * len(who),
+        *(
+            f"| {label} | {s['examples']} | "
+            + " | ".join(
+                f"{s['metrics'][f'em_{key}_{w}']:.1f} / {s['metrics'][f'f1_{key}_{w}']:.1f}"
+                for w in who
+                for key in ("wire", "text")
+            )
+            + " |"
+            for label, s in report["by_source"].items()
+        ),
+    ]
 
 
 def share_row(report: dict, who: str) -> str:

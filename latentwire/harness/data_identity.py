@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 
 
-def fingerprint(examples: list) -> str:
+def fingerprint(examples: Iterable) -> str:
     """A short hash of JSON-able examples as loaded (content and order)."""
     digest = hashlib.sha256()
     for ex in examples:
@@ -16,10 +17,24 @@ def fingerprint(examples: list) -> str:
     return digest.hexdigest()[:16]
 
 
-def data_identity(dataset: str, examples: list, **facts) -> dict:
-    """What a checkpoint records of its training set: its name, size and fingerprint (and any other
-    `facts` the model's data has)."""
-    return {"dataset": dataset, "examples": len(examples), "fingerprint": fingerprint(examples), **facts}
+def data_identity(dataset: str, examples: int, fingerprint: str, **facts) -> dict:
+    """What a checkpoint records of its training set: its name, how many examples and their
+    fingerprint (and any other `facts` the model's data has)."""
+    return {"dataset": dataset, "examples": examples, "fingerprint": fingerprint, **facts}
+
+
+def mixture_identity(parts: list[dict], weights: list[str]) -> dict:
+    """The identity of a mixture of training sets (each part's identity) drawn by `weights`: other
+    parts, another order of them, or other weights are other data."""
+    whole = fingerprint(
+        [[part["examples"], part["fingerprint"], weight] for part, weight in zip(parts, weights, strict=True)]
+    )
+    return data_identity(
+        ",".join(f"{part['dataset']}:{weight}" for part, weight in zip(parts, weights, strict=True)),
+        sum(part["examples"] for part in parts),
+        whole,
+        sources=[{**part, "weight": weight} for part, weight in zip(parts, weights, strict=True)],
+    )
 
 
 def same_data(a: dict, b: dict) -> bool:

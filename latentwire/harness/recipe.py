@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .data import Mixture
 from .distributed import DistInfo
 from .loop_config import LoopConfig
 
@@ -116,10 +117,15 @@ class Recipe:
         of `step`, the global batch kept, and why; unchanged where the model has no planner."""
         return cfg, None
 
+    def draws(self, seed: int) -> Mixture:
+        """How the sampler draws `dataset`'s examples (harness.data.Mixture). Default: all of it as
+        one source."""
+        return Mixture.single(len(self.dataset), seed)
+
     @functools.cached_property
     def data_identity(self) -> dict:
         """What a checkpoint records of the data, to refuse resuming on other data. Default: its
-        length alone; `harness.data_identity.data_identity` fingerprints examples that are plain values."""
+        length alone; `harness.data_identity.fingerprint` hashes examples that are plain values."""
         return {"dataset": type(self).__name__, "examples": len(self.dataset), "fingerprint": "not computed"}
 
     @functools.cached_property

@@ -144,7 +144,7 @@ def test_each_steps_gradient_and_loss_are_the_full_batchs_under_adamw(tmp_path, 
         nproc=nproc,
     )
     recipe = toy_recipe()
-    sampler = ShardSampler(recipe.dataset, num_replicas=1, rank=0, seed=recipe.cfg.training.seed)
+    sampler = ShardSampler(recipe.draws(recipe.cfg.training.seed), num_replicas=1, rank=0)
     loader = DataLoader(recipe.dataset, 8, sampler=sampler, collate_fn=default_collate)
     whole = global_batches(loader, sampler, 1, 0, 0, 8)
     assert len(losses(out)) == STEPS
@@ -380,19 +380,58 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
 def test_the_examples_a_run_draws_are_known_in_advance(epoch, done, steps):
     """examples_visited names exactly what the sampler and global_batches deal every rank over the
     next steps, from any position, across epochs (a cache computed for them covers every draw)."""
-    from harness.data import ShardSampler, examples_visited, global_batches
+    from harness.data import Mixture, ShardSampler, examples_visited, global_batches
 
     n, seed, world, micro, accum = 50, 3, 2, 2, 3
+    draws = Mixture.single(n, seed)
     drawn = set()
     for rank in range(world):
-        sampler = ShardSampler(range(n), num_replicas=world, rank=rank, seed=seed)
+        sampler = ShardSampler(draws, num_replicas=world, rank=rank)
         loader = torch.utils.data.DataLoader(range(n), batch_size=micro, sampler=sampler, drop_last=True)
         batches = global_batches(loader, sampler, accum, epoch, done, micro * accum * world)
         for _ in range(steps):
             drawn.update(i for batch in next(batches)[2] for i in batch.tolist())
-    assert examples_visited(
-        n, seed=seed, world=world, micro=micro, accum=accum, epoch=epoch, examples_done=done, steps=steps
-    ) == sorted(drawn)
+    visited = examples_visited(
+        draws, world=world, micro=micro, accum=accum, epoch=epoch, examples_done=done, steps=steps
+    )
+    assert visited.tolist() == sorted(drawn)
+
+
+def test_one_source_draws_what_distributed_sampler_always_drew():
+    """A run on one source deals every rank what torch's DistributedSampler dealt it, from any
+    position: a checkpoint written before mixtures resumes on the same order."""
+    from harness.data import Mixture, ShardSampler
+
+    for n, world, seed in ((50, 2, 3), (101, 3, 0)):
+        for rank in range(world):
+            for epoch in range(3):
+                ours = ShardSampler(Mixture.single(n, seed), num_replicas=world, rank=rank)
+                ours.start_epoch(epoch, 2 * world)
+                torch_s = torch.utils.data.DistributedSampler(
+                    range(n), world, rank, shuffle=True, seed=seed, drop_last=True
+                )
+                torch_s.set_epoch(epoch)
+                assert list(ours) == list(torch_s)[2:]
+
+
+def test_a_mixture_draws_each_source_by_its_quota_of_every_period_and_each_source_whole():
+    """Weights 3:1:1 make every 5 consecutive draws 3, 1 and 1 of the sources (the counts say so
+    without drawing), and each source goes through all of its examples before one repeats."""
+    from harness.data import Mixture, draws_per_source
+
+    sizes = (40, 7, 12)
+    draws = Mixture(sizes, (3, 1, 1), seed=4)
+    assert (draws.period, draws.quotas, draws.epoch_length) == (5, (3, 1, 1), 60)
+    order = torch.cat([draws.order(epoch) for epoch in range(3)])
+    source = torch.bucketize(order, torch.tensor(draws.offsets[1:]), right=True)
+    assert (source.view(-1, 5).sort(dim=1).values == torch.tensor([0, 0, 0, 1, 2])).all()
+    for i, n in enumerate(sizes):
+        mine = order[source == i] - draws.offsets[i]
+        passes = mine[: len(mine) // n * n].view(-1, n)
+        assert (passes.sort(dim=1).values == torch.arange(n)).all()
+    assert draws.counts(1, 23) == [(source[60:83] == i).sum().item() for i in range(3)]
+    # 2 steps of 25 per epoch (the last 10 of each dropped), over 3 epochs
+    assert draws_per_source(draws, world=1, micro=5, accum=5, steps=6) == [90, 30, 30]
 
 
 # Two Ctrl-Cs delivered while the main thread is inside one call that does not return to the

@@ -70,7 +70,7 @@ def train(cfg, di) -> None:
     recipe = Regression(cfg, di, stop=lambda: 0)
     model, task = recipe.build_model(compile_options=None, checkpointing=None)
     ddp_model = DDP(model) if di.is_distributed else model
-    sampler = ShardSampler(recipe.dataset, num_replicas=world, rank=rank, seed=seed)
+    sampler = ShardSampler(recipe.draws(seed), num_replicas=world, rank=rank)
     loader = make_loader(
         recipe.dataset, sampler, recipe.collator([]), micro, cfg.loader, di.device.type, seed=seed + rank
     )
