@@ -24,12 +24,19 @@
 # straight to its ranks, which take as long as the save needs: torchrun itself is never told, so
 # its shutdown timeout (fixed at 30 s before torch 2.13) does not apply.
 #
+# Restarts: a rank that dies (a GPU fault, the OOM killer, a node lost) does not end the run: torchrun
+# starts every rank again, up to MAX_RESTARTS times (default 3; 0 for none), and they resume from the
+# newest checkpoint, or start the run if it never saved, as a requeued job does. A run that a rank
+# ended on purpose (a bad input, divergence, a failed checkpoint write, out of memory, a signal
+# above) is not restarted. The exit code and error line are the last attempt's.
+#
 # Environment it reads: NPROC_PER_NODE (processes per node), MASTER_PORT (rendezvous port, 29500),
 # NNODES, NODE_RANK, MASTER_ADDR (several nodes without SLURM: how many, which one this is, and
 # node 0's address, which every node must reach), LOCAL_ADDR (the address this node is reached at,
 # where its hostname does not resolve to it; with several interfaces also set GLOO_SOCKET_IFNAME /
 # NCCL_SOCKET_IFNAME to the one the nodes share), RDZV_ID (the run's name at the rendezvous),
-# PYTHON (the interpreter; default: the checkout's .venv, else python3).
+# MAX_RESTARTS (torchrun's restarts, above), PYTHON (the interpreter; default: the checkout's .venv,
+# else python3).
 #
 # train.py's own flags: python train.py --help (with --profile KEY: that profile's values).
 #
@@ -102,6 +109,11 @@ if [[ -n "${NPROC_PER_NODE:-}" && ! "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: NPROC_PER_NODE must be a positive integer, got '$NPROC_PER_NODE'" >&2
     exit 2
 fi
+restarts="${MAX_RESTARTS:-3}"
+if [[ ! "$restarts" =~ ^(0|[1-9][0-9]*)$ ]]; then
+    echo "error: MAX_RESTARTS must be a whole number, got '$restarts'" >&2
+    exit 2
+fi
 if [[ -z "$nproc" || "$nproc" -lt 1 ]]; then
     echo "error: profile $profile needs a GPU and none is visible (set NPROC_PER_NODE to override)" >&2
     exit 2
@@ -138,7 +150,7 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     fi
     echo "launch.sh: SLURM job $SLURM_JOB_ID, $nodes node(s) x $nproc process(es), rendezvous $head_node:$port"
     srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
-        "$PYTHON" -m latentwire.harness.launch --nnodes="$nodes" --nproc_per_node="$nproc" \
+        "$PYTHON" -m latentwire.harness.launch --nnodes="$nodes" --nproc_per_node="$nproc" --max-restarts="$restarts" \
         --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$head_node:$port" \
         "$ROOT/train.py" "$@" ${resume[@]+"${resume[@]}"} &  # an empty array is "unbound" to bash < 4.4
     step_pid=$!
@@ -182,7 +194,8 @@ else
     fi
     echo "launch.sh: node $node_rank of $nnodes x $nproc process(es) ($device), rendezvous $MASTER_ADDR:${MASTER_PORT:-29500}"
 fi
-"$PYTHON" -m latentwire.harness.launch "${rendezvous[@]}" --nproc_per_node="$nproc" "$ROOT/train.py" "$@" &
+"$PYTHON" -m latentwire.harness.launch "${rendezvous[@]}" --nproc_per_node="$nproc" --max-restarts="$restarts" \
+    "$ROOT/train.py" "$@" &
 launcher_pid=$!
 trap 'kill -TERM "$launcher_pid" 2>/dev/null || true' USR1 TERM  # latentwire.harness.launch passes it to the ranks
 # A hangup may reach this script alone (it leads the session of `ssh -t host ./launch.sh`) or the

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from latentwire.harness.checkpoint import Checkpointer, TrainState, checkpoint_dir, load_weights
 from latentwire.harness.compiling import inductor_cache_dir
-from latentwire.harness.config import check_can_create
+from latentwire.harness.config import SETTINGS_VERSION, check_can_create
 from latentwire.harness.data import (
     ShardSampler,
     check_one_global_batch,
@@ -42,6 +42,7 @@ from latentwire.harness.distributed import (
     ddp_buffer_options,
     group_options,
     leave_together,
+    restarted_by_torchrun,
     torchrun_rank,
 )
 from latentwire.harness.errors import INTERRUPTED_EXIT_CODE, Diverged, out_of_memory
@@ -69,6 +70,7 @@ from latentwire.harness.resume import (
     check_init_from,
     check_resume_data,
     check_resume_settings,
+    config_for_resume,
     flags_for_requeue,
     resolve_checkpoint,
     resume,
@@ -117,13 +119,17 @@ def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
     """Every input checked before anything heavy loads or anything on disk changes, and the batch
     this world runs: the configuration returned is final."""
     out_dir = Path(cfg.output.out_dir)
-    flags, why = flags_for_requeue(cfg.invocation, out_dir)  # resumed where it saved, started where it never did
+    # --- Requeued by SLURM, or restarted by torchrun: resumed where it saved, started where it never did
+    flags, why = flags_for_requeue(cfg.invocation, out_dir, restarted_by_torchrun())
     cfg = replace(cfg, invocation=flags)
     di.say(why)
-    check_out_dir(out_dir, cfg.invocation.resume, cfg.invocation.overwrite)
+    check_out_dir(out_dir, cfg.invocation.resume or cfg.invocation.restarted, cfg.invocation.overwrite)
+    if cfg.invocation.resume:  # a setting newer than the checkpoint: the value it ran with, not the profile's
+        cfg, why = config_for_resume(cfg, out_dir)
+        di.say(why)
     init = init_checkpoint(cfg)
     if init is not None:
-        check_init_from(init, cfg.to_dict(), cfg.weight_fields())
+        check_init_from(init, cfg.to_dict(), cfg.schema())
     if cfg.compile.enabled:
         check_can_create(compile_cache(cfg), "compile_cache")
     # --- The profile's batch on this world size: kept where it splits, else the lr follows --------
@@ -134,7 +140,7 @@ def resolve_run(cfg: LoopConfig, di: DistInfo) -> LoopConfig:
     cfg, why = Recipe.config_for_memory(cfg, di.world_size, TrainingStep(adamw, train_step))
     di.say(why)
     if cfg.invocation.resume:
-        check_resume_settings(out_dir, cfg.to_dict(), cfg.restored(), cfg.invocation)
+        check_resume_settings(out_dir, cfg.to_dict(), cfg.schema(), cfg.invocation)
     return cfg
 
 
@@ -224,6 +230,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
     meta = {
         "profile": cfg.invocation.profile,
         "config": cfg.to_dict(),
+        SETTINGS_VERSION: cfg.version,  # how later code reads these settings
         "data": recipe.data_identity,
         "init_from": str(init) if init else None,
         **recipe.meta(),
@@ -239,7 +246,7 @@ def build(cfg: LoopConfig, di: DistInfo, stop: StopFlag, started: float) -> Part
         scaler=scaler,
     )
     if cfg.invocation.resume:
-        state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), steps, cfg.invocation, di.say, di.warn)
+        state = resume(checkpointer, state, cfg.to_dict(), cfg.schema(), steps, cfg.invocation, di.say, di.warn)
         if state is None:
             return None
 

@@ -354,12 +354,16 @@ class DataConfig:
         "on the same examples",
         key="data_seed",
         ge=0,
+        since=4,
+        before=None,
     )
     cache: str | None = setting(
         None,
         "where dataset files and hub datasets are kept converted and checked, memory-mapped by every "
         "rank (null: in datasets' own cache, HF_DATASETS_CACHE)",
         key="data_cache",
+        since=5,
+        before=None,
     )
 
 

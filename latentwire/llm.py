@@ -50,6 +50,8 @@ class FrozenConfig:
         "for each of its two GEMMs, 2 bytes); forward and input gradients, bf16, compiled, a card with FP8 "
         "tensor cores or the CPU's emulation; MFU stays counted against the bf16 peak",
         key="frozen_fp8",
+        since=2,
+        carried={False: "none", True: "tensorwise"},  # a boolean before: torchao's tensorwise recipe, or none
     )
 
     def source(self, name: str) -> str:

@@ -280,6 +280,8 @@ class WireConfig:
         ge=0,
         restored=True,
         weights=True,
+        since=4,
+        before=0,
     )
     question_queries: bool = setting(
         False,
@@ -287,6 +289,8 @@ class WireConfig:
         "question (its first line) as the byte encoder reads it",
         restored=True,
         weights=True,
+        since=4,
+        before=False,
     )
 
     @property

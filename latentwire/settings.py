@@ -10,6 +10,7 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from .dataset import DataConfig
 from .fp8 import fp8_refusal
@@ -121,6 +122,12 @@ class Config(LoopConfig):
     planning: Planning
     evaluation: Evaluation
 
+    # The version of the checkpoint's settings, in each meta.json: bumped by every change to a
+    # setting (added, or its values of another kind), which declares `since` this version and how
+    # earlier checkpoints read it; tests/test_legacy_checkpoints.py holds the two to the fixtures of
+    # each version (tests/fixtures/checkpoints).
+    version: ClassVar[int] = 5
+
     @classmethod
     def rules(cls, v: dict, where: str) -> None:
         super().rules(v, where)
@@ -146,8 +153,7 @@ def read_meta(ckpt: Path) -> tuple[Config, int | None]:
         raise UserError(f"{where} is not valid JSON: {e}") from None
     except OSError as e:
         raise UserError(f"cannot read {where}: {e.strerror}") from None
-    config = meta.get("config") if isinstance(meta, dict) else None
-    if not isinstance(config, dict):
-        raise UserError(f"{where} has no 'config' object")
-    values = Config.schema().resolve({k: v for k, v in config.items() if k != "profile"}, f"{where}: config")
+    schema = Config.schema()
+    config = schema.saved(meta, str(where))  # an earlier version's, as this one reads it; a newer one refused
+    values = schema.resolve({k: v for k, v in config.items() if k != "profile"}, f"{where}: config")
     return Config.of(values, Invocation(profile=str(meta.get("profile")))), meta.get("step")

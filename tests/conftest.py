@@ -215,6 +215,23 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (a torchrun agent's: its ranks)."""
+    return [int(child) for path in Path(f"/proc/{pid}/task").glob("*/children") for child in path.read_text().split()]
+
+
+def rank_pid(text: str, rank: int) -> int:
+    """The pid of the rank `rank` of the run whose command line mentions `text`."""
+    for pid in processes_mentioning(text):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:  # a whole entry: LOCAL_RANK=... is another
+            return pid
+    raise AssertionError(f"no rank {rank} mentions {text}")
+
+
 def exit_and_leftovers(proc: subprocess.Popen, marker: str, timeout: int = 120) -> tuple[str, str, list[int]]:
     """Wait for `proc` to exit while a thread reads each of its pipes, and list the processes that
     still mention `marker` at that moment. (communicate() would wait for processes it left behind:
@@ -279,6 +296,46 @@ def run_module(
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+class Preloaded:
+    """tests/preloaded.py: commands forked from an interpreter that has made their imports, one at
+    a time, all in the environment it was started with."""
+
+    def __init__(self, env: dict, timeout: int = 300):
+        self.timeout = timeout
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "preloaded.py")],
+            cwd=REPO,
+            env=child_env(**env),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def run(self, target: str, args: list[str], outputs: Path) -> subprocess.CompletedProcess:
+        out, err = outputs / "stdout", outputs / "stderr"
+        self.proc.stdin.write(
+            json.dumps(
+                {
+                    "target": target,
+                    "args": args,
+                    "cwd": str(REPO),
+                    "stdout": str(out),
+                    "stderr": str(err),
+                    "timeout": self.timeout,
+                }
+            )
+            + "\n"
+        )
+        self.proc.stdin.flush()
+        said = self.proc.stdout.readline()
+        assert said, f"tests/preloaded.py exited with code {self.proc.wait()}"
+        return subprocess.CompletedProcess([target, *args], int(said), out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
@@ -366,6 +423,15 @@ def wait_for_step(out, step, proc, timeout=300):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     raise AssertionError(f"step {step} not reached")
+
+
+def wait_for_path(path: Path, proc, timeout=300):
+    """Until `path` exists (a checkpoint's directory: the event a kill test waits for), while `proc` runs."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.2)
 
 
 def assert_same_run(straight, resumed, from_step):

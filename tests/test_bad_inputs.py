@@ -29,7 +29,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import NOBODY, REPO, assert_one_line_error, child_env, ok, run_train
+from conftest import NOBODY, REPO, Preloaded, assert_one_line_error, child_env, ok, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -148,6 +148,16 @@ class Ctx:
         meta["config"].update(config)
         path.write_text(json.dumps(meta, indent=2))
 
+    def newer_settings(self) -> dict:
+        """The checkpoint's meta.json claims the settings version after this code's: the error
+        names both."""
+        from latentwire.harness.config import SETTINGS_VERSION
+        from latentwire.settings import Config
+
+        path = self.ckpt_file("meta.json")
+        path.write_text(json.dumps({**json.loads(path.read_text()), SETTINGS_VERSION: Config.version + 1}))
+        return {"says": f"settings version {Config.version + 1}, newer than this code's {Config.version}"}
+
     def reshape_queries(self) -> None:
         """The wire's learned queries saved with half the soft tokens (as if trained with another
         --num-latents), the rest of the checkpoint and its meta.json unchanged."""
@@ -208,45 +218,6 @@ def base_args(entry: str, run: Path) -> list[str]:
     if entry == "evaluate":  # the report would go to RUN/eval
         return ["--ckpt", str(run), "--eval-examples", "8", "--batch-size", "8", "--max-new-tokens", "4"]
     raise ValueError(entry)
-
-
-class Preloaded:
-    """tests/preloaded.py: commands forked from an interpreter that has made their imports, one at
-    a time, all in the environment it was started with."""
-
-    def __init__(self, env: dict):
-        self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "preloaded.py")],
-            cwd=REPO,
-            env=child_env(**env),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-
-    def run(self, target: str, args: list[str], outputs: Path) -> subprocess.CompletedProcess:
-        out, err = outputs / "stdout", outputs / "stderr"
-        self.proc.stdin.write(
-            json.dumps(
-                {
-                    "target": target,
-                    "args": args,
-                    "cwd": str(REPO),
-                    "stdout": str(out),
-                    "stderr": str(err),
-                    "timeout": TIMEOUT_S,
-                }
-            )
-            + "\n"
-        )
-        self.proc.stdin.flush()
-        said = self.proc.stdout.readline()
-        assert said, f"tests/preloaded.py exited with code {self.proc.wait()}"
-        return subprocess.CompletedProcess([target, *args], int(said), out.read_text(), err.read_text())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
 
 
 def python_target(entry: str) -> str:
@@ -522,6 +493,12 @@ CASES = {
     "evaluate-ckpt-meta-field-wrong-type": ("evaluate", lambda c: c.meta(d_z="64") or []),
     "evaluate-ckpt-no-complete-checkpoint": ("evaluate", lambda c: c.leave_only_a_partial_checkpoint() or []),
     "launch2-resume-garbage-weights": ("launch2", lambda c: c.garbage("trainable.safetensors") or ["--resume"]),
+    "train-resume-newer-settings-version": ("train", lambda c: {**c.newer_settings(), "args": ["--resume"]}),
+    "evaluate-ckpt-newer-settings-version": ("evaluate", lambda c: {**c.newer_settings(), "args": []}),
+    "train-init-from-newer-settings-version": (
+        "train",
+        lambda c: {**c.newer_settings(), "args": ["--init-from", str(c.run), "--out-dir", str(c.run / "new")]},
+    ),
     # --- out_dir ---------------------------------------------------------------------------------
     "train-out-dir-is-a-file": ("train", lambda c: [OW, "--out-dir", str(c.run / "metrics.jsonl")]),
     "train-init-from-another-shape": (
@@ -617,7 +594,7 @@ def results(reference_run, model_dirs, hf_cache, tmp_path_factory) -> dict[str, 
     root = tmp_path_factory.mktemp("cases")
     servers = queue.Queue()
     for _ in range(2):
-        servers.put(Preloaded(offline_env(hf_cache)))
+        servers.put(Preloaded(offline_env(hf_cache), TIMEOUT_S))
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = {

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
@@ -26,6 +25,7 @@ from conftest import (
     free_port,
     ok,
     processes_mentioning,
+    rank_pid,
     read_metrics,
     wait_for_step,
 )
@@ -100,7 +100,7 @@ def test_slurm_path_runs_one_torchrun_per_node_with_c10d_rendezvous(tmp_path):
     srun_args = (bin_dir / "srun.args").read_text()
     assert "--ntasks-per-node=1" in srun_args and "--rdzv_backend=c10d" in srun_args
     assert "--rdzv_endpoint=127.0.0.1:29731" in srun_args and "--rdzv_id=4242" in srun_args
-    assert "--nnodes=1 --nproc_per_node=2" in srun_args
+    assert "--nnodes=1 --nproc_per_node=2 --max-restarts=3" in srun_args
     assert "SLURM job 4242" in proc.stdout and [m["step"] for m in read_metrics(out)] == [1]
 
 
@@ -421,18 +421,6 @@ def test_a_rank_whose_peer_stopped_at_once_exits_130_quietly(tmp_path):
     assert "interrupted again: stopping now, without saving this step" in stderr and left == []
 
 
-def rank_pid(text: str, rank: int) -> int:
-    """The pid of the rank `rank` of the run whose command line mentions `text`."""
-    for pid in processes_mentioning(text):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ:  # a whole entry: LOCAL_RANK=... is another
-            return pid
-    raise AssertionError(f"no rank {rank} mentions {text}")
-
-
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_bad_input_is_one_line_with_the_run_s_exit_code(tmp_path, nproc):
     """Each rank refuses it; launch.sh prints the line once and exits 2, not torchrun's 1."""
@@ -569,6 +557,12 @@ def test_several_nodes_need_their_rank_and_node_0_s_address(tmp_path):
         proc = launch(["--profile", "cpu"], tmp_path, **env)
         assert proc.returncode == 2 and proc.stderr.strip().startswith("error: ") and fragment in proc.stderr, env
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_max_restarts_is_a_whole_number(tmp_path):
+    proc = launch(["--profile", "cpu"], tmp_path, MAX_RESTARTS="always")
+    assert_one_line_error(proc, "MAX_RESTARTS must be a whole number, got 'always'")
+    assert proc.returncode == 2
 
 
 # --- every command also works under torchrun ---------------------------------------------------

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from conftest import (
+    EXACT,
+    FAST,
     NOBODY,
     REPO,
     RUN,
@@ -23,11 +25,15 @@ from conftest import (
     assert_one_line_error,
     assert_same_run,
     child_env,
+    children,
     exit_and_leftovers,
     final_weights,
+    free_port,
     ok,
+    rank_pid,
     read_metrics,
     run_train,
+    wait_for_path,
     wait_for_step,
 )
 from latentwire.dataset import synthetic_examples
@@ -35,11 +41,14 @@ from latentwire.harness.checkpoint import list_checkpoints, load_checkpoint
 from latentwire.settings import DEFAULT_PROFILES, load_config
 
 
-def popen_train(args, nproc=1, **env):
+def popen_train(args, nproc=1, max_restarts=0, **env):
     launcher = (
         [sys.executable]
         if nproc == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        else [
+            *[sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"],
+            f"--max-restarts={max_restarts}",
+        ]
     )
     return subprocess.Popen(
         [*launcher, str(REPO / "train.py"), *args],
@@ -94,6 +103,63 @@ def test_sigterm_to_torchrun_saves_within_a_step_and_resumes_exactly(tmp_path, s
     assert saved == [f"step_{logged:08d}"]  # the step that was running when the signal came
     ok(run_train([*args, "--out-dir", str(cut), "--resume"], nproc=2))
     assert_same_run(straight(2), cut, logged)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", ["after_the_second_checkpoint", "before_the_first_checkpoint"])
+def test_a_rank_killed_under_torchrun_s_restarts_continues_the_run_exactly(tmp_path, straight, killed):
+    """torchrun --max-restarts=1 (plain, as the README runs it), one rank SIGKILLed (a GPU fault, the
+    OOM killer): torchrun starts both ranks again, with the same command, and they resume from the
+    newest checkpoint, or start the run over where it never saved, without --overwrite: exit 0 at
+    the last step, the weights bitwise the unbroken run's, every step logged once."""
+    after = killed == "after_the_second_checkpoint"
+    out = tmp_path / "run"
+    job = popen_train([*TWENTY[2], "--checkpoint-every", "5" if after else "0", "--out-dir", str(out)], 2, 1)
+    wait_for_path(out / "checkpoints" / "step_00000010", job) if after else wait_for_step(out, 2, job)
+    os.kill(rank_pid(str(out), 1), signal.SIGKILL)
+    stdout, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stdout + stderr
+    said = (
+        "restarted by torchrun: resuming the run from its newest checkpoint"
+        if after
+        else "restarted by torchrun before the run's first checkpoint: starting it over"
+    )
+    assert said in stdout, stdout
+    assert_same_run(straight(2), out, 0)
+
+
+@pytest.mark.slow
+def test_an_elastic_job_that_loses_a_node_continues_alone_with_the_global_batch_kept(tmp_path):
+    """Two torchrun agents (nodes) of an elastic job, --nnodes=1:2, c10d rendezvous, one rank each;
+    one node lost after the run's first checkpoint (its agent and rank SIGKILLed). The other's agent
+    starts its rank again in a world of one, which resumes with the profile's global batch (16 x 1 x
+    2 becomes 16 x 2 x 1) and trains to the last step, every step logged once."""
+    out, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
+
+    def node(hosts_the_rendezvous: bool) -> subprocess.Popen:
+        # The rendezvous closes 5 s after its first node joins, or once both have; a lost node is
+        # dropped after two missed heartbeats of 1 s.
+        conf = f"is_host={str(hosts_the_rendezvous).lower()},last_call_timeout=5"
+        conf += ",keep_alive_interval=1,keep_alive_max_attempt=2"
+        torchrun = ["--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d"]
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *torchrun, f"--rdzv-endpoint={endpoint}",
+             "--rdzv-id=elastic", f"--rdzv-conf={conf}", str(REPO / "train.py"), "--profile", "cpu", *EXACT, *FAST,
+             "--max-steps", "12", "--checkpoint-every", "4", "--out-dir", str(out)],
+            cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    stays, lost = node(hosts_the_rendezvous=True), node(hosts_the_rendezvous=False)
+    wait_for_path(out / "checkpoints" / "step_00000004", stays)
+    for pid in [lost.pid, *children(lost.pid)]:
+        os.kill(pid, signal.SIGKILL)
+    lost.communicate()
+    stdout, stderr = stays.communicate(timeout=300)
+    assert stays.returncode == 0, stdout + stderr
+    assert "restarted by torchrun: resuming the run from its newest checkpoint" in stdout, stdout
+    assert "global batch 32 (16 x 1 x 2, as the profile lays it out) kept on 1 rank(s) as 16 x 2 x 1" in stdout
+    assert "layout (world, micro-batch, accumulation) is (1, 16, 2), the checkpoint's was (2, 16, 1)" in stderr
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, 13))
 
 
 @pytest.mark.slow

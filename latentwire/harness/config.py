@@ -8,6 +8,13 @@ the profile keys and the command-line flags (the field's name, or its `key`; `--
 for `micro_batch_size`), the validation (type, choices, bounds, and the configuration's `rules`
 that tie fields together), --help, and the flat record meta.json keeps.
 
+Settings have versions. A configuration declares the version of its settings (`version`), which
+each checkpoint's meta.json records; a setting added later declares the version that added it and
+the value that reproduces what earlier versions did (`since=N, before=value`), one whose values
+changed kind declares how the earlier values carry over (`since=N, carried={old: new}`). A
+checkpoint of an earlier version is read through those declarations (`Schema.lift`), one of a newer
+version is refused (docs/loop.md, "Lifting the loop").
+
 A profile is one key of a JSON file of profiles: the defaults, under what the profiles it
 `extends` name, under what it names itself (nanoGPT's defaults-then-overrides). Every value is
 checked, so a typo in the JSON or on the command line is a one-line error naming the field, not a
@@ -41,15 +48,33 @@ def setting(
     refused: dict | None = None,
     restored: bool = False,
     weights: bool = False,
+    since: int | None = None,
+    before=MISSING,
+    carried: dict | None = None,
     **bounds: float,
 ):
     """A section's field as a setting: its `default` (none: every profile must name it), its
     `help`, the profile key and flag it goes by where that is not its own name (`key`), values
     refused with a reason (`refused`), its bounds (`gt`, `ge`, `lt`, `le`), whether a resume may
     not change it (`restored`: the checkpoint's state depends on it) and whether the trained
-    weights depend on it (`weights`: --init-from compares it)."""
+    weights depend on it (`weights`: --init-from compares it). A setting of a later version than
+    the first names it (`since`) and says how a checkpoint of an earlier one reads: `before`, the
+    value that reproduces what earlier versions did (it did not exist), or `carried`, each earlier
+    value's meaning today (its values changed kind)."""
     assert set(bounds) <= set(BOUNDS), f"unknown bounds {sorted(set(bounds) - set(BOUNDS))}"
-    spec = dict(help=help, key=key, refused=refused or {}, restored=restored, weights=weights, bounds=bounds)
+    assert (since is None) == (before is MISSING and carried is None), "since goes with one of before or carried"
+    assert before is MISSING or carried is None, "a setting either was added (before) or changed kind (carried)"
+    spec = dict(
+        help=help,
+        key=key,
+        refused=refused or {},
+        restored=restored,
+        weights=weights,
+        bounds=bounds,
+        since=since,
+        before=() if before is MISSING else (before,),
+        carried=carried or {},
+    )
     return dataclasses.field(default=default, metadata={"setting": spec})
 
 
@@ -69,6 +94,9 @@ class Field:
     refused: dict = dataclasses.field(default_factory=dict)  # value -> why it is not (yet) taken
     restored: bool = False
     weights: bool = False
+    since: int | None = None  # the settings version that added it, or changed the kind of its values
+    before: tuple = ()  # added: (its value in every earlier version,)
+    carried: dict = dataclasses.field(default_factory=dict)  # changed kind: earlier value -> today's
 
 
 def fields_of(section_attr: str, section: type) -> list[Field]:
@@ -93,6 +121,9 @@ def fields_of(section_attr: str, section: type) -> list[Field]:
                 refused=spec["refused"],
                 restored=spec["restored"],
                 weights=spec["weights"],
+                since=spec["since"],
+                before=spec["before"],
+                carried=spec["carried"],
             )
         )
     return out
@@ -110,20 +141,78 @@ def _kind(hint) -> tuple[type, bool, tuple]:
     return hint, False, ()
 
 
-class Schema:
-    """A run's settings (key -> Field) and `rules(values, where)`, the checks that tie fields
-    together (raising UserError), run on every resolved profile and on the final settings. --help
-    lists each profile by its `description` field, which a schema therefore has."""
+# What meta.json calls the version of its settings; a meta.json without one was written before
+# versions were recorded, under the first version's rules (every later setting read by `lift`,
+# whether the checkpoint records it or not).
+SETTINGS_VERSION = "settings_version"
+FIRST_VERSION = 1
 
-    def __init__(self, fields: list[Field], rules: Callable[[dict, str], None] = lambda values, where: None):
+
+class Schema:
+    """A run's settings (key -> Field), their `version`, and `rules(values, where)`, the checks that
+    tie fields together (raising UserError), run on every resolved profile and on the final
+    settings. --help lists each profile by its `description` field, which a schema therefore has."""
+
+    def __init__(
+        self,
+        fields: list[Field],
+        rules: Callable[[dict, str], None] = lambda values, where: None,
+        version: int = FIRST_VERSION,
+    ):
         self.fields = {f.key: f for f in fields}
         assert len(self.fields) == len(fields), "two settings share a profile key"
-        self.rules = rules
+        self.rules, self.version = rules, version
+        for f in fields:
+            assert f.since is None or FIRST_VERSION < f.since <= version, f"{f.key}: since {f.since}, version {version}"
+            for value in f.before:
+                self.check_value(f.key, value, f"{f.key}'s value before version {f.since}")
 
     @classmethod
-    def of(cls, sections: dict[str, type], rules: Callable[[dict, str], None] = lambda values, where: None):
+    def of(
+        cls,
+        sections: dict[str, type],
+        rules: Callable[[dict, str], None] = lambda values, where: None,
+        version: int = FIRST_VERSION,
+    ):
         """The schema of a configuration made of `sections` (attribute -> section dataclass)."""
-        return cls([f for attr, section in sections.items() for f in fields_of(attr, section)], rules)
+        return cls([f for attr, section in sections.items() for f in fields_of(attr, section)], rules, version)
+
+    def lift(self, saved: dict, version: int, where: str) -> dict:
+        """The settings a checkpoint of settings `version` recorded (`saved`), as this version reads
+        them: each setting added since, missing there, at its value before; each whose values changed
+        kind since, carried over. A newer version than this schema's is refused: what its settings
+        mean is not known here."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise UserError(f"{where}: {SETTINGS_VERSION} must be a whole number, got {version!r}")
+        if version > self.version:
+            raise UserError(
+                f"{where} was written with settings version {version}, newer than this code's {self.version}: "
+                "read it with the code that wrote it, or update this code"
+            )
+        lifted = dict(saved)
+        for key, f in self.fields.items():
+            if f.since is None or version >= f.since:
+                continue
+            if key not in lifted and f.before:
+                lifted[key] = f.before[0]
+            elif key in lifted and type(lifted[key]) is not f.kind and lifted[key] in f.carried:
+                lifted[key] = f.carried[lifted[key]]
+        return lifted
+
+    def saved(self, meta: dict, where: str) -> dict:
+        """A checkpoint's settings (its meta.json's "config", flat), as this version reads them."""
+        config = meta.get("config") if isinstance(meta, dict) else None
+        if not isinstance(config, dict):
+            raise UserError(f"{where} has no 'config' object")
+        return self.lift(config, meta.get(SETTINGS_VERSION, FIRST_VERSION), where)
+
+    def restored(self) -> tuple[str, ...]:
+        """The settings a resume may not change: the checkpoint's state depends on them."""
+        return tuple(key for key, f in self.fields.items() if f.restored)
+
+    def weight_fields(self) -> tuple[str, ...]:
+        """The settings the trained weights depend on (--init-from compares them)."""
+        return tuple(key for key, f in self.fields.items() if f.weights)
 
     def defaults(self) -> dict:
         """The fields that have a default, with it."""
@@ -324,6 +413,11 @@ def _flag_type(spec: Field):
 
 def _as_flag(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)  # true, false, null as the flags take them
+
+
+def flag_and_value(key: str, value) -> str:
+    """A setting as the command line gives it: `--patch-hash-buckets 0`."""
+    return f"--{key.replace('_', '-')} {_as_flag(value)}"
 
 
 def _metavar(spec: Field) -> str:

@@ -2,12 +2,23 @@
 
 Plain `python train.py` (no RANK in the environment) runs as a world of one without a process
 group, so every helper here also works single-process.
+
+torchrun (--max-restarts, or an elastic --nnodes=MIN:MAX job) starts the ranks again when one dies
+or the nodes change. With its c10d rendezvous its agent hosts the TCP store the workers connect
+their process group through (TORCHELASTIC_USE_AGENT_STORE), and that store outlives them: a
+restarted rank can read the addresses the previous attempt's ranks wrote there and fail to connect
+(pytorch/pytorch#135712; #167288 with NCCL; with gloo on torch 2.13 too, docs/faults.md). Its
+keys would need a prefix every rank of an attempt agrees on, and TORCHELASTIC_RESTART_COUNT is not
+one: each agent counts its own restarts, and one restarted for a node that joined counts none. So
+each attempt's rank 0 hosts the group's store itself, found through the agent's store
+(`attempt_store`).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,12 +81,67 @@ def torchrun_rank(device_type: str) -> DistInfo:
 def group_options(device: torch.device, timeout_s: int) -> dict:
     """dist.init_process_group's arguments: NCCL moves CUDA tensors over NVLink/InfiniBand, gloo is
     the CPU backend; an explicit timeout, so a rank that dies or hangs makes the others fail instead
-    of waiting forever; on CUDA the rank's GPU, so NCCL binds its communicator to it at once."""
-    return {
+    of waiting forever; on CUDA the rank's GPU, so NCCL binds its communicator to it at once; under a
+    torchrun agent's store, this attempt's own store (see the module's docstring)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    options = {
         "backend": "nccl" if device.type == "cuda" else "gloo",
-        "timeout": datetime.timedelta(seconds=timeout_s),
+        "timeout": timeout,
         "device_id": device if device.type == "cuda" else None,
     }
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        options |= {"store": attempt_store(rank, timeout), "rank": rank, "world_size": world}
+    return options
+
+
+# The number of this torchrun job's attempts that have started a group so far, this one included
+# (attempt_store's; 0: none here).
+_attempts = 0
+
+
+def attempt_store(rank: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store of this attempt's process group: rank 0 hosts a new one and names its port in the
+    agent's store under the attempt's number (a count there: rank 0 of each attempt adds one); the
+    other ranks read the count and take the store of that number whose host answers as it. A number
+    they read before this attempt's rank 0 added its own names the store of an earlier attempt's rank
+    0, which died with it (torchrun stops every rank before it starts any again), on the host of
+    the agent's store, which refuses at once: they take the next number, which blocks until set."""
+    global _attempts
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    count = f"harness/{os.environ['TORCHELASTIC_RUN_ID']}/group_stores"
+    if rank == 0:
+        own = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        _attempts = agent.add(count, 1)
+        own.set("harness/attempt", str(_attempts))
+        agent.set(f"{count}/{_attempts}", str(own.port))
+        return own
+    _attempts = max(agent.add(count, 0), 1)
+    while True:
+        own_port = int(agent.get(f"{count}/{_attempts}"))
+        try:
+            socket.create_connection((host, own_port), timeout=timeout.total_seconds()).close()
+            own = dist.TCPStore(host, own_port, is_master=False, timeout=timeout)
+            if own.check(["harness/attempt"]) and own.get("harness/attempt") == str(_attempts).encode():
+                return own
+        except (OSError, RuntimeError):  # refused, or not a store (another process has the port now)
+            pass
+        _attempts += 1
+
+
+def restarted_by_torchrun() -> bool:
+    """Collective: whether torchrun started this run's ranks again (a rank died, a node was lost or
+    joined): some rank's agent counted a restart, or an earlier attempt of this job started a group
+    on the agent's store. The same on every rank."""
+    here = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or _attempts > 1
+    return any(gather_objects(here))
+
+
+def torchrun_job() -> str | None:
+    """The torchrun job this process belongs to (its rendezvous id: --rdzv-id, SLURM's job id under
+    launch.sh, a new one for each --standalone start); None outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 @contextmanager

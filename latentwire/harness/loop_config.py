@@ -17,7 +17,7 @@ import functools
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from .compiling import CompileConfig
 from .config import Parser, Schema, profile_listing, read_profiles, setting
@@ -120,6 +120,7 @@ class Invocation:
         "may differ from the checkpoint's, from the start of a fresh epoch",
     )
     given: tuple[str, ...] = ()  # the settings given as flags, over the profile's values
+    restarted: bool = False  # torchrun restarted this job before the run's first checkpoint: out_dir's run is its own
 
     def setting(self, field: str, value) -> str:
         """A setting and its value as the user gave it: its flag, or its profile's field."""
@@ -146,6 +147,11 @@ class LoopConfig:
     profiler: ProfilerConfig
     invocation: Invocation
 
+    # The version of these settings, which each checkpoint records (harness.config, "Settings have
+    # versions"): a configuration that extends them declares its own, bumped by every change to a
+    # setting of its own or of these.
+    version: ClassVar[int] = 3
+
     @classmethod
     def rules(cls, v: dict, where: str) -> None:
         """The checks that tie fields together (a model's configuration adds its own, after these)."""
@@ -157,7 +163,7 @@ class LoopConfig:
     def schema(cls) -> Schema:
         hints = typing.get_type_hints(cls)
         sections = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "invocation"}
-        return Schema.of(sections, cls.rules)
+        return Schema.of(sections, cls.rules, cls.version)
 
     @classmethod
     def of(cls, values: dict, invocation: Invocation):
@@ -175,16 +181,6 @@ class LoopConfig:
     def to_dict(self) -> dict:
         """What meta.json records: the profile's key and the flat fields."""
         return {"profile": self.invocation.profile, **self.flat()}
-
-    @classmethod
-    def restored(cls) -> tuple[str, ...]:
-        """The settings a resume may not change: the checkpoint's state depends on them."""
-        return tuple(key for key, f in cls.schema().fields.items() if f.restored)
-
-    @classmethod
-    def weight_fields(cls) -> tuple[str, ...]:
-        """The settings the trained weights depend on (--init-from compares them)."""
-        return tuple(key for key, f in cls.schema().fields.items() if f.weights)
 
 
 # --- the command line -----------------------------------------------------------------------------

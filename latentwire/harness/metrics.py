@@ -46,7 +46,7 @@ class MetricsLogger:
         self.jsonl = open(path, "a")
         # TensorBoard, reading the older files, drops their events of steps from `purge_step` on, and
         # reads each up to a torn last record; the writer itself never reads them.
-        self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step if first_step > 1 else None)
+        self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=first_step)
         if sys.stdout.isatty() and total_steps is not None:
             from tqdm import tqdm
 

@@ -11,6 +11,8 @@
   only once every input has been checked, so a refused run never damages what is on disk.
 - The run must be able to write where it writes (the directory and its `checkpoints/`): checked
   before anything heavy loads, not found at the first save after hours of training.
+- A run started by torchrun names its job there (`TORCHRUN_JOB`): when torchrun restarts the job,
+  the directory is known to hold the job's own run (harness.resume.flags_for_requeue).
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from pathlib import Path
 
 from .checkpoint import list_checkpoints
 from .config import check_can_create
-from .distributed import DistInfo, broadcast_from_main
+from .distributed import DistInfo, broadcast_from_main, torchrun_job
 from .errors import UserError
 
+TORCHRUN_JOB = "torchrun_job"  # the torchrun job that started the run here (harness.distributed.torchrun_job)
 # What a run writes under its directory, and `--overwrite` removes.
-RUN_FILES = ("metrics.jsonl", "tb", "checkpoints", "traces")
+RUN_FILES = ("metrics.jsonl", "tb", "checkpoints", "traces", TORCHRUN_JOB)
 
 
 @contextmanager
@@ -121,23 +124,35 @@ def _remove_if_empty(path: Path) -> None:
         pass
 
 
-def check_out_dir(out_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to mix two runs in one directory unless asked to resume or overwrite, and refuse a
-    run that could not write its metrics or checkpoints there, before anything is written."""
+def check_out_dir(out_dir: Path, continues: bool, overwrite: bool) -> None:
+    """Refuse to mix two runs in one directory unless the run there is continued (--resume, or a
+    torchrun restart of the job that started it) or overwritten, and refuse a run that could not
+    write its metrics or checkpoints there, before anything is written."""
     check_can_create(out_dir, "out_dir")  # first: the look inside needs a directory this user may search
     check_can_create(out_dir / "checkpoints", "the checkpoint directory")
     holds_run = (out_dir / "metrics.jsonl").exists() or bool(list_checkpoints(out_dir))
-    if holds_run and not (resume or overwrite):
+    if holds_run and not (continues or overwrite):
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or --overwrite to replace it")
 
 
 def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
-    """The directory made, and with `overwrite` the old run's files removed."""
+    """The directory made, and with `overwrite` the old run's files removed; the torchrun job that
+    runs it named there."""
     if overwrite:
         for name in RUN_FILES:
             path = out_dir / name
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        if torchrun_job() is not None:
+            (out_dir / TORCHRUN_JOB).write_text(torchrun_job())
     except OSError as e:
         raise UserError(f"cannot create out_dir {out_dir}: {e.strerror}") from None
+
+
+def started_by_this_job(out_dir: Path) -> bool:
+    """Whether this torchrun job started the run in `out_dir` (an earlier attempt of it did)."""
+    try:
+        return torchrun_job() is not None and (out_dir / TORCHRUN_JOB).read_text() == torchrun_job()
+    except OSError:
+        return False

@@ -1,30 +1,61 @@
 """Each rank's outcome, left for the launcher (`harness.launch`): its exit code and error line, in
-a directory the launcher names in HARNESS_OUTCOME_DIR. The launcher waits for every rank's, prints
-the error line once for all of them, and exits with the run's own code rather than torchrun's."""
+a directory the launcher names in HARNESS_OUTCOME_DIR. The launcher prints the error line once for
+all of them, and exits with the run's own code rather than torchrun's.
+
+torchrun restarts every rank when one fails (--max-restarts), whatever its code: a run a rank ended
+on purpose (a bad input, divergence, a failed write, out of memory, or a stop the launcher passed
+on) would be started again, to end the same way. So a rank that records such an outcome also tells
+its launcher (RUN_ENDED, to the launcher's pid in HARNESS_LAUNCHER_PID), which stops torchrun
+instead; each outcome names the process that left it, so the launcher reads those of the ranks of
+the attempt that ended, not an earlier attempt's. A preemption (75) that torchrun's own stop caused
+(it stops the ranks to restart them when a node joins) is not the run's end: only one the launcher
+passed on is (`stop_passed_on`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
+from .errors import PREEMPTED_EXIT_CODE
+
 OUTCOME_DIR = "HARNESS_OUTCOME_DIR"
+LAUNCHER_PID = "HARNESS_LAUNCHER_PID"
+RUN_ENDED = signal.SIGUSR2  # a rank to its launcher: do not let torchrun restart this run
+STOP_PASSED_ON = "stop_passed_on"  # a file the launcher leaves in the directory before it passes a stop signal on
 
 
 def record_outcome(code: int, error: str | None) -> bool:
     """Leave this rank's outcome for the launcher, if one is waiting for it; True if so (the
-    launcher then prints the error line, once for all ranks)."""
+    launcher then prints the error line, once for all ranks). A non-zero outcome ends the run, and
+    the launcher is told so, unless torchrun's own stop caused it."""
     directory = os.environ.get(OUTCOME_DIR)
     if not directory:
         return False
     rank = this_rank()
     path = Path(directory) / f"rank{rank}.json"
+    outcome = {"rank": rank, "pid": os.getpid(), "code": code, "error": error}
     try:  # written whole or not at all: a rank killed mid-write leaves no half outcome
-        path.with_suffix(".tmp").write_text(json.dumps({"rank": rank, "code": code, "error": error}))
+        path.with_suffix(".tmp").write_text(json.dumps(outcome))
         os.replace(path.with_suffix(".tmp"), path)
     except OSError:
         return False
+    if code != 0 and (code != PREEMPTED_EXIT_CODE or (Path(directory) / STOP_PASSED_ON).exists()):
+        tell_the_launcher()
     return True
+
+
+def tell_the_launcher() -> None:
+    """RUN_ENDED to the launcher that started this rank (its parent: torchrun runs in it)."""
+    launcher = int(os.environ.get(LAUNCHER_PID, "0"))
+    if launcher and launcher == os.getppid():
+        os.kill(launcher, RUN_ENDED)
+
+
+def stop_passed_on() -> None:
+    """The launcher's mark, before it passes a stop signal to its ranks: their preemption ends the run."""
+    (Path(os.environ[OUTCOME_DIR]) / STOP_PASSED_ON).touch()
 
 
 def a_peer_left_with(code: int) -> bool:
@@ -36,10 +67,11 @@ def a_peer_left_with(code: int) -> bool:
     return bool(directory) and any(o["rank"] != this_rank() and o["code"] == code for o in recorded_outcomes(directory))
 
 
-def recorded_outcomes(directory: str | Path) -> list[dict]:
+def recorded_outcomes(directory: str | Path, pids: set[int] | None = None) -> list[dict]:
     """The outcomes the ranks have left in `directory` so far, by rank (each file is whole: see
-    record_outcome)."""
-    return sorted((json.loads(p.read_text()) for p in Path(directory).glob("rank*.json")), key=lambda o: o["rank"])
+    record_outcome); only those of the processes `pids`, if given."""
+    outcomes = (json.loads(p.read_text()) for p in Path(directory).glob("rank*.json"))
+    return sorted((o for o in outcomes if pids is None or o["pid"] in pids), key=lambda o: o["rank"])
 
 
 def this_rank() -> int:

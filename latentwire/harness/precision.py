@@ -24,7 +24,10 @@ class Card:
     device: Literal["cuda", "cpu"] = setting(help="cuda or cpu")
     memory_gb: float = setting(help="memory of one device in GB (GiB for CUDA cards)", gt=0)
     cap_memory: bool = setting(
-        True, "hold a run on a card with more memory than memory_gb to memory_gb (harness.memory_cap)"
+        True,
+        "hold a run on a card with more memory than memory_gb to memory_gb (harness.memory_cap)",
+        since=3,
+        before=False,
     )
     supports_bf16: bool = setting(False, "whether the card has bf16 tensor cores (sm80 and newer)")
     peak_tflops_bf16: float | None = setting(None, "dense bf16 peak TFLOP/s of one device", gt=0)

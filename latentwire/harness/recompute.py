@@ -47,6 +47,8 @@ class Recompute:
         "selective (attention's and every second matmul's outputs kept, the rest recomputed), full (each "
         "region's forward run again)",
         key="activation_checkpointing",
+        since=3,
+        carried={False: "none", True: "full"},  # a boolean before: recompute every layer, or none
     )
 
 

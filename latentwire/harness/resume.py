@@ -13,6 +13,10 @@ is `harness.checkpoint`'s.
   a fresh epoch of it with the resumed weights and optimizer.
 - `--init-from` starts a new run from a checkpoint's weights, refused where they were trained for
   another shape (the settings declared `weights=True`).
+- A checkpoint's settings are read as this code's version of them reads them (`Schema.saved`): one
+  written before a setting existed ran at the value it declares for earlier versions, and a resume
+  keeps that value where the command does not give one (`config_for_resume`), not the profile's;
+  a checkpoint of a newer version is refused.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from .checkpoint import META, WEIGHTS, Checkpointer, CorruptCheckpoint, TrainState, list_checkpoints, load_checkpoint
+from .config import Schema, flag_and_value
 from .data_identity import describe_data, same_data
 from .distributed import gather_objects
 from .errors import UserError
+from .out_dir import started_by_this_job
 
 # --- which checkpoint ---------------------------------------------------------------------------------
 
@@ -123,11 +129,32 @@ def check_same_data(path: Path, saved: dict, fresh: dict, new_data: bool) -> Non
         )
 
 
-def check_resume_settings(out_dir: Path, config: dict, restored: tuple[str, ...], flags) -> None:
+def config_for_resume(cfg, out_dir: Path):
+    """`cfg` (a LoopConfig) for a resume of the run in `out_dir`, and the line that says what it took:
+    each setting its newest checkpoint's settings version predates, where the command gives none, at
+    the value that version ran with (the profile's newer default would be another run: another shape,
+    other data). A checkpoint of a newer version is refused here, before anything loads."""
+    found = newest_meta(out_dir)
+    if found is None:
+        return cfg, None
+    path, meta = found
+    schema = cfg.schema()
+    saved = schema.saved(meta, str(path / META))
+    predated = [key for key in saved.keys() - meta["config"].keys() if key not in cfg.invocation.given]
+    taken = {key: saved[key] for key in schema.fields if key in predated and saved[key] != cfg.flat()[key]}
+    if not taken:
+        return cfg, None
+    values = cfg.flat() | taken
+    schema.rules(values, f"the settings of {path.name}")
+    said = ", ".join(f"{key} {value}" for key, value in taken.items())
+    return type(cfg).of(values, cfg.invocation), f"resume: {said}, as {path.name} ran (it predates these settings)"
+
+
+def check_resume_settings(out_dir: Path, config: dict, schema: Schema, flags) -> None:
     """What the newest checkpoint's meta.json says of a resume, before anything heavy loads: no
-    checkpoint, a changed restored setting, --stop-at-step not after it. `resume` checks the
-    checkpoint that loads again (a newer one that does not load is skipped there). `flags`: the
-    invocation's (Invocation)."""
+    checkpoint, a changed restored setting (of `schema`), --stop-at-step not after it. `resume`
+    checks the checkpoint that loads again (a newer one that does not load is skipped there).
+    `flags`: the invocation's (Invocation)."""
     if not list_checkpoints(out_dir):
         raise no_checkpoint(out_dir)
     found = newest_meta(out_dir)
@@ -136,8 +163,8 @@ def check_resume_settings(out_dir: Path, config: dict, restored: tuple[str, ...]
     path, meta = found
     check_restored_settings(
         config,
-        meta.get("config", {}),
-        restored,
+        schema.saved(meta, str(path / META)),
+        schema.restored(),
         flags.setting,
         new_run=f"start a new run from its weights: --init-from {out_dir} with another --out-dir",
     )
@@ -151,34 +178,42 @@ def check_resume_data(out_dir: Path, fresh: dict, new_data: bool) -> None:
         check_same_data(found[0], found[1]["data"], fresh, new_data)
 
 
-def check_init_from(path: Path, config: dict, weight_fields: tuple[str, ...]) -> None:
+def check_init_from(path: Path, config: dict, schema: Schema) -> None:
     """--init-from's checkpoint, refused in one line where its weights were trained with other
-    `weight_fields` (another shape, other frozen parts) than `config`'s."""
+    weight settings of `schema` (another shape, other frozen parts) than `config`'s, or where its
+    settings are of a newer version."""
     try:
-        saved = json.loads((path / META).read_text(encoding="utf-8"))["config"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
         raise UserError(f"--init-from {path}: its {META} does not read ({type(e).__name__}: {e})") from None
-    different = [
-        f"{name} {saved.get(name)} (this run: {config[name]})"
-        for name in weight_fields
-        if saved.get(name) != config[name]
-    ]
+    saved = schema.saved(meta, f"--init-from {path / META}")
+    different = [name for name in schema.weight_fields() if saved.get(name) != config[name]]
     if different:
+        trained = ", ".join(f"{name} {saved.get(name)} (this run: {config[name]})" for name in different)
         raise UserError(
-            f"--init-from {path}: its weights were trained with {', '.join(different)}; give this run the same shape"
+            f"--init-from {path}: its weights were trained with {trained}; give this run the same shape "
+            f"({' '.join(flag_and_value(name, saved.get(name)) for name in different)})"
         )
 
 
-def flags_for_requeue(flags, out_dir: Path):
+def flags_for_requeue(flags, out_dir: Path, restarted: bool):
     """A requeued job's flags (`--requeued`): it resumes where its run has a checkpoint, even if
     the command said --overwrite (its first start did that), and starts the run where it has none
     (preempted before the first save: while loading, or at a multi-node rendezvous); and the line
-    that says which."""
-    if not flags.requeued or flags.resume:
+    that says which. A run torchrun `restarted` is continued alike where this torchrun job started
+    it (out_dir names the job: an attempt refused before it started leaves the refusal standing),
+    and where it has no checkpoint starts again over what its first attempt left (`restarted` in
+    the flags: out_dir holds this run's own files, which its new log replaces step by step)."""
+    ours = restarted and started_by_this_job(out_dir)
+    if not (flags.requeued or ours) or flags.resume:
         return flags, None
+    who = "requeued" if flags.requeued else "restarted by torchrun"
     if list_checkpoints(out_dir):
-        return replace(flags, resume=True, overwrite=False), "requeued: resuming the run from its newest checkpoint"
-    return flags, "requeued before the run's first checkpoint: starting it"
+        return replace(flags, resume=True, overwrite=False), f"{who}: resuming the run from its newest checkpoint"
+    before = f"{who} before the run's first checkpoint"
+    if ours:
+        return replace(flags, overwrite=False, restarted=True), f"{before}: starting it over"
+    return flags, f"{before}: starting it"
 
 
 # --- the continued run -------------------------------------------------------------------------------
@@ -188,7 +223,7 @@ def resume(
     checkpointer: Checkpointer,
     fresh: TrainState,
     config: dict,
-    restored: tuple[str, ...],
+    schema: Schema,
     max_steps: int,
     flags=None,
     say=print,
@@ -196,14 +231,15 @@ def resume(
 ) -> TrainState | None:
     """Collective: the newest checkpoint every rank loads, restored, and continued with this run's
     layout and data (`fresh`'s); None when the run has already finished. `config`: this run's
-    settings, of which `restored` may not differ from the checkpoint's; `flags`: the invocation's
+    settings, of which the restored ones of `schema` may not differ from the checkpoint's (as this
+    version reads them); `flags`: the invocation's
     (`--stop-at-step`, `--new-data`, and how a setting was given), none by default; `say` and `warn`
     print."""
     stop_at_step, new_data = (flags.stop_at_step, flags.new_data) if flags else (None, False)
     setting = flags.setting if flags else None
     ckpt = load_newest_checkpoint(checkpointer.out_dir, checkpointer.rank, warn)
     path = ckpt["path"]
-    check_restored_settings(config, ckpt["meta"]["config"], restored, setting)
+    check_restored_settings(config, schema.saved(ckpt["meta"], str(path / META)), schema.restored(), setting)
     saved = checkpointer.restore(ckpt)
     check_stop_at_step(stop_at_step, saved.step)
     check_same_data(path, saved.data, fresh.data, new_data)

@@ -340,6 +340,7 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
     """A newest checkpoint whose training state pickles a callable is not run, only refused (its
     one line says why), and resume falls back to the older intact one."""
     from harness.checkpoint import Checkpointer, TrainState
+    from harness.config import Field, Schema
     from harness.resume import resume
 
     model = torch.nn.Linear(2, 2)
@@ -365,7 +366,7 @@ def test_a_checkpoint_is_read_as_data_and_runs_nothing_it_holds(tmp_path):
         checkpointer,
         TrainState(0, 0, 0, layout=(1, 8, 1), data=data),
         {"lr": 0.1},
-        ("lr",),
+        Schema([Field(key="lr", section="optimizer", name="lr", kind=float, help="", default=0.1, restored=True)]),
         4,
         say=said.append,
         warn=warnings.append,
@@ -452,6 +453,24 @@ pressed.wait()
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 print("went on after", "one Ctrl-C" if stop.interrupted else "none", flush=True)
 """
+
+
+def test_the_launcher_reads_the_outcomes_of_the_last_attempt_s_ranks(tmp_path, monkeypatch):
+    """torchrun restarts ranks whose files of outcomes keep their names: each names the process that
+    left it, and the launcher reads those of the ranks torchrun last ran (or stopped)."""
+    from harness.launch import run_outcome
+    from harness.outcomes import OUTCOME_DIR, record_outcome
+
+    monkeypatch.setenv(OUTCOME_DIR, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    assert record_outcome(2, "a refusal of this process")
+    assert run_outcome(tmp_path, {os.getpid()}) == {
+        "rank": 1,
+        "pid": os.getpid(),
+        "code": 2,
+        "error": "a refusal of this process",
+    }
+    assert run_outcome(tmp_path, {os.getpid() + 1}) is None  # an earlier attempt's: not the run's
 
 
 def test_two_ctrl_cs_within_one_call_stop_at_once():

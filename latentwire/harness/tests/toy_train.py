@@ -89,7 +89,7 @@ def train(cfg, di) -> None:
         scaler=scaler,
     )
     if cfg.invocation.resume:
-        state = resume(checkpointer, state, cfg.to_dict(), cfg.restored(), steps)
+        state = resume(checkpointer, state, cfg.to_dict(), cfg.schema(), steps)
     batches = global_batches(loader, sampler, accum, state.epoch, state.examples_done, global_batch)
     out.mkdir(parents=True, exist_ok=True)
     meter = StepMeter(di.device, recipe.flops, peak_tflops=None)
