@@ -203,6 +203,8 @@ USED_BESIDE_THE_LOOP = {
     "process_group": "a model's own commands joining the ranks torchrun starts, as train.py joins them",
     "recomputed_matmuls": "what selective activation checkpointing recomputes: a model's HFU counts it",
     "stable_shapes": "dynamo's settings around a compiled forward whose input sizes vary, which the recipe owns",
+    "draws_per_source": "how many of a run's draws each source of a Mixture gives: what a run reports of its mix",
+    "mixture_identity": "what a checkpoint records of a Mixture's sources and weights, so a resume refuses others",
 }
 
 
