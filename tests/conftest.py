@@ -338,6 +338,17 @@ class Preloaded:
         self.proc.wait(timeout=60)
 
 
+@pytest.fixture(scope="session")
+def forked(tmp_path_factory):
+    """`forked(target, args)`: `python train.py ARGS` (target "train.py") or `python -m TARGET ARGS`
+    from the repository, in run_train's environment, forked from a Preloaded interpreter: for the
+    commands that stop in their checks (a refusal, nothing to do), whose 3-4 s would otherwise be
+    mostly imports. One interpreter a session (a worker's, under pytest-xdist)."""
+    server, printed = Preloaded({}), tmp_path_factory.mktemp("forked")
+    yield lambda target, args: server.run(target, [str(a) for a in args], printed)
+    server.close()
+
+
 def evaluate_cli(ckpt, out_dir, nproc=1, n=32):
     """`python -m latentwire.evaluate`, or under torchrun with `nproc` ranks."""
     args = [

@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from conftest import assert_one_line_error, run_train
+from conftest import assert_one_line_error
 from latentwire.harness.config import read_profiles
 from latentwire.harness.errors import UserError
 from latentwire.settings import DEFAULT_PROFILES, Config, load_config
@@ -209,29 +209,28 @@ def test_bf16_on_v100_is_refused():
 # --- from the outside: exit code, one line, no traceback, nothing written ------------------------
 
 
-def test_unknown_profile_lists_valid_keys(tmp_path):
-    proc = run_train(["--profile", "h1000", "--out-dir", str(tmp_path / "run")])
+def test_unknown_profile_lists_valid_keys(tmp_path, forked):
+    proc = forked("train.py", ["--profile", "h1000", "--out-dir", tmp_path / "run"])
     line = assert_one_line_error(proc, "unknown profile 'h1000'", "valid profiles:")
     assert all(key in line for key in REQUIRED_KEYS)
     assert not (tmp_path / "run").exists()
 
 
-def test_malformed_json_is_one_line(tmp_path):
+def test_malformed_json_is_one_line(tmp_path, forked):
     path = tmp_path / "hw_profiles.json"
     path.write_text('{"cpu": {"device": "cpu",}}')
-    proc = run_train(["--profile", "cpu", "--hw-profiles", str(path)])
+    proc = forked("train.py", ["--profile", "cpu", "--hw-profiles", path])
     assert_one_line_error(proc, "is not valid JSON", "line 1")
 
 
-def test_bad_field_in_file_is_one_line(tmp_path):
-    proc = run_train(
-        ["--profile", "cpu", "--hw-profiles", broken(tmp_path, lambda p: p["cpu"].update(grad_accum_steps=0))]
-    )
+def test_bad_field_in_file_is_one_line(tmp_path, forked):
+    profiles = broken(tmp_path, lambda p: p["cpu"].update(grad_accum_steps=0))
+    proc = forked("train.py", ["--profile", "cpu", "--hw-profiles", profiles])
     assert_one_line_error(proc, "profile 'cpu'", "'grad_accum_steps' must be > 0")
 
 
-def test_bad_flag_is_one_line():
-    assert_one_line_error(run_train(["--profile", "cpu", "--micro-batch-size", "zero"]), "--micro-batch-size")
+def test_bad_flag_is_one_line(forked):
+    assert_one_line_error(forked("train.py", ["--profile", "cpu", "--micro-batch-size", "zero"]), "--micro-batch-size")
 
 
 def test_help_lists_the_profiles_and_the_values_of_the_one_named():

@@ -319,8 +319,8 @@ def write_checkpoint(path, meta="default", weights=b""):
     return ckpt
 
 
-def test_missing_checkpoint_is_a_one_line_error(tmp_path):
-    proc = run_module("latentwire.evaluate", ["--ckpt", str(tmp_path / "nope")])
+def test_missing_checkpoint_is_a_one_line_error(tmp_path, forked):
+    proc = forked("latentwire.evaluate", ["--ckpt", tmp_path / "nope"])
     assert proc.returncode == 2
     assert_one_line_error(proc, "nope", "is not a directory")
 
@@ -334,14 +334,14 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
         ("default", b"\x00garbage", "cannot read"),
     ],
 )
-def test_bad_checkpoint_is_a_one_line_error(tmp_path, meta, weights, fragment):
+def test_bad_checkpoint_is_a_one_line_error(tmp_path, forked, meta, weights, fragment):
     ckpt = write_checkpoint(tmp_path, meta, weights)
-    proc = run_module("latentwire.evaluate", ["--ckpt", str(ckpt)])
+    proc = forked("latentwire.evaluate", ["--ckpt", ckpt])
     assert proc.returncode == 2
     assert_one_line_error(proc, fragment)
 
 
-def test_weights_of_another_model_are_a_one_line_error(tmp_path, cfg, llms):
+def test_weights_of_another_model_are_a_one_line_error(tmp_path, forked, cfg, llms):
     from safetensors.torch import save_file
 
     state = {k: v.contiguous() for k, v in wire_encoder(cfg, llms).state_dict().items()}
@@ -349,7 +349,7 @@ def test_weights_of_another_model_are_a_one_line_error(tmp_path, cfg, llms):
     ckpt = write_checkpoint(tmp_path)
     save_file(state, str(ckpt / "trainable.safetensors"))
     # The run directory stands for its newest checkpoint.
-    proc = run_module("latentwire.evaluate", ["--ckpt", str(tmp_path)])
+    proc = forked("latentwire.evaluate", ["--ckpt", tmp_path])
     assert proc.returncode == 2
     assert_one_line_error(proc, "does not fit", "pooler.queries", "(3, 64)")
 

@@ -108,5 +108,5 @@ def test_find_batch_command_writes_json_and_a_tensorboard_plot(tmp_path):
     assert list((out / "find_batch_tb").glob("events.out.tfevents.*"))
 
 
-def test_bad_find_batch_input_is_one_line():
-    assert_one_line_error(run_module("latentwire.find_batch", ["--profile", "cpu", "--cap-gb", "-1"]), "--cap-gb")
+def test_bad_find_batch_input_is_one_line(forked):
+    assert_one_line_error(forked("latentwire.find_batch", ["--profile", "cpu", "--cap-gb", "-1"]), "--cap-gb")

@@ -449,8 +449,8 @@ def test_tied_embeddings_stay_one_tensor_after_loading(tmp_path):
         ("random:/no/such/config.json", "cannot read /no/such/config.json"),
     ],
 )
-def test_a_bad_random_source_is_one_line(tmp_path, source, message):
-    proc = run_train(["--profile", "cpu", "--llama", source, "--out-dir", str(tmp_path / "run")])
+def test_a_bad_random_source_is_one_line(tmp_path, forked, source, message):
+    proc = forked("train.py", ["--profile", "cpu", "--llama", source, "--out-dir", tmp_path / "run"])
     assert_one_line_error(proc, message)
     assert proc.returncode == 2 and not (tmp_path / "run").exists()
 

@@ -448,8 +448,8 @@ def test_analytic_calculator_command(tmp_path):
     assert a["optimizer_bytes"] == 8 * 10**8 + 4
 
 
-def test_bad_plan_input_is_one_line():
-    assert_one_line_error(run_module("latentwire.plan", ["--profile", "nope"]), "unknown profile 'nope'")
+def test_bad_plan_input_is_one_line(forked):
+    assert_one_line_error(forked("latentwire.plan", ["--profile", "nope"]), "unknown profile 'nope'")
 
 
 @pytest.mark.parametrize(

@@ -107,8 +107,8 @@ def test_auto_gives_each_reader_its_own_contract_and_false_the_bare_anchor():
     assert not anchored.chat and anchored.lead == (instruct.tokenizer.bos_token_id,)
 
 
-def test_a_chat_template_the_tokenizer_lacks_is_a_one_line_error(tmp_path):
-    result = run_train(["--profile", "cpu", "--chat-template", "true", "--out-dir", str(tmp_path / "run")], nproc=1)
+def test_a_chat_template_the_tokenizer_lacks_is_a_one_line_error(tmp_path, forked):
+    result = forked("train.py", ["--profile", "cpu", "--chat-template", "true", "--out-dir", tmp_path / "run"])
     assert_one_line_error(result, "--chat-template true: the llama (tiny) tokenizer has no chat template")
     assert not (tmp_path / "run").exists()
 

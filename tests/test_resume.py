@@ -341,13 +341,13 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
 
 
-def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
+def test_no_usable_checkpoint_is_a_clear_error(tmp_path, forked):
     out = tmp_path / "run"
     bad = out / "checkpoints" / "step_00000003"
     bad.mkdir(parents=True)
     (bad / "meta.json").write_text("{")
     before = sorted(p.name for p in bad.iterdir())
-    proc = run_train([*RUN, "--max-steps", "6", "--out-dir", str(out), "--resume"])
+    proc = forked("train.py", [*RUN, "--max-steps", "6", "--out-dir", out, "--resume"])
     assert_one_line_error(proc, "no usable checkpoint to resume from", "step_00000003", "JSONDecodeError")
     assert proc.returncode == 2
     assert sorted(p.name for p in bad.iterdir()) == before
@@ -552,9 +552,9 @@ def finished_run(tmp_path_factory):
     return out
 
 
-def test_out_dir_with_a_run_needs_resume_or_overwrite(finished_run):
+def test_out_dir_with_a_run_needs_resume_or_overwrite(finished_run, forked):
     before = snapshot(finished_run)
-    proc = run_train([*RUN, "--max-steps", "2", "--out-dir", str(finished_run)])
+    proc = forked("train.py", [*RUN, "--max-steps", "2", "--out-dir", finished_run])
     assert_one_line_error(proc, "already holds a run", "--resume", "--overwrite")
     assert snapshot(finished_run) == before
 
@@ -594,13 +594,13 @@ def model_dir(tmp_path, config: dict) -> str:
         (lambda t: ["--num-examples", "4"], "dataset of 4 examples is smaller than one global batch"),
     ],
 )
-def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flags, fragment):
+def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, forked, flags, fragment):
     before = snapshot(finished_run)
     args = [*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--overwrite", *flags(tmp_path)]
     if "--resume" in args:
         args.remove("--overwrite")
         args[args.index(str(finished_run))] = str(tmp_path / "fresh")
-    assert_one_line_error(run_train(args), fragment)
+    assert_one_line_error(forked("train.py", args), fragment)
     assert snapshot(finished_run) == before
 
 
@@ -622,23 +622,23 @@ def test_bad_input_leaves_an_existing_run_untouched(finished_run, tmp_path, flag
         (["--max-steps", "2", "--precision", "bf16"], "--precision bf16 (the run's: fp32)"),  # the grad scaler's state
     ],
 )
-def test_resume_that_cannot_continue_the_run_is_one_line(finished_run, flags, fragment):
+def test_resume_that_cannot_continue_the_run_is_one_line(finished_run, forked, flags, fragment):
     """Refused from the checkpoint's meta.json, before the LLMs load and the teacher's targets are
     computed (minutes on a GPU profile), and nothing on disk changed."""
     before = snapshot(finished_run)
-    proc = run_train([*RUN, "--out-dir", str(finished_run), "--resume", *flags])
+    proc = forked("train.py", [*RUN, "--out-dir", finished_run, "--resume", *flags])
     assert_one_line_error(proc, fragment)
     assert "loaded the frozen LLMs" not in proc.stdout and "distillation targets" not in proc.stdout, proc.stdout
     assert snapshot(finished_run) == before
 
 
-def test_a_resume_refused_for_an_edited_profile_names_the_profile_not_a_flag(finished_run, tmp_path):
+def test_a_resume_refused_for_an_edited_profile_names_the_profile_not_a_flag(finished_run, tmp_path, forked):
     """Nobody gave --lr: the line names the profile and its file, where the value changed."""
     profiles = json.loads(DEFAULT_PROFILES.read_text())
     profiles["cpu"]["lr"] = 0.002
     path = tmp_path / "edited.json"
     path.write_text(json.dumps(profiles))
-    proc = run_train([*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--resume", "--hw-profiles", str(path)])
+    proc = forked("train.py", [*RUN, "--max-steps", "2", "--out-dir", finished_run, "--resume", "--hw-profiles", path])
     line = assert_one_line_error(proc, f"lr 0.002 from profile 'cpu' of {path} (the run's: 0.001)")
     assert "--lr" not in line
 
@@ -731,10 +731,10 @@ def test_a_mixture_resumes_bitwise_and_another_weight_or_source_is_other_data(tm
         assert refused.returncode == 2 and snapshot(split) == before
 
 
-def test_resuming_a_finished_run_changes_nothing(finished_run):
+def test_resuming_a_finished_run_changes_nothing(finished_run, forked):
     newest = list_checkpoints(finished_run)[-1]
     before, inode = snapshot(finished_run), newest.stat().st_ino
-    proc = ok(run_train([*RUN, "--max-steps", "2", "--out-dir", str(finished_run), "--resume"]))
+    proc = ok(forked("train.py", [*RUN, "--max-steps", "2", "--out-dir", finished_run, "--resume"]))
     assert "the run's last step (2): nothing to do" in proc.stdout
     assert snapshot(finished_run) == before and newest.stat().st_ino == inode  # not even rewritten
 
@@ -750,10 +750,10 @@ def test_a_hub_dataset_offline_is_one_line(finished_run, tmp_path):
     assert snapshot(finished_run) == before
 
 
-def test_out_dir_that_cannot_be_created(tmp_path):
+def test_out_dir_that_cannot_be_created(tmp_path, forked):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    proc = run_train([*RUN, "--max-steps", "2", "--out-dir", str(blocker / "run")])
+    proc = forked("train.py", [*RUN, "--max-steps", "2", "--out-dir", blocker / "run"])
     assert_one_line_error(proc, "cannot be created", "not a writable directory")
     assert blocker.read_text() == "not a directory"
 
