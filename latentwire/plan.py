@@ -8,8 +8,8 @@
 The traced plan builds the profile's exact configuration (the real LLM architectures) under
 FakeTensorMode on the CPU, where tensors have shapes but no storage, and runs train.py's step
 (forward, backward, clipping, AdamW) under MemTracker, which files every byte as parameters,
-gradients, optimizer state, activations or temporaries: two steps at the profile's micro-batch
-(the second is the steady state, with optimizer state), then one more at the micro-batch the
+gradients, optimizer state, activations or temporaries: one step at the profile's micro-batch
+(the steady state: the optimizer's state was made beforehand), then one more at the micro-batch the
 first points to (and, where that lands more than 10% short of the answer, one more where the two
 point). It fits peak = fixed + per_sample x micro-batch through the two nearest the answer and
 returns the largest micro-batch whose peak, with the reserve of `latentwire.planner.budget`, fits
@@ -105,8 +105,9 @@ def format_plan(plan: Plan) -> str:
         f"where the tokenizer has one; then the anchor and answers of {cfg.data.max_answer_tokens} tokens + EOS"
         f"{distillation_note(plan) if cfg.objectives.teacher else ''} (the longest batch the collator emits)",
         "",
-        "traced under FakeTensorMode + MemTracker, nothing allocated: 2 training steps at micro-batch "
-        f"{cfg.training.micro_batch_size}, then 1 more step of the same model and optimizer at each other size",
+        "traced under FakeTensorMode + MemTracker, nothing allocated: 1 training step at micro-batch "
+        f"{cfg.training.micro_batch_size}, then 1 at each other size, the optimizer's state made beforehand "
+        "(the steady state)",
         f"  {'steady state':<40}{'traced ' + unit:>10}{'analytic':>10}{'diff':>10}",
     ]
     for label, traced, analytic in (

@@ -214,13 +214,11 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
         frozen_bytes = sum(held_bytes(llm.model) for llm in llms.values())
         held, gathered = fsdp_frozen_memory(llms, world_size) if sharded else (frozen_bytes, 0)
         tracer = StepTracer(cfg, llms, answers, step)
-        first = shard_trace(tracer.trace(cfg.training.micro_batch_size, steps=2), frozen_bytes, held, gathered)
+        first = shard_trace(tracer.trace(cfg.training.micro_batch_size), frozen_bytes, held, gathered)
         weight_bytes = first.peak["parameters"]
         traces = [
             first,
-            shard_trace(
-                tracer.trace(next_micro_batch(first, budget, weight_bytes), steps=1), frozen_bytes, held, gathered
-            ),
+            shard_trace(tracer.trace(next_micro_batch(first, budget, weight_bytes)), frozen_bytes, held, gathered),
         ]
         fit = fit_line({t.micro_batch: t.peak["total"] for t in traces})
         # A part of the first peak that does not grow with the batch (the loss's chunk of logits,
@@ -228,7 +226,7 @@ def make_plan(cfg, world_size: int, step: TrainingStep) -> Plan:
         # answer: one more where the line points, and the line through the two nearest it.
         best = largest_fitting(fit, budget, weight_bytes)
         if traces[1].micro_batch < 0.9 * best:
-            traces.append(shard_trace(tracer.trace(best, steps=1), frozen_bytes, held, gathered))
+            traces.append(shard_trace(tracer.trace(best), frozen_bytes, held, gathered))
             fit = fit_line({t.micro_batch: t.peak["total"] for t in traces[1:]})
     total_params = sum(llm_parameter_count(spec.config) for spec in specs.values())
     analytic = static_memory(

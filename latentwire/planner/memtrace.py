@@ -165,8 +165,8 @@ class FrozenAwareMemTracker(MemTracker):
       parameters get one.
     - After every operator it updates the peak of every module seen so far: quadratic in model
       size, over ten minutes for one step of two 8B models. Only the global peak is kept here.
-    - A root module's second forward raises ("multiple iterative calls"): `StepTracer.trace` calls
-      `reset_mod_stats` between steps, which drops the per-module statistics the plan does not use.
+    - A root module's second forward under one tracker raises ("multiple iterative calls"):
+      `StepTracer.trace` traces one step a tracker.
     - Its operator hook also serves DTensor (skipping DTensor's nested fake mode) and rebuilds
       every output tree; with neither here, a lean hook files the same bytes ~15% faster.
     """
@@ -234,10 +234,11 @@ def fake_llms(specs: dict, precision: str) -> dict[str, FrozenLLM]:
 class StepTracer:
     """train.py's trainable model and optimizer, stepped under MemTracker at any micro-batch size.
 
-    Build it under the FakeTensorMode the LLMs were built in. The first `trace` must run two steps:
-    the optimizer state appears in the first step's update and is alive through the second's
-    forward and backward, the steady state. Later traces continue the same model and optimizer,
-    so one step is already the steady state.
+    Build it under the FakeTensorMode the LLMs were built in. The optimizer has stepped once when
+    it is built, on zero gradients and no forward: its state is alive through every traced step's
+    forward and backward, the steady state, so one step is enough (the first traced step of a
+    fresh optimizer has no state until its update, and a second step of both LLMs was a third of
+    a plan's time).
     """
 
     def __init__(self, cfg, llms: dict[str, FrozenLLM], answers: dict[str, tuple[int, int, int]], step: TrainingStep):
@@ -245,8 +246,13 @@ class StepTracer:
         # The adapters' output scale (the LLMs' embedding RMS) changes values, not memory.
         self.model = WireEncoder(cfg.wire, {name: (llm.hidden_size, 1.0) for name, llm in llms.items()})
         self.optimizer = step.adamw(self.model, cfg.optimizer, cfg.card.device)
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
-    def trace(self, micro_batch: int, steps: int) -> StepTrace:
+    def trace(self, micro_batch: int) -> StepTrace:
         batch = planning_batch(
             self.cfg.data, self.cfg.objectives, self.answers, micro_batch, word_patch=self.cfg.wire.word_patch
         )
@@ -262,9 +268,7 @@ class StepTracer:
         kernels = cuda_kernels() if self.cfg.card.device == "cuda" else nullcontext()
         every_kernel, _ = sdpa_backends(None, compute_dtype(self.cfg.numerics.precision))  # traced on the CPU
         with tracker, kernels:
-            for _ in range(steps):
-                run_step(self.step, self.cfg, self.model, self.llms, self.optimizer, batch, every_kernel)
-                tracker.reset_mod_stats()
+            run_step(self.step, self.cfg, self.model, self.llms, self.optimizer, batch, every_kernel)
         for hook in hooks:
             hook.remove()
         return StepTrace(micro_batch, tracker.categories("peak"), seen["gradients"], seen["optimizer"])
