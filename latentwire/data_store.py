@@ -176,7 +176,7 @@ def convert_once(entry: Path, records: Callable[[], Iterable], source: str, chec
                 work = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
                 try:
                     convert(records(), source, check, work)
-                    work.rename(entry)
+                    rename_unless_made(work, entry)
                 finally:
                     shutil.rmtree(work, ignore_errors=True)  # gone once renamed
     except OSError as e:  # reading the records is local_records' to say
@@ -184,12 +184,27 @@ def convert_once(entry: Path, records: Callable[[], Iterable], source: str, chec
     return entry
 
 
+def rename_unless_made(work: Path, entry: Path) -> None:
+    """`work` renamed `entry`, unless another process made `entry` whole first (where the cache
+    cannot be locked): the same content, so its copy serves."""
+    try:
+        work.rename(entry)
+    except OSError:
+        if not (entry / VERDICT).is_file():
+            raise
+
+
 @contextmanager
 def locked(root: Path):
     """The cache locked while one process converts or selects, so that the others wait for what it
     writes. A lock file, not the directory: flock on NFS locks only files open for writing. Where a
-    filesystem cannot lock at all, two processes may do the same work, each written whole."""
-    with open(root / ".lock", "a") as f:
+    filesystem cannot lock at all (Lustre without flock, NFS without its lock daemon), two
+    processes may do the same work, each written whole. A cache that cannot be written is one line."""
+    try:
+        f = open(root / ".lock", "a")
+    except OSError as e:
+        raise cannot_write(root, e) from None
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         except OSError:

@@ -1,6 +1,9 @@
+import contextlib
 import json
 from fractions import Fraction
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -374,6 +377,43 @@ def test_a_file_is_checked_once_per_content_and_read_by_index_from_its_store(tmp
     assert load(str(copy)).identity()["fingerprint"] == first.identity()["fingerprint"] and checks[0] == 0
     write_jsonl(path, legacy_records()[:-1])  # the same path, changed
     assert len(load().examples) == 44 and checks[0] == 49
+
+
+def test_where_the_cache_cannot_be_locked_two_ranks_converting_at_once_read_one_store(tmp_path, monkeypatch):
+    """Without a lock (Lustre mounted without flock, NFS without its lock daemon) ranks starting
+    together may convert the same file at once: the one that renames second finds the other's
+    entry whole and reads it (before: "cannot write the dataset cache", exit 2), and leaves no
+    copy of its own behind."""
+    from latentwire import data_store
+    from latentwire.dataset import checked
+
+    path, root, meanwhile = Path(write_jsonl(tmp_path / "f.jsonl", synthetic_examples(20, 1))), tmp_path / "cache", []
+    convert = data_store.convert
+
+    def while_another_rank_converts_too(records, source, check, work):
+        convert(records, source, check, work)
+        if not meanwhile:  # the other rank, which renames its conversion first
+            meanwhile.append(None)
+            meanwhile.append(data_store.stored_file(path, root, check))
+
+    monkeypatch.setattr(data_store, "locked", lambda root: contextlib.nullcontext())
+    monkeypatch.setattr(data_store, "convert", while_another_rank_converts_too)
+    mine = data_store.stored_file(path, root, checked)
+    assert mine.entry == meanwhile[1].entry and list(mine) == list(meanwhile[1]) and len(mine) == 20
+    assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_cache_that_cannot_be_locked_for_a_new_selection_is_one_line(tmp_path):
+    """A converted cache made read-only (here its lock is not a file: root is not refused a read-only
+    directory) and a new selection of it to write: one line naming the cache, not a traceback."""
+    from latentwire.data_store import cached_selection, stored_file
+    from latentwire.dataset import checked
+
+    examples = stored_file(Path(write_jsonl(tmp_path / "f.jsonl", synthetic_examples(20, 1))), tmp_path, checked)
+    (tmp_path / ".lock").unlink(missing_ok=True)
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(UserError, match=r"cannot write the dataset cache .*name another with --data-cache"):
+        cached_selection(examples, {"seed": 1}, lambda: np.arange(5))
 
 
 def two_files(tmp_path) -> tuple[str, str]:

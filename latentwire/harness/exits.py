@@ -11,7 +11,7 @@ import sys
 import traceback
 
 from .errors import INTERRUPTED_EXIT_CODE, HarnessExit
-from .outcomes import a_peer_left_with, record_outcome
+from .outcomes import a_peer_left_with, record_outcome, stopped_before_this_start
 
 # Whether this process joined a process group: it then leaves without finalizing (see leave). Set
 # by `started_a_process_group`, for the rest of the process: the group's threads outlive
@@ -29,6 +29,9 @@ def main_guard(main) -> None:
     the launcher (`harness.launch`) every rank leaves its outcome for the launcher instead, which
     prints the error line once."""
     try:
+        stopped = stopped_before_this_start()
+        if stopped is not None:  # torchrun restarted a rank that a stop ended while it loaded
+            raise SystemExit(stopped)
         main()
         code = 0
         record_outcome(code, None)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import INTERRUPTED_EXIT_CODE
+from .errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from .outcomes import LAUNCHER_PID, OUTCOME_DIR, RUN_ENDED, recorded_outcomes, stop_passed_on
 from .preemption import mute_a_lost_console
 
@@ -80,7 +80,8 @@ def pass_stop_signals_to_ranks(args, run_end: RunEnd) -> None:
         pids = ranks()
         if not pids and run_end.ranks is None:
             raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
-        stop_passed_on()  # the ranks' preemption (75) ends the run: torchrun must not restart it
+        # The ranks' preemption (75) ends the run: torchrun must not restart it
+        stop_passed_on(INTERRUPTED_EXIT_CODE if signum == signal.SIGINT else PREEMPTED_EXIT_CODE)
         for pid in pids:
             try:
                 os.kill(pid, signum if signum in (signal.SIGINT, signal.SIGHUP) else signal.SIGTERM)

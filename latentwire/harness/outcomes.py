@@ -9,7 +9,9 @@ its launcher (RUN_ENDED, to the launcher's pid in HARNESS_LAUNCHER_PID), which s
 instead; each outcome names the process that left it, so the launcher reads those of the ranks of
 the attempt that ended, not an earlier attempt's. A preemption (75) that torchrun's own stop caused
 (it stops the ranks to restart them when a node joins) is not the run's end: only one the launcher
-passed on is (`stop_passed_on`)."""
+passed on is (`stop_passed_on`). A stop that reaches ranks before they hear signals (still
+importing) ends them, and torchrun starts them again: those ranks end the run at once
+(`stopped_before_this_start`)."""
 
 from __future__ import annotations
 
@@ -53,9 +55,23 @@ def tell_the_launcher() -> None:
         os.kill(launcher, RUN_ENDED)
 
 
-def stop_passed_on() -> None:
-    """The launcher's mark, before it passes a stop signal to its ranks: their preemption ends the run."""
-    (Path(os.environ[OUTCOME_DIR]) / STOP_PASSED_ON).touch()
+def stop_passed_on(code: int) -> None:
+    """The launcher's mark, before it passes a stop signal to its ranks: their preemption ends the
+    run, and `code` (75, or 130 for Ctrl-C) is what a rank started after it exits with."""
+    mark = Path(os.environ[OUTCOME_DIR]) / STOP_PASSED_ON
+    mark.with_suffix(".tmp").write_text(str(code))
+    os.replace(mark.with_suffix(".tmp"), mark)
+
+
+def stopped_before_this_start() -> int | None:
+    """Under the launcher: the exit code of a stop it passed on before this process started, else
+    None. Such a process is one torchrun started again because the stop ended its predecessor
+    before that one had set its signal handlers: it must end the run, not start it over."""
+    directory = os.environ.get(OUTCOME_DIR)
+    try:
+        return int((Path(directory) / STOP_PASSED_ON).read_text()) if directory else None
+    except FileNotFoundError:
+        return None
 
 
 def a_peer_left_with(code: int) -> bool:

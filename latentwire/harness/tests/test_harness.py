@@ -326,6 +326,43 @@ def test_a_stop_signal_saves_the_step_and_exits_75(tmp_path):
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == saved + 2
 
 
+LOADING = """
+import os, signal, sys
+from pathlib import Path
+from harness.exits import main_guard
+
+here, attempt = Path(sys.argv[1]), os.environ["TORCHELASTIC_RESTART_COUNT"]
+(here / f"attempt{attempt}").touch()
+if attempt == "0":  # a rank still importing: no handler of its own yet, so a SIGTERM ends it
+    print("loading", flush=True)
+    signal.pause()
+main_guard(lambda: (here / "ran").touch())
+"""
+
+
+def test_a_stop_that_ends_ranks_still_loading_ends_the_run_torchrun_would_restart(tmp_path):
+    """SIGTERM to the launcher while its ranks load (before they hear signals) kills them, and
+    torchrun starts them again: the new ranks end the run with 75 instead of running it (a
+    preempted job that then ran on until its scheduler killed it)."""
+    script = tmp_path / "loading.py"
+    script.write_text(LOADING)
+    launcher = [sys.executable, "-m", "harness.launch", "--standalone", "--nproc_per_node=1", "--max-restarts=1"]
+    proc = subprocess.Popen(
+        [*launcher, str(script), str(tmp_path)],
+        env={**env(), "PYTHONPATH": str(HOME)},  # the script is not beside harness/, as toy_train.py is
+        cwd=HOME,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "loading\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75
+    finally:
+        proc.kill()
+    assert (tmp_path / "attempt1").exists() and not (tmp_path / "ran").exists()
+
+
 class Planted:
     """What a hostile checkpoint's pickle can hold: unpickling it calls open(path, "w")."""
 
