@@ -28,6 +28,9 @@ from .errors import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from .outcomes import LAUNCHER_PID, OUTCOME_DIR, RUN_ENDED, recorded_outcomes, stop_passed_on
 from .preemption import mute_a_lost_console
 
+# Stop signals the launcher passes to its ranks (pass_stop_signals_to_ranks)
+PASSED_ON = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
 
 def run_outcome(directory: Path, pids: set[int]) -> dict | None:
     """The outcome of the lowest rank of the processes `pids` (an attempt's) that ended with a
@@ -70,8 +73,8 @@ def pass_stop_signals_to_ranks(args, run_end: RunEnd) -> None:
     this launcher, not the ranks, which torchrun starts in sessions of their own) as themselves, each
     time they come: a second Ctrl-C is a second one for the ranks too. torchrun goes on waiting for
     them to save and exit (75, or 130). Left to torchrun, it would pass the signal on too, but then
-    kill ranks still saving after its shutdown timeout, which torch < 2.13 fixes at 30 s. Before the
-    ranks exist, torchrun stops as usual; once a rank has ended the run (`run_end`), it is stopping."""
+    kill ranks still saving after its shutdown timeout, which torch < 2.13 fixes at 30 s. While no
+    rank runs, torchrun stops as usual; once a rank has ended the run (`run_end`), it is stopping."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def stop(signum, frame):
@@ -88,10 +91,9 @@ def pass_stop_signals_to_ranks(args, run_end: RunEnd) -> None:
             except ProcessLookupError:  # a rank that has just exited
                 pass
 
-    passed_on = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
     handled = [name.strip() for name in args.signals_to_handle.split(",")]
-    args.signals_to_handle = ",".join(name for name in handled if name not in {s.name for s in passed_on})
-    for sig in passed_on:
+    args.signals_to_handle = ",".join(name for name in handled if name not in {s.name for s in PASSED_ON})
+    for sig in PASSED_ON:
         signal.signal(sig, stop)
 
 
@@ -115,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             attempt = {f.pid for f in e.failures.values()}
         except SignalException as e:
             attempt = run_end.ranks or set()
-            if run_end.ranks is None and e.sigval == signal.SIGINT:  # before the ranks started: torchrun has stopped
-                print("interrupted before the ranks started: nothing to save", file=sys.stderr, flush=True)
-                return INTERRUPTED_EXIT_CODE
+            if run_end.ranks is None and e.sigval in PASSED_ON:  # no rank was running (a rendezvous, a restart)
+                code = INTERRUPTED_EXIT_CODE if e.sigval == signal.SIGINT else PREEMPTED_EXIT_CODE
+                stopped = "interrupted" if code == INTERRUPTED_EXIT_CODE else "preempted"
+                print(f"{stopped} while no rank was running: nothing to save", file=sys.stderr, flush=True)
+                return code  # 75: launch.sh requeues the job under SLURM
             failed = f"torchrun received {e.sigval.name} and stopped the ranks"
         outcome = run_outcome(Path(directory), attempt)
     if outcome is not None:

@@ -10,8 +10,10 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -361,6 +363,41 @@ def test_a_stop_that_ends_ranks_still_loading_ends_the_run_torchrun_would_restar
     finally:
         proc.kill()
     assert (tmp_path / "attempt1").exists() and not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_a_stop_while_no_rank_runs_is_the_run_s_stop(tmp_path, sig, code):
+    """A stop at a multi-node rendezvous (here the first of two nodes, waiting for the second, whose
+    store is listening), where no rank runs yet: the preemption's 75 (Ctrl-C's 130) and one line,
+    not torchrun's failure (1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rendezvous = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=stop"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.launch", *rendezvous, "--nproc_per_node=1", str(TOY)],
+        env=env(),
+        cwd=HOME,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        waiting = time.monotonic() + 120
+        while not store_listens(port) and proc.poll() is None and time.monotonic() < waiting:
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == code
+        assert proc.stderr.read().strip().endswith("while no rank was running: nothing to save")
+    finally:
+        proc.kill()
+
+
+def store_listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 class Planted:
