@@ -18,9 +18,9 @@ Under the cache's directory (`--data-cache`, else datasets' own cache, HF_DATASE
     <entry>/verdict.json            how many examples passed: written last, so an entry holding it is whole
     <entry>/selections/<key>.*      a seeded part of the entry (a split, a subset), its indices and fingerprint
 
-An entry is made in a temporary directory and renamed into place, under the cache's lock (`.lock`),
-so ranks starting together convert once and a killed conversion leaves nothing that reads as an
-entry.
+An entry is made in a temporary directory, put on the disk and renamed into place, under the
+cache's lock (`.lock`), so ranks starting together convert once and a killed conversion (or a node
+that lost power) leaves nothing that reads as an entry.
 """
 
 from __future__ import annotations
@@ -73,7 +73,13 @@ class StoredExamples(Sequence):
         import pyarrow as pa
 
         self.entry = entry
-        self.table = pa.ipc.open_stream(pa.memory_map(str(entry / EXAMPLES))).read_all()
+        try:
+            self.table = pa.ipc.open_stream(pa.memory_map(str(entry / EXAMPLES))).read_all()
+        except (OSError, pa.ArrowException) as e:  # a disk's fault, or a hand's: it was written whole
+            raise UserError(
+                f"the dataset cache's {entry} cannot be read ({first_line(e)}): delete it, or name another cache "
+                "with --data-cache"
+            ) from None
         self.columns = [self.table.column(name) for name in ("context", "question", "answers_text", "answer_start")]
 
     def __len__(self) -> int:
@@ -246,6 +252,19 @@ def convert(records: Iterable, source: str, check, work: Path) -> None:
     np.save(work / ANSWER_END, np.frombuffer(ends, dtype=np.int64))
     located = int((np.frombuffer(ends, dtype=np.int64) >= 0).sum())
     (work / VERDICT).write_text(json.dumps({"source": source, "examples": len(ends), "answers_located": located}))
+    on_disk(work)
+
+
+def on_disk(work: Path) -> None:
+    """Every file of `work`, and the directory, on the disk before `work` is renamed into place:
+    the rename can reach the disk first, and a node that lost power then would leave an entry that
+    reads as whole (its verdict there) over empty files."""
+    for path in [*work.iterdir(), work]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # --- a seeded part of a source, cached ------------------------------------------------------------

@@ -1,5 +1,6 @@
 import contextlib
 import json
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -414,6 +415,26 @@ def test_a_cache_that_cannot_be_locked_for_a_new_selection_is_one_line(tmp_path)
     (tmp_path / ".lock").mkdir()
     with pytest.raises(UserError, match=r"cannot write the dataset cache .*name another with --data-cache"):
         cached_selection(examples, {"seed": 1}, lambda: np.arange(5))
+
+
+def test_a_store_is_on_disk_before_it_is_named_and_a_damaged_one_is_one_line(tmp_path, monkeypatch):
+    """Each of an entry's files, and its directory, reach the disk (fsync) before the rename that
+    makes it an entry, which can reach the disk first; an entry damaged all the same (a disk's
+    fault, a hand's) is one line naming it, not Arrow's traceback."""
+    from latentwire import data_store
+    from latentwire.dataset import checked
+
+    synced, renamed, fsync = [], [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(Path(os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd))
+    rename = Path.rename
+    monkeypatch.setattr(Path, "rename", lambda work, entry: renamed.append((work, set(synced))) or rename(work, entry))
+    path = Path(write_jsonl(tmp_path / "f.jsonl", synthetic_examples(20, 1)))
+    entry = data_store.stored_file(path, tmp_path / "cache", checked).entry
+    [(work, before)] = renamed
+    assert before == {work, *(work / name for name in (data_store.EXAMPLES, data_store.ANSWER_END, data_store.VERDICT))}
+    (entry / data_store.EXAMPLES).write_bytes(b"")
+    with pytest.raises(UserError, match=rf"the dataset cache's {entry} cannot be read \(.*\): delete it"):
+        data_store.stored_file(path, tmp_path / "cache", checked)
 
 
 def two_files(tmp_path) -> tuple[str, str]:

@@ -129,6 +129,29 @@ def test_a_rank_killed_under_torchrun_s_restarts_continues_the_run_exactly(tmp_p
 
 
 @pytest.mark.slow
+def test_a_job_that_reuses_another_s_rendezvous_id_is_not_its_restart(tmp_path):
+    """Two torchrun jobs of the same --rdzv-id (a script's, "none" for static multi-node ones,
+    launch.sh's default without SLURM): the second, without --resume, is refused in a directory that
+    holds the first's run, and its restart (--max-restarts=1) is refused too, instead of taking the
+    first's run for its own and continuing it; nothing on disk changes."""
+    out = tmp_path / "run"
+
+    def job(max_steps: int) -> subprocess.CompletedProcess:
+        torchrun = ["--nnodes=1", "--nproc-per-node=1", "--max-restarts=1", "--rdzv-backend=c10d", "--rdzv-id=same"]
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", *torchrun, f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+             str(REPO / "train.py"), *RUN, "--max-steps", str(max_steps), "--out-dir", str(out)],
+            cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    ok(job(2))
+    before = snapshot(out)
+    second = job(4)
+    assert second.returncode != 0 and second.stderr.count("already holds a run") == 2, second.stdout + second.stderr
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
 def test_an_elastic_job_that_loses_a_node_continues_alone_with_the_global_batch_kept(tmp_path):
     """Two torchrun agents (nodes) of an elastic job, --nnodes=1:2, c10d rendezvous, one rank each;
     one node lost after the run's first checkpoint (its agent and rank SIGKILLed). The other's agent

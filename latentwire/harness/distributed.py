@@ -20,6 +20,7 @@ import datetime
 import os
 import socket
 import sys
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -138,10 +139,24 @@ def restarted_by_torchrun() -> bool:
     return any(gather_objects(here))
 
 
+# This torchrun job's name in its agent's store (torchrun_job's; None: not read yet).
+_job_name: str | None = None
+
+
 def torchrun_job() -> str | None:
-    """The torchrun job this process belongs to (its rendezvous id: --rdzv-id, SLURM's job id under
-    launch.sh, a new one for each --standalone start); None outside torchrun."""
-    return os.environ.get("TORCHELASTIC_RUN_ID")
+    """The torchrun job this process belongs to, None outside torchrun: its rendezvous id (--rdzv-id,
+    SLURM's job id under launch.sh, a new one for each --standalone start) and, where the agent's
+    store outlives the job's attempts (TORCHELASTIC_USE_AGENT_STORE), a name the first rank to ask
+    left there. A rendezvous id alone can be every job's: "none" for a static multi-node one,
+    launch.sh's default without SLURM, a --rdzv-id a script reuses."""
+    global _job_name
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return run_id
+    if _job_name is None:
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        _job_name = agent.compare_set(f"harness/{run_id}/job", "", uuid.uuid4().hex).decode()
+    return f"{run_id}/{_job_name}"
 
 
 @contextmanager
