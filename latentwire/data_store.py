@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .harness.checkpoint import on_disk
 from .harness.data_identity import fingerprint
 from .harness.errors import UserError
 
@@ -252,19 +253,7 @@ def convert(records: Iterable, source: str, check, work: Path) -> None:
     np.save(work / ANSWER_END, np.frombuffer(ends, dtype=np.int64))
     located = int((np.frombuffer(ends, dtype=np.int64) >= 0).sum())
     (work / VERDICT).write_text(json.dumps({"source": source, "examples": len(ends), "answers_located": located}))
-    on_disk(work)
-
-
-def on_disk(work: Path) -> None:
-    """Every file of `work`, and the directory, on the disk before `work` is renamed into place:
-    the rename can reach the disk first, and a node that lost power then would leave an entry that
-    reads as whole (its verdict there) over empty files."""
-    for path in [*work.iterdir(), work]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    on_disk(work)  # else after a power loss an entry could read as whole (its verdict there) over empty files
 
 
 # --- a seeded part of a source, cached ------------------------------------------------------------

@@ -215,11 +215,6 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def children(pid: int) -> list[int]:
-    """The child processes of `pid` (a torchrun agent's: its ranks)."""
-    return [int(child) for path in Path(f"/proc/{pid}/task").glob("*/children") for child in path.read_text().split()]
-
-
 def rank_pid(text: str, rank: int) -> int:
     """The pid of the rank `rank` of the run whose command line mentions `text`."""
     for pid in processes_mentioning(text):

@@ -25,7 +25,6 @@ from conftest import (
     assert_one_line_error,
     assert_same_run,
     child_env,
-    children,
     exit_and_leftovers,
     final_weights,
     free_port,
@@ -38,6 +37,7 @@ from conftest import (
 )
 from latentwire.dataset import synthetic_examples
 from latentwire.harness.checkpoint import list_checkpoints, load_checkpoint
+from latentwire.harness.launch import ranks
 from latentwire.settings import DEFAULT_PROFILES, load_config
 
 
@@ -174,7 +174,7 @@ def test_an_elastic_job_that_loses_a_node_continues_alone_with_the_global_batch_
 
     stays, lost = node(hosts_the_rendezvous=True), node(hosts_the_rendezvous=False)
     wait_for_path(out / "checkpoints" / "step_00000004", stays)
-    for pid in [lost.pid, *children(lost.pid)]:
+    for pid in [lost.pid, *ranks(lost.pid)]:
         os.kill(pid, signal.SIGKILL)
     lost.communicate()
     stdout, stderr = stays.communicate(timeout=300)

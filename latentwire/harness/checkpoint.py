@@ -76,6 +76,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def on_disk(directory: Path) -> None:
+    """Every file of `directory`, and its entries, on the disk before a rename names it: the rename
+    can reach the disk first, and a machine that lost power then would leave the name over empty
+    files."""
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(directory)
+
+
 def first_non_finite(weights: dict) -> str | None:
     """The name of the first tensor holding a NaN or an inf; all are checked in one host sync."""
     finite = torch.stack([torch.isfinite(t).all() for t in weights.values()]).tolist()
@@ -128,10 +138,7 @@ def save_checkpoint(out_dir: Path, step: int, weights: dict, train_state: dict, 
 
     def publish() -> None:
         if rank == 0:
-            for f in tmp.iterdir():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            _fsync_dir(tmp)
+            on_disk(tmp)
             if final.exists():  # the same step saved again
                 remove_checkpoint(final)
             os.replace(tmp, final)

@@ -90,10 +90,19 @@ def group_options(device: torch.device, timeout_s: int) -> dict:
         "timeout": timeout,
         "device_id": device if device.type == "cuda" else None,
     }
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+    agent = agent_store(timeout)
+    if agent is not None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        options |= {"store": attempt_store(rank, timeout), "rank": rank, "world_size": world}
+        options |= {"store": attempt_store(agent, rank, timeout), "rank": rank, "world_size": world}
     return options
+
+
+def agent_store(timeout: datetime.timedelta) -> dist.TCPStore | None:
+    """A client of the store torchrun's agent hosts for its workers, which outlives the job's
+    attempts (TORCHELASTIC_USE_AGENT_STORE, at MASTER_ADDR:MASTER_PORT); None where they share none."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
 
 
 # The number of this torchrun job's attempts that have started a group so far, this one included
@@ -101,16 +110,16 @@ def group_options(device: torch.device, timeout_s: int) -> dict:
 _attempts = 0
 
 
-def attempt_store(rank: int, timeout: datetime.timedelta) -> dist.TCPStore:
+def attempt_store(agent: dist.TCPStore, rank: int, timeout: datetime.timedelta) -> dist.TCPStore:
     """The store of this attempt's process group: rank 0 hosts a new one and names its port in the
     agent's store under the attempt's number (a count there: rank 0 of each attempt adds one); the
     other ranks read the count and take the store of that number whose host answers as it. A number
     they read before this attempt's rank 0 added its own names the store of an earlier attempt's rank
     0, which died with it (torchrun stops every rank before it starts any again), on the host of
-    the agent's store, which refuses at once: they take the next number, which blocks until set."""
+    the agent's store (`agent`), which refuses at once: they take the next number, which blocks
+    until set."""
     global _attempts
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    host = os.environ["MASTER_ADDR"]
     count = f"harness/{os.environ['TORCHELASTIC_RUN_ID']}/group_stores"
     if rank == 0:
         own = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
@@ -139,7 +148,8 @@ def restarted_by_torchrun() -> bool:
     return any(gather_objects(here))
 
 
-# This torchrun job's name in its agent's store (torchrun_job's; None: not read yet).
+# This torchrun job's name in its agent's store, "" where it has none (torchrun_job's; None: not
+# read yet).
 _job_name: str | None = None
 
 
@@ -151,12 +161,13 @@ def torchrun_job() -> str | None:
     launch.sh's default without SLURM, a --rdzv-id a script reuses."""
     global _job_name
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return run_id
+    if run_id is None:
+        return None
     if _job_name is None:
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-        _job_name = agent.compare_set(f"harness/{run_id}/job", "", uuid.uuid4().hex).decode()
-    return f"{run_id}/{_job_name}"
+        agent = agent_store(datetime.timedelta(seconds=300))  # TCPStore's own default
+        key = f"harness/{run_id}/job"
+        _job_name = "" if agent is None else "/" + agent.compare_set(key, "", uuid.uuid4().hex).decode()
+    return run_id + _job_name
 
 
 @contextmanager

@@ -45,9 +45,14 @@ def silence_torchrun() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def ranks() -> list[int]:
-    """The pids of this launcher's children: the ranks torchrun started (Linux's /proc)."""
-    return [int(pid) for path in Path("/proc/self/task").glob("*/children") for pid in path.read_text().split()]
+def ranks(launcher: int | str = "self") -> list[int]:
+    """The pids of a launcher's children (this one's by default): the ranks torchrun started (Linux's /proc)."""
+    return [int(pid) for path in Path(f"/proc/{launcher}/task").glob("*/children") for pid in path.read_text().split()]
+
+
+def exit_code_of(stop: signal.Signals) -> int:
+    """The run's exit code for a stop signal passed on: Ctrl-C's 130, a preemption's 75 for the others."""
+    return INTERRUPTED_EXIT_CODE if stop == signal.SIGINT else PREEMPTED_EXIT_CODE
 
 
 class RunEnd:
@@ -84,7 +89,7 @@ def pass_stop_signals_to_ranks(args, run_end: RunEnd) -> None:
         if not pids and run_end.ranks is None:
             raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
         # The ranks' preemption (75) ends the run: torchrun must not restart it
-        stop_passed_on(INTERRUPTED_EXIT_CODE if signum == signal.SIGINT else PREEMPTED_EXIT_CODE)
+        stop_passed_on(exit_code_of(signum))
         for pid in pids:
             try:
                 os.kill(pid, signum if signum in (signal.SIGINT, signal.SIGHUP) else signal.SIGTERM)
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         except SignalException as e:
             attempt = run_end.ranks or set()
             if run_end.ranks is None and e.sigval in PASSED_ON:  # no rank was running (a rendezvous, a restart)
-                code = INTERRUPTED_EXIT_CODE if e.sigval == signal.SIGINT else PREEMPTED_EXIT_CODE
+                code = exit_code_of(e.sigval)
                 stopped = "interrupted" if code == INTERRUPTED_EXIT_CODE else "preempted"
                 print(f"{stopped} while no rank was running: nothing to save", file=sys.stderr, flush=True)
                 return code  # 75: launch.sh requeues the job under SLURM

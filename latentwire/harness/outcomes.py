@@ -38,9 +38,8 @@ def record_outcome(code: int, error: str | None) -> bool:
     rank = this_rank()
     path = Path(directory) / f"rank{rank}.json"
     outcome = {"rank": rank, "pid": os.getpid(), "code": code, "error": error}
-    try:  # written whole or not at all: a rank killed mid-write leaves no half outcome
-        path.with_suffix(".tmp").write_text(json.dumps(outcome))
-        os.replace(path.with_suffix(".tmp"), path)
+    try:
+        write_whole(path, json.dumps(outcome))
     except OSError:
         return False
     if code != 0 and (code != PREEMPTED_EXIT_CODE or (Path(directory) / STOP_PASSED_ON).exists()):
@@ -58,9 +57,7 @@ def tell_the_launcher() -> None:
 def stop_passed_on(code: int) -> None:
     """The launcher's mark, before it passes a stop signal to its ranks: their preemption ends the
     run, and `code` (75, or 130 for Ctrl-C) is what a rank started after it exits with."""
-    mark = Path(os.environ[OUTCOME_DIR]) / STOP_PASSED_ON
-    mark.with_suffix(".tmp").write_text(str(code))
-    os.replace(mark.with_suffix(".tmp"), mark)
+    write_whole(Path(os.environ[OUTCOME_DIR]) / STOP_PASSED_ON, str(code))
 
 
 def stopped_before_this_start() -> int | None:
@@ -72,6 +69,12 @@ def stopped_before_this_start() -> int | None:
         return int((Path(directory) / STOP_PASSED_ON).read_text()) if directory else None
     except FileNotFoundError:
         return None
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`text` in `path`, whole or not at all: a process killed mid-write leaves no half of it."""
+    path.with_suffix(".tmp").write_text(text)
+    os.replace(path.with_suffix(".tmp"), path)
 
 
 def a_peer_left_with(code: int) -> bool:

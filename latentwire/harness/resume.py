@@ -140,11 +140,12 @@ def config_for_resume(cfg, out_dir: Path):
     path, meta = found
     schema = cfg.schema()
     saved = schema.saved(meta, str(path / META))
-    predated = [key for key in saved.keys() - meta["config"].keys() if key not in cfg.invocation.given]
-    taken = {key: saved[key] for key in schema.fields if key in predated and saved[key] != cfg.flat()[key]}
+    flat = cfg.flat()
+    predated = saved.keys() - meta["config"].keys() - set(cfg.invocation.given)
+    taken = {key: saved[key] for key in schema.fields if key in predated and saved[key] != flat[key]}
     if not taken:
         return cfg, None
-    values = cfg.flat() | taken
+    values = flat | taken
     schema.rules(values, f"the settings of {path.name}")
     said = ", ".join(f"{key} {value}" for key, value in taken.items())
     return type(cfg).of(values, cfg.invocation), f"resume: {said}, as {path.name} ran (it predates these settings)"
